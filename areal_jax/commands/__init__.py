@@ -1,0 +1,1 @@
+"""Subcommands of the ``areal-jax`` CLI, discovered by ``areal_jax.cli``."""

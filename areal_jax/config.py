@@ -1,0 +1,181 @@
+"""Typed dataclass configs loaded from YAML with ``key=value`` command-line overrides.
+
+Every config in the project is a (possibly nested) dataclass. ``from_dict`` builds one from
+plain data and rejects unknown keys and ill-typed values with an error that names the dotted
+key; ``load_config`` reads YAML and applies overrides such as ``trainer.lr=1e-5``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A config value or key is wrong; the message names the dotted key."""
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check ``value`` against the annotation ``tp`` and convert where lossless."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{key}: {value!r} matches none of {_type_name(tp)}")
+    if origin is typing.Literal:
+        if value not in args:
+            raise ConfigError(f"{key}: {value!r} is not one of {list(args)}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping for {tp.__name__}, got {value!r}")
+        return from_dict(tp, value, prefix=key)
+    if origin in (list, tuple) or tp in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            if len(args) != len(value):
+                raise ConfigError(f"{key}: expected {len(args)} items, got {len(value)}")
+            items = [_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args))]
+        else:
+            item_tp = args[0] if args else Any
+            items = [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if (origin is tuple or tp is tuple) else items
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return dict(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected true/false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{key}: expected a string, got {value!r}")
+    if isinstance(tp, type) and not isinstance(value, tp):
+        raise ConfigError(f"{key}: expected {tp.__name__}, got {value!r}")
+    return value
+
+
+def from_dict(cls: type[T], data: dict[str, Any] | None, prefix: str = "") -> T:
+    """Build dataclass ``cls`` from ``data``; unknown keys and bad values raise ConfigError."""
+    data = dict(data or {})
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        where = f"{prefix}." if prefix else ""
+        raise ConfigError(
+            f"unknown config key {where}{unknown[0]!s}; valid keys here: {', '.join(sorted(fields))}"
+        )
+    kwargs = {}
+    for name, value in data.items():
+        key = f"{prefix}.{name}" if prefix else name
+        kwargs[name] = _coerce(value, hints[name], key)
+    missing = [
+        n
+        for n, f in fields.items()
+        if n not in kwargs
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        where = f"{prefix}." if prefix else ""
+        raise ConfigError(f"missing required config key {where}{missing[0]}")
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"{prefix or cls.__name__}: {e}") from e
+
+
+def to_dict(cfg: Any) -> Any:
+    """Plain-data (YAML/JSON-able) view of a config dataclass."""
+    if dataclasses.is_dataclass(cfg):
+        return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    if isinstance(cfg, (list, tuple)):
+        return [to_dict(v) for v in cfg]
+    if isinstance(cfg, dict):
+        return {k: to_dict(v) for k, v in cfg.items()}
+    return cfg
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``a.b.c=value`` strings to nested ``data``; values are parsed as YAML scalars."""
+    data = dict(data)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form key=value")
+        key, raw = item.split("=", 1)
+        key = key.strip()
+        if not key:
+            raise ConfigError(f"override {item!r} has an empty key")
+        value = yaml.safe_load(raw) if raw.strip() else ""
+        node = data
+        parts = key.split(".")
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = {}
+            elif not isinstance(child, dict):
+                raise ConfigError(f"override {key}: {'.'.join(parts[: i + 1])} is not a mapping")
+            node[part] = child = dict(child)
+            node = child
+        node[parts[-1]] = value
+    return data
+
+
+def load_config(cls: type[T], path: str | Path | None, overrides: list[str] = ()) -> T:
+    """Read YAML at ``path`` (or start empty), apply overrides, build ``cls``."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        loaded = yaml.safe_load(path.read_text())
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path} must hold a mapping at the top level")
+        data = loaded or {}
+    return from_dict(cls, apply_overrides(data, list(overrides)))

@@ -1,0 +1,52 @@
+"""Read the rows of a local JSONL or Parquet file, each with a location for error messages."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+class DatasetError(ValueError):
+    """A dataset file or row is unusable; the message names the file, row and field."""
+
+
+def read_rows(path: str | Path, fmt: str) -> list[tuple[str, dict]]:
+    """(location, row) pairs; location is "line N" (JSONL, 1-based) or "row N" (Parquet, 0-based)."""
+    path = Path(path)
+    if not path.is_file():
+        raise DatasetError(f"dataset file {path} does not exist")
+    if fmt == "jsonl":
+        rows = _read_jsonl(path)
+    elif fmt == "parquet":
+        rows = _read_parquet(path)
+    else:
+        raise DatasetError(f"dataset format {fmt!r} is not one of jsonl, parquet")
+    if not rows:
+        raise DatasetError(f"dataset file {path} has no rows")
+    return rows
+
+
+def _read_jsonl(path: Path) -> list[tuple[str, dict]]:
+    rows = []
+    with path.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DatasetError(f"{path} line {number}: invalid JSON ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise DatasetError(f"{path} line {number}: expected a JSON object, got {type(row).__name__}")
+            rows.append((f"line {number}", row))
+    return rows
+
+
+def _read_parquet(path: Path) -> list[tuple[str, dict]]:
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except Exception as e:  # pyarrow raises several types for unreadable files
+        raise DatasetError(f"{path}: not a readable Parquet file ({e})") from e
+    return [(f"row {i}", row) for i, row in enumerate(table.to_pylist())]

@@ -1,0 +1,216 @@
+"""Model architecture read from a Hugging Face ``config.json``.
+
+One ``ModelConfig`` covers the decoder-only families we support: ``qwen2`` (q/k/v bias),
+``qwen3`` (q/k RMSNorm, no bias) and ``llama`` (Llama 3.x, optional ``llama3`` rope scaling).
+Both the older layout (``rope_theta`` / ``rope_scaling`` at top level) and the newer
+``rope_parameters`` dict are understood.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+_REQUIRED = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+)
+
+
+class ModelConfigError(ValueError):
+    """The Hugging Face config describes something we cannot build; the message names the field."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style frequency scaling of rotary embeddings."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Architecture hyper-parameters of a decoder-only transformer."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ModelConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ModelConfigError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """End-of-sequence ids as a tuple (HF allows an int or a list)."""
+        if self.eos_token_id is None:
+            return ()
+        if isinstance(self.eos_token_id, int):
+            return (self.eos_token_id,)
+        return tuple(self.eos_token_id)
+
+    def num_params(self) -> int:
+        """Parameter count (embeddings included)."""
+        d, f, L = self.hidden_size, self.intermediate_size, self.num_layers
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        attn = d * q + 2 * d * kv + q * d + (q + 2 * kv if self.qkv_bias else 0)
+        attn += 2 * self.head_dim if self.qk_norm else 0
+        layer = attn + 3 * d * f + 2 * d
+        head = 0 if self.tie_word_embeddings else d * self.vocab_size
+        return L * layer + self.vocab_size * d + d + head
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict[str, Any]) -> "ModelConfig":
+        """Build from the dict of a Hugging Face ``config.json``; unsupported fields raise."""
+        model_type = hf.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ModelConfigError(
+                f"model_type {model_type!r} is not supported; supported: "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        missing = [k for k in _REQUIRED if k not in hf]
+        if missing:
+            raise ModelConfigError(f"config.json for {model_type} is missing field {missing[0]!r}")
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise ModelConfigError(f"hidden_act {act!r} is not supported; supported: silu")
+        if hf.get("use_sliding_window"):
+            raise ModelConfigError("use_sliding_window=true is not supported (full attention only)")
+        if hf.get("mlp_bias"):
+            raise ModelConfigError("mlp_bias=true is not supported")
+        if model_type == "llama" and hf.get("pretraining_tp", 1) != 1:
+            raise ModelConfigError("pretraining_tp != 1 is not supported")
+
+        rope = dict(hf.get("rope_parameters") or {})
+        scaling = hf.get("rope_scaling") or {}
+        rope_theta = float(hf.get("rope_theta", rope.get("rope_theta", 10000.0)))
+        if scaling and not rope.get("rope_type"):
+            rope = {**scaling, **rope}
+        rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ModelConfigError(
+                f"rope_type {rope_type!r} is not supported; supported: "
+                f"{', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
+        rope_scaling = None
+        if rope_type == "llama3":
+            try:
+                rope_scaling = RopeScaling(
+                    factor=float(rope["factor"]),
+                    low_freq_factor=float(rope["low_freq_factor"]),
+                    high_freq_factor=float(rope["high_freq_factor"]),
+                    original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+                )
+            except KeyError as e:
+                raise ModelConfigError(f"llama3 rope scaling is missing field {e.args[0]!r}") from e
+
+        num_heads = int(hf["num_attention_heads"])
+        head_dim = hf.get("head_dim") or int(hf["hidden_size"]) // num_heads
+        if model_type == "qwen2":
+            qkv_bias = True
+        else:
+            qkv_bias = bool(hf.get("attention_bias", False))
+        return cls(
+            model_type=model_type,
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=int(hf["hidden_size"]),
+            intermediate_size=int(hf["intermediate_size"]),
+            num_layers=int(hf["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            qk_norm=model_type == "qwen3",
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_id=hf.get("eos_token_id"),
+            pad_token_id=hf.get("pad_token_id"),
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> "ModelConfig":
+        """Read ``config.json`` from a local Hugging Face model directory."""
+        file = Path(path) / "config.json"
+        if not file.is_file():
+            raise ModelConfigError(f"no config.json in {path}")
+        try:
+            hf = json.loads(file.read_text())
+        except json.JSONDecodeError as e:
+            raise ModelConfigError(f"{file} is not valid JSON: {e}") from e
+        return cls.from_hf_dict(hf)
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The ``config.json`` contents transformers needs to rebuild this architecture."""
+        arch = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                "llama": "LlamaForCausalLM"}[self.model_type]
+        rope: dict[str, Any] = {"rope_type": "default", "rope_theta": self.rope_theta}
+        if self.rope_scaling is not None:
+            rope = {"rope_type": "llama3", "rope_theta": self.rope_theta,
+                    **dataclasses.asdict(self.rope_scaling)}
+        out: dict[str, Any] = {
+            "architectures": [arch],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_parameters": rope,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "pad_token_id": self.pad_token_id,
+            "torch_dtype": "float32",
+            "use_cache": True,
+        }
+        if self.rope_scaling is not None:
+            out["rope_scaling"] = rope
+        if self.model_type != "qwen2":
+            out["attention_bias"] = self.qkv_bias
+        if self.model_type == "llama":
+            out["mlp_bias"] = False
+        if self.model_type in ("qwen2", "qwen3"):
+            out["use_sliding_window"] = False
+        return out

@@ -1,0 +1,192 @@
+"""Decoder-only transformer (Qwen2 / Qwen3 / Llama 3) in Flax NNX, used by trainer and engine.
+
+Layer weights are stacked along a leading ``layers`` axis and applied with ``jax.lax.scan``,
+so compile time does not grow with depth. Every parameter carries ``logical_axes`` metadata
+that ``areal_jax.parallel.sharding`` maps to mesh axes.
+
+Two call modes share one definition:
+- packed training: ``model(tokens, segment_ids, positions)``; attention stays inside segments;
+- cached decoding: ``model(tokens, segment_ids, positions, cache=KVCache)``; new keys/values
+  are written at ``positions`` of each row's cache and queries attend to cache entries
+  ``0..position``. Tokens with segment id 0 are padding and write nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from areal_jax.models.attention import attend, cache_mask, packed_causal_mask
+from areal_jax.models.config import ModelConfig
+from areal_jax.models.rope import apply_rope, inverse_frequencies
+
+RematPolicy = Literal["none", "full", "dots"]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+    """Per-layer keys and values, [L, B, S, Hkv, Dh] each; B is the number of decode slots."""
+
+    k: jax.Array
+    v: jax.Array
+
+    @classmethod
+    def zeros(cls, cfg: ModelConfig, batch: int, length: int, dtype=jnp.float32) -> "KVCache":
+        shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.head_dim)
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm in fp32, result cast back to x.dtype (as Hugging Face does)."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (weight.astype(jnp.float32) * xf).astype(x.dtype)
+
+
+def _param(rngs: nnx.Rngs | None, shape, axes, init: str, std: float = 0.02) -> nnx.Param:
+    if init == "normal":
+        value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
+    elif init == "ones":
+        value = jnp.ones(shape, jnp.float32)
+    else:
+        value = jnp.zeros(shape, jnp.float32)
+    return nnx.Param(value, logical_axes=axes)
+
+
+class LayerStack(nnx.Module):
+    """All decoder layers' weights, stacked on a leading ``layers`` axis."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        L, d, f = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
+        hq, hkv, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.attn_norm = _param(rngs, (L, d), ("layers", "norm"), "ones")
+        self.q_kernel = _param(rngs, (L, d, hq, dh), ("layers", "embed", "q_heads", "head_dim"), "normal")
+        self.k_kernel = _param(rngs, (L, d, hkv, dh), ("layers", "embed", "kv_heads", "head_dim"), "normal")
+        self.v_kernel = _param(rngs, (L, d, hkv, dh), ("layers", "embed", "kv_heads", "head_dim"), "normal")
+        self.o_kernel = _param(rngs, (L, hq, dh, d), ("layers", "q_heads", "head_dim", "embed"), "normal")
+        if cfg.qkv_bias:
+            self.q_bias = _param(rngs, (L, hq, dh), ("layers", "q_heads", "head_dim"), "zeros")
+            self.k_bias = _param(rngs, (L, hkv, dh), ("layers", "kv_heads", "head_dim"), "zeros")
+            self.v_bias = _param(rngs, (L, hkv, dh), ("layers", "kv_heads", "head_dim"), "zeros")
+        if cfg.qk_norm:
+            self.q_norm = _param(rngs, (L, dh), ("layers", "head_dim"), "ones")
+            self.k_norm = _param(rngs, (L, dh), ("layers", "head_dim"), "ones")
+        self.mlp_norm = _param(rngs, (L, d), ("layers", "norm"), "ones")
+        self.gate_kernel = _param(rngs, (L, d, f), ("layers", "embed", "mlp"), "normal")
+        self.up_kernel = _param(rngs, (L, d, f), ("layers", "embed", "mlp"), "normal")
+        self.down_kernel = _param(rngs, (L, f, d), ("layers", "mlp", "embed"), "normal")
+
+    def weights(self) -> dict[str, jax.Array]:
+        """The stacked weight arrays by name (what ``lax.scan`` iterates over)."""
+        return {k: v[...] for k, v in vars(self).items() if isinstance(v, nnx.Param)}
+
+
+class Transformer(nnx.Module):
+    """Causal language model; see the module docstring for the two call modes."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        rngs: nnx.Rngs,
+        dtype: jnp.dtype = jnp.float32,
+        remat: RematPolicy = "none",
+    ):
+        self.cfg = cfg
+        self.dtype = dtype
+        self.remat = remat
+        self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), "normal")
+        self.layers = LayerStack(cfg, rngs)
+        self.final_norm = _param(rngs, (cfg.hidden_size,), ("norm",), "ones")
+        if not cfg.tie_word_embeddings:
+            self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), "normal")
+
+    def head_kernel(self) -> jax.Array:
+        """Output projection [D, V] (the transposed embedding when tied)."""
+        return self.embed[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """fp32 logits [..., V] from final hidden states [..., D]."""
+        w = self.head_kernel().astype(self.dtype)
+        return jnp.einsum("...d,dv->...v", hidden.astype(self.dtype), w,
+                          preferred_element_type=jnp.float32)
+
+    def __call__(
+        self,
+        tokens: jax.Array,
+        segment_ids: jax.Array,
+        positions: jax.Array,
+        cache: KVCache | None = None,
+    ) -> tuple[jax.Array, KVCache | None]:
+        """tokens/segment_ids/positions [B, T] -> (final-normed hidden [B, T, D], updated cache)."""
+        cfg, dtype = self.cfg, self.dtype
+        x = self.embed[...].astype(dtype)[tokens]
+        if cache is None:
+            mask = packed_causal_mask(segment_ids)
+        else:
+            mask = cache_mask(positions, cache.k.shape[2])
+            # Padding tokens write to an out-of-range index, which scatter drops.
+            write_pos = jnp.where(segment_ids != 0, positions, cache.k.shape[2])
+        inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+
+        def layer(x, w, cache_k=None, cache_v=None):
+            cast = lambda a: a.astype(dtype)
+            h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
+            q = jnp.einsum("btd,dhk->bthk", h, cast(w["q_kernel"]))
+            k = jnp.einsum("btd,dhk->bthk", h, cast(w["k_kernel"]))
+            v = jnp.einsum("btd,dhk->bthk", h, cast(w["v_kernel"]))
+            if cfg.qkv_bias:
+                q, k, v = q + cast(w["q_bias"]), k + cast(w["k_bias"]), v + cast(w["v_bias"])
+            if cfg.qk_norm:
+                q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
+                k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
+            q = apply_rope(q, positions, inv_freq)
+            k = apply_rope(k, positions, inv_freq)
+            if cache_k is None:
+                attn = attend(q, k, v, mask)
+            else:
+                rows = jnp.arange(tokens.shape[0])[:, None]
+                cache_k = cache_k.at[rows, write_pos].set(k.astype(cache_k.dtype), mode="drop")
+                cache_v = cache_v.at[rows, write_pos].set(v.astype(cache_v.dtype), mode="drop")
+                attn = attend(q, cache_k.astype(dtype), cache_v.astype(dtype), mask)
+            x = x + jnp.einsum("bthk,hkd->btd", attn, cast(w["o_kernel"]))
+            h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
+            gate = jnp.einsum("btd,df->btf", h, cast(w["gate_kernel"]))
+            up = jnp.einsum("btd,df->btf", h, cast(w["up_kernel"]))
+            x = x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, cast(w["down_kernel"]))
+            return x, cache_k, cache_v
+
+        if self.remat == "full":
+            layer = jax.checkpoint(layer)
+        elif self.remat == "dots":
+            layer = jax.checkpoint(
+                layer, policy=jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims
+            )
+
+        weights = self.layers.weights()
+        if cache is None:
+            def step(x, w):
+                x, _, _ = layer(x, w)
+                return x, None
+
+            x, _ = jax.lax.scan(step, x, weights)
+            new_cache = None
+        else:
+            def step(x, xs):
+                w, ck, cv = xs
+                x, ck, cv = layer(x, w, ck, cv)
+                return x, (ck, cv)
+
+            x, (ks, vs) = jax.lax.scan(step, x, (weights, cache.k, cache.v))
+            new_cache = KVCache(ks, vs)
+        return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), new_cache
+
+    def forward_logits(self, tokens, segment_ids, positions) -> jax.Array:
+        """Full fp32 logits [B, T, V] of a packed batch (for evaluation and tests)."""
+        hidden, _ = self(tokens, segment_ids, positions)
+        return self.logits(hidden)

@@ -1,0 +1,101 @@
+"""Learning curves from ``RUN_DIR/metrics.jsonl`` to a PNG grid.
+
+Panels and the metric keys they read (a panel appears when any of its keys is present):
+
+- Reward: ``reward/mean``
+- Eval accuracy: ``eval/accuracy``
+- Response length (tokens): ``response_length/mean``, ``response_length/max``
+- Staleness (versions): ``staleness/mean``, ``staleness/max``
+- Throughput (tokens/s): ``throughput/tokens_per_s``
+- Loss: ``loss``
+- Grad norm: ``grad_norm``
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from areal_jax.metrics import METRICS_FILE
+
+PANELS: list[tuple[str, tuple[str, ...]]] = [
+    ("Reward", ("reward/mean",)),
+    ("Eval accuracy", ("eval/accuracy",)),
+    ("Response length (tokens)", ("response_length/mean", "response_length/max")),
+    ("Staleness (versions)", ("staleness/mean", "staleness/max")),
+    ("Throughput (tokens/s)", ("throughput/tokens_per_s",)),
+    ("Loss", ("loss",)),
+    ("Grad norm", ("grad_norm",)),
+]
+PANEL_SIZE_IN = (5.0, 3.5)
+DPI = 100
+MAX_COLUMNS = 3
+
+
+class PlotError(ValueError):
+    """The metrics file is missing, unreadable or has nothing to plot."""
+
+
+def read_series(path: str | Path) -> dict[str, tuple[list[int], list[float]]]:
+    """key -> (steps, values) for every numeric metric in a metrics JSONL; nulls are skipped."""
+    path = Path(path)
+    if not path.is_file():
+        raise PlotError(f"metrics file {path} does not exist")
+    series: dict[str, tuple[list[int], list[float]]] = {}
+    with path.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                step = int(record["step"])
+            except (ValueError, KeyError, TypeError):
+                raise PlotError(f"{path} line {number}: not a metrics record with a 'step'") from None
+            for key, value in record.items():
+                if key in ("step", "wall_time") or isinstance(value, bool):
+                    continue
+                if isinstance(value, (int, float)) and math.isfinite(value):
+                    steps, values = series.setdefault(key, ([], []))
+                    steps.append(step)
+                    values.append(float(value))
+    return series
+
+
+def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """Write the learning-curve grid of ``run_dir`` to ``out`` (default ``RUN_DIR/curves.png``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    series = read_series(run_dir / METRICS_FILE)
+    panels = [(title, [k for k in keys if k in series]) for title, keys in PANELS]
+    panels = [(title, keys) for title, keys in panels if keys]
+    if not panels:
+        known = ", ".join(k for _, keys in PANELS for k in keys)
+        raise PlotError(f"{run_dir / METRICS_FILE} has none of the plotted metrics ({known})")
+    ncols = min(MAX_COLUMNS, len(panels))
+    nrows = math.ceil(len(panels) / ncols)
+    fig, axes = plt.subplots(
+        nrows, ncols, figsize=(PANEL_SIZE_IN[0] * ncols, PANEL_SIZE_IN[1] * nrows), dpi=DPI, squeeze=False
+    )
+    for ax, (title, keys) in zip(axes.flat, panels):
+        for key in keys:
+            steps, values = series[key]
+            ax.plot(steps, values, label=key, linewidth=1.2)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if len(keys) > 1:
+            ax.legend(fontsize="small")
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.axis("off")
+    fig.suptitle(run_dir.resolve().name)
+    fig.tight_layout()
+    out = Path(out) if out is not None else run_dir / "curves.png"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=DPI)
+    plt.close(fig)
+    return out

@@ -1,0 +1,1 @@
+"""Generated stubs of the ``areal_jax.rollout.v1`` wire protocol (``protos/``); do not edit."""

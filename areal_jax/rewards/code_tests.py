@@ -1,0 +1,110 @@
+"""Code reward: run the completion's Python against the problem's tests in the sandbox.
+
+``metadata["tests"]`` is either a list of ``{"input": stdin, "output": expected stdout}`` cases
+(a JSON string of such a list is accepted too) or a string of assert-based Python test code that
+is appended to the solution and must exit with status 0. Outputs are compared line by line with
+trailing whitespace ignored. Optional ``metadata["timeout_s"]`` and ``metadata["memory_mb"]`` set
+the per-test wall-clock and memory limits (defaults: ``SandboxLimits``). The solution is the last fenced code block of the completion
+(```python ... ``` preferred), or the whole completion when it has no fence.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from areal_jax.rewards.sandbox import SandboxLimits, run_python
+
+_FENCE = re.compile(r"```([A-Za-z0-9_+-]*)[ \t]*\n(.*?)```", re.DOTALL)
+
+
+def extract_code(completion: str) -> str:
+    """The last ```python block, else the last fenced block, else the completion itself."""
+    blocks = _FENCE.findall(completion)
+    python_blocks = [body for lang, body in blocks if lang.lower() in ("python", "py", "python3")]
+    if python_blocks:
+        return python_blocks[-1]
+    if blocks:
+        return blocks[-1][1]
+    return completion
+
+
+def parse_tests(tests) -> list[dict] | str:
+    """Normalise ``metadata["tests"]`` to a list of I/O cases or a string of test code."""
+    if isinstance(tests, str):
+        stripped = tests.strip()
+        if stripped.startswith("["):
+            try:
+                decoded = json.loads(stripped)
+            except json.JSONDecodeError:
+                decoded = None
+            if isinstance(decoded, list):
+                return parse_tests(decoded)
+        if not stripped:
+            raise ValueError("metadata 'tests' is an empty string")
+        return tests
+    if not isinstance(tests, (list, tuple)) or not tests:
+        raise ValueError(f"metadata 'tests' must be a non-empty list or a string, got {tests!r:.80}")
+    for i, case in enumerate(tests):
+        if not isinstance(case, dict) or "input" not in case or "output" not in case:
+            raise ValueError(f"metadata 'tests'[{i}] must be a mapping with 'input' and 'output'")
+    return list(tests)
+
+
+def _same_output(actual: str, expected: str) -> bool:
+    def lines(text: str) -> list[str]:
+        return [line.rstrip() for line in text.strip().splitlines()]
+
+    return lines(actual) == lines(str(expected))
+
+
+def run_tests(
+    code: str, tests, limits: SandboxLimits | None = None, stop_at_first_failure: bool = False
+) -> tuple[int, int]:
+    """(passed, total) for ``code`` against ``tests``; a test-code string counts as one test."""
+    tests = parse_tests(tests)
+    if isinstance(tests, str):
+        result = run_python(code + "\n\n" + tests + "\n", limits=limits)
+        return int(result.ok), 1
+    passed = 0
+    for case in tests:
+        result = run_python(code, stdin=str(case["input"]), limits=limits)
+        ok = result.ok and _same_output(result.stdout, case["output"])
+        passed += ok
+        if not ok and stop_at_first_failure:
+            break
+    return passed, len(tests)
+
+
+def limits_from_metadata(metadata: dict) -> SandboxLimits:
+    """Sandbox limits with the problem's own ``timeout_s`` / ``memory_mb`` where given."""
+    overrides = {}
+    if "timeout_s" in metadata:
+        overrides["timeout_s"] = float(metadata["timeout_s"])
+    if "memory_mb" in metadata:
+        overrides["memory_bytes"] = int(metadata["memory_mb"]) << 20
+    return SandboxLimits(**overrides)
+
+
+def _score(completion: str, metadata: dict, all_or_nothing: bool) -> float:
+    if "tests" not in metadata:
+        raise KeyError("code reward needs metadata 'tests'")
+    passed, total = run_tests(
+        extract_code(completion),
+        metadata["tests"],
+        limits=limits_from_metadata(metadata),
+        stop_at_first_failure=all_or_nothing,
+    )
+    if all_or_nothing:
+        return 1.0 if passed == total else 0.0
+    return passed / total
+
+
+def code_reward(completion: str, metadata: dict) -> float:
+    """1.0 when every test passes, else 0.0 (stops at the first failing case)."""
+    return _score(completion, metadata, all_or_nothing=True)
+
+
+def code_fraction_reward(completion: str, metadata: dict) -> float:
+    """Fraction of tests passed."""
+    return _score(completion, metadata, all_or_nothing=False)

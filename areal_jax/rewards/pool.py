@@ -1,0 +1,186 @@
+"""Score completions in worker processes with a per-call timeout.
+
+Rewards run in separate processes because math-verify relies on ``signal.alarm`` (main thread
+only) and model-written code must never run in the caller. A call that times out, crashes its
+worker or raises scores 0.0 and is logged; a timed-out or crashed worker is killed and replaced,
+so a hung reward never blocks later calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import math
+import multiprocessing
+import signal
+
+from areal_jax.rewards.registry import get_reward, import_path, reward_path
+
+logger = logging.getLogger(__name__)
+
+
+def _worker_main(conn) -> None:
+    """Worker loop: receive (reward path, completion, metadata), send ("ok", float) or ("error", msg)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    functions = {}
+    while True:
+        try:
+            path, completion, metadata = conn.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            fn = functions.get(path) or functions.setdefault(path, import_path(path))
+            value = float(fn(completion, metadata))
+            if not math.isfinite(value):
+                raise ValueError(f"reward returned {value}")
+            reply = ("ok", value)
+        except Exception as e:  # a failing reward must not take the worker down
+            reply = ("error", f"{type(e).__name__}: {e}")
+        conn.send(reply)
+
+
+class _Worker:
+    def __init__(self, ctx):
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_worker_main, args=(child,), daemon=True)
+        self.process.start()
+        child.close()
+
+    def kill(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join()
+        self.conn.close()
+
+
+class RewardPool:
+    """``num_workers`` reward processes; ``await score(...)`` never raises for a bad completion.
+
+    Counters ``num_scored``, ``num_timeouts`` and ``num_errors`` are there for metrics.
+    """
+
+    def __init__(self, num_workers: int, timeout_s: float, start_method: str = "spawn"):
+        if num_workers < 1:
+            raise ValueError(f"RewardPool num_workers must be >= 1, got {num_workers}")
+        if not timeout_s > 0:
+            raise ValueError(f"RewardPool timeout_s must be positive, got {timeout_s}")
+        self.timeout_s = float(timeout_s)
+        self._ctx = multiprocessing.get_context(start_method)
+        self._idle = [_Worker(self._ctx) for _ in range(num_workers)]
+        self._busy: set[_Worker] = set()
+        self._waiters: collections.deque[asyncio.Future] = collections.deque()
+        self._paths: dict[str, str] = {}
+        self._closed = False
+        self.num_scored = 0
+        self.num_timeouts = 0
+        self.num_errors = 0
+
+    async def score(self, reward_name: str, completion: str, metadata: dict) -> float:
+        """Reward of ``completion``; 0.0 on timeout, crash or error. Unknown names raise."""
+        path = self._path(reward_name)
+        worker = await self._acquire()
+        healthy = False
+        try:
+            value, healthy = await self._call(worker, reward_name, path, completion, metadata)
+        finally:
+            self._release(worker, healthy)
+        return value
+
+    def score_sync(self, reward_name: str, completion: str, metadata: dict) -> float:
+        """Blocking :meth:`score`, for tests and evaluation scripts outside an event loop."""
+        return asyncio.run(self.score(reward_name, completion, metadata))
+
+    def close(self) -> None:
+        """Stop every worker; pending and later calls raise RuntimeError."""
+        if self._closed:
+            return
+        self._closed = True
+        for worker in self._idle:
+            worker.kill()
+        self._idle.clear()
+        for worker in self._busy:  # their pending call sees EOF, scores 0.0 and closes the pipe
+            worker.process.kill()
+            worker.process.join()
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_exception(RuntimeError("RewardPool was closed"))
+
+    async def __aenter__(self) -> RewardPool:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.close()
+
+    def __enter__(self) -> RewardPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _path(self, reward_name: str) -> str:
+        if reward_name not in self._paths:
+            self._paths[reward_name] = reward_path(get_reward(reward_name))
+        return self._paths[reward_name]
+
+    async def _acquire(self) -> _Worker:
+        if self._closed:
+            raise RuntimeError("RewardPool is closed")
+        if self._idle:
+            worker = self._idle.pop()
+        else:
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            try:
+                worker = await waiter
+            except asyncio.CancelledError:
+                if waiter.done() and not waiter.cancelled():  # handed a worker, then cancelled
+                    self._busy.add(waiter.result())
+                    self._release(waiter.result(), healthy=True)
+                raise
+        self._busy.add(worker)
+        return worker
+
+    def _release(self, worker: _Worker, healthy: bool) -> None:
+        """Return ``worker`` to the pool, or replace it when its state is unknown."""
+        self._busy.discard(worker)
+        if self._closed or not healthy:
+            worker.kill()
+            if self._closed:
+                return
+            worker = _Worker(self._ctx)
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(worker)
+                return
+        self._idle.append(worker)
+
+    async def _call(self, worker, reward_name, path, completion, metadata) -> tuple[float, bool]:
+        """(reward, whether the worker is still usable) for one call on ``worker``."""
+        self.num_scored += 1
+        loop = asyncio.get_running_loop()
+        ready = loop.create_future()
+        fd = worker.conn.fileno()
+        try:
+            worker.conn.send((path, completion, metadata))
+            loop.add_reader(fd, lambda: ready.done() or ready.set_result(None))
+            try:
+                await asyncio.wait_for(ready, self.timeout_s)
+            finally:
+                loop.remove_reader(fd)
+            status, value = worker.conn.recv()
+        except asyncio.TimeoutError:
+            self.num_timeouts += 1
+            logger.warning("reward %s timed out after %.1fs; worker restarted", reward_name, self.timeout_s)
+            return 0.0, False
+        except (EOFError, OSError) as e:
+            self.num_errors += 1
+            logger.warning("reward %s worker died (%r); worker restarted", reward_name, e)
+            return 0.0, False
+        if status == "error":
+            self.num_errors += 1
+            logger.warning("reward %s failed: %s", reward_name, value)
+            return 0.0, True
+        return value, True

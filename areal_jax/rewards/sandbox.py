@@ -1,0 +1,301 @@
+"""Run untrusted, model-written Python in a subprocess with resource, filesystem and network limits.
+
+What :func:`run_python` enforces (docs/rewards.md lists what it does not):
+
+- ``resource`` limits in the child: RLIMIT_CPU (CPU seconds per process), RLIMIT_AS (address
+  space), RLIMIT_NPROC (processes), RLIMIT_FSIZE (largest file written, stdout/stderr included),
+  RLIMIT_NOFILE (open files), RLIMIT_CORE = 0.
+- A fresh private temporary directory as working directory, removed afterwards.
+- An emptied environment (only a minimal ``PATH``) and ``python -I -B`` (isolated mode).
+- A new session and process group; on a wall-clock timeout, and always once the main process
+  ends, every process of the group (and of the sandbox's own uid, below) is killed.
+- When running as root, the code runs under a uid of its own (``UID_BASE + pid``), so the
+  process limit counts only its processes, it cannot write the caller's files, and no process
+  that escaped the group survives. As another user the process limit is the user's current
+  process count plus ``max_processes``.
+- A new, empty network namespace (``unshare(CLONE_NEWNET)``; for non-root users together with a
+  new user namespace) when the kernel allows it; ``SandboxResult.network_isolated`` says whether
+  it was in effect.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import math
+import os
+import resource
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+
+MINIMAL_PATH = "/usr/local/bin:/usr/bin:/bin"
+UID_BASE = 2_000_000_000
+_CLONE_NEWNET = 0x40000000
+_CLONE_NEWUSER = 0x10000000
+
+
+class SandboxError(RuntimeError):
+    """The sandbox itself could not start (not a failure of the code run inside it)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxLimits:
+    """Limits for one sandboxed run; ``cpu_time_s`` defaults to ``ceil(timeout_s) + 1``."""
+
+    timeout_s: float = 10.0
+    cpu_time_s: int | None = None
+    memory_bytes: int = 1 << 30
+    max_processes: int = 16
+    max_file_bytes: int = 16 << 20
+    max_open_files: int = 64
+    python: str | None = None
+
+    def __post_init__(self):
+        for name in ("timeout_s", "memory_bytes", "max_processes", "max_file_bytes", "max_open_files"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"SandboxLimits.{name} must be positive, got {getattr(self, name)!r}")
+        if self.cpu_time_s is not None and self.cpu_time_s <= 0:
+            raise ValueError(f"SandboxLimits.cpu_time_s must be positive, got {self.cpu_time_s!r}")
+
+    @property
+    def cpu_seconds(self) -> int:
+        return self.cpu_time_s or math.ceil(self.timeout_s) + 1
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxResult:
+    """Outcome of one run. ``returncode`` is negative (``-signal``) when a signal killed it."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    timed_out: bool
+    elapsed_s: float
+    network_isolated: bool
+    uid_isolated: bool
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and not self.timed_out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Isolation:
+    as_root: bool
+    unshare_flags: int  # 0 when no namespace could be created
+
+
+def run_python(source: str, stdin: str = "", limits: SandboxLimits | None = None) -> SandboxResult:
+    """Run ``source`` as ``main.py`` with ``stdin`` under ``limits``; never raises for bad code."""
+    limits = limits or SandboxLimits()
+    iso = _isolation()
+    python = limits.python or _default_python(iso.as_root)
+    nproc = limits.max_processes if iso.as_root else _own_process_count() + limits.max_processes
+    workdir = tempfile.mkdtemp(prefix="areal-sandbox-")
+    try:
+        with tempfile.TemporaryDirectory(prefix="areal-sandbox-io-") as io_dir:
+            with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8") as f:
+                f.write(source)
+            stdin_path = os.path.join(io_dir, "stdin")
+            with open(stdin_path, "w", encoding="utf-8") as f:
+                f.write(stdin)
+            with (
+                open(stdin_path, "rb") as fin,
+                open(os.path.join(io_dir, "stdout"), "w+b") as fout,
+                open(os.path.join(io_dir, "stderr"), "w+b") as ferr,
+            ):
+                setup = functools.partial(_child_setup, limits, nproc, iso)
+                start = time.monotonic()
+                try:
+                    proc = subprocess.Popen(
+                        [python, "-I", "-B", "main.py"],
+                        cwd=workdir,
+                        env={"PATH": MINIMAL_PATH},
+                        stdin=fin,
+                        stdout=fout,
+                        stderr=ferr,
+                        start_new_session=True,
+                        preexec_fn=setup,
+                        close_fds=True,
+                    )
+                except (OSError, subprocess.SubprocessError) as e:
+                    raise SandboxError(f"cannot start {python} in the sandbox: {e}") from e
+                uid = UID_BASE + proc.pid if iso.as_root else None
+                timed_out = False
+                try:
+                    proc.wait(timeout=limits.timeout_s)
+                except subprocess.TimeoutExpired:
+                    timed_out = True
+                finally:
+                    _kill_everything(proc, uid)
+                elapsed = time.monotonic() - start
+                stdout = _read(fout, limits.max_file_bytes)
+                stderr = _read(ferr, limits.max_file_bytes)
+    finally:
+        _remove_tree(workdir)
+    return SandboxResult(
+        returncode=proc.returncode,
+        stdout=stdout,
+        stderr=stderr,
+        timed_out=timed_out,
+        elapsed_s=elapsed,
+        network_isolated=bool(iso.unshare_flags & _CLONE_NEWNET),
+        uid_isolated=iso.as_root,
+    )
+
+
+def network_isolation_available() -> bool:
+    """Whether runs get their own empty network namespace on this machine, as this user."""
+    return bool(_isolation().unshare_flags & _CLONE_NEWNET)
+
+
+def _child_setup(limits: SandboxLimits, nproc: int, iso: _Isolation) -> None:
+    """Runs in the forked child before exec (as the caller's user)."""
+    if iso.as_root and iso.unshare_flags:
+        _unshare(iso.unshare_flags)
+    cpu = limits.cpu_seconds
+    for which, value in (
+        (resource.RLIMIT_CPU, (cpu, cpu + 1)),
+        (resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes)),
+        (resource.RLIMIT_NPROC, (nproc, nproc)),
+        (resource.RLIMIT_FSIZE, (limits.max_file_bytes, limits.max_file_bytes)),
+        (resource.RLIMIT_NOFILE, (limits.max_open_files, limits.max_open_files)),
+        (resource.RLIMIT_CORE, (0, 0)),
+    ):
+        resource.setrlimit(which, value)
+    if iso.as_root:
+        uid = UID_BASE + os.getpid()
+        os.chown(".", uid, uid)
+        os.setgroups([])
+        os.setgid(uid)
+        os.setuid(uid)
+    elif iso.unshare_flags:
+        _unshare(iso.unshare_flags)
+
+
+@functools.cache
+def _libc():
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _unshare(flags: int) -> None:
+    if _libc().unshare(flags) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"unshare: {os.strerror(err)}")
+
+
+@functools.cache
+def _isolation() -> _Isolation:
+    """Probe once per process which namespaces this kernel and user may create."""
+    as_root = os.geteuid() == 0
+    flags = _CLONE_NEWNET if as_root else _CLONE_NEWNET | _CLONE_NEWUSER
+    if sys.platform != "linux":
+        return _Isolation(as_root, 0)
+    _libc()  # load before forking
+    try:
+        subprocess.run(
+            [sys.executable, "-I", "-c", ""],
+            preexec_fn=functools.partial(_unshare, flags),
+            env={"PATH": MINIMAL_PATH},
+            check=True,
+            capture_output=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.SubprocessError):
+        flags = 0
+    return _Isolation(as_root, flags)
+
+
+def _default_python(as_root: bool) -> str:
+    """This interpreter, or (when dropping to another uid) one that any user may execute."""
+    if not as_root or _world_executable(sys.executable):
+        return sys.executable
+    for name in ("python3", "python"):
+        found = shutil.which(name, path=MINIMAL_PATH)
+        if found and _world_executable(found):
+            return found
+    raise SandboxError(
+        f"{sys.executable} is not executable by other users and no system python3 was found; "
+        "set SandboxLimits.python to an interpreter every user may run"
+    )
+
+
+def _world_executable(path: str) -> bool:
+    real = os.path.realpath(path)
+    if not os.stat(real).st_mode & stat.S_IXOTH:
+        return False
+    parent = os.path.dirname(real)
+    while True:
+        if not os.stat(parent).st_mode & stat.S_IXOTH:
+            return False
+        if parent == os.path.dirname(parent):
+            return True
+        parent = os.path.dirname(parent)
+
+
+def _proc_entries():
+    """(pid, state, process group, owner uid) of every process, read from /proc."""
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+            owner = os.stat(f"/proc/{name}").st_uid
+        except OSError:
+            continue
+        yield int(name), fields[0].decode(), int(fields[2]), owner
+
+
+def _own_process_count() -> int:
+    uid = os.geteuid()
+    return sum(1 for *_, owner in _proc_entries() if owner == uid)
+
+
+def _kill_everything(proc: subprocess.Popen, uid: int | None) -> None:
+    """SIGKILL the whole process group and every process of the sandbox uid, then reap."""
+    pgid = proc.pid
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+    for _ in range(200):
+        alive = [
+            pid
+            for pid, state, group, owner in _proc_entries()
+            if state not in ("Z", "X") and (group == pgid or (uid is not None and owner == uid))
+        ]
+        if not alive:
+            return
+        for pid in alive:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.005)
+
+
+def _read(f, limit: int) -> str:
+    f.seek(0)
+    return f.read(limit).decode("utf-8", errors="replace")
+
+
+def _remove_tree(path: str) -> None:
+    """Delete the work directory even where the sandboxed code removed its own permissions."""
+    for root, dirs, _ in os.walk(path):
+        for d in dirs:
+            full = os.path.join(root, d)
+            if not os.path.islink(full):
+                os.chmod(full, 0o700)
+    shutil.rmtree(path)

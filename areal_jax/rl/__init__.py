@@ -1,0 +1,67 @@
+"""RL math of the trainer: micro-batch packing, advantages, the decoupled PPO loss, log-probs."""
+
+from areal_jax.rl.advantages import (
+    AdvantageConfig,
+    advantage_estimators,
+    compute_advantages,
+    kl_penalty,
+    kl_reward_to_go,
+    overlong_penalty,
+    register_advantage,
+    shape_rewards,
+    trajectory_advantages,
+)
+from areal_jax.rl.logprobs import token_logprobs
+from areal_jax.rl.losses import (
+    LossConfig,
+    accumulate_stats,
+    aggregate_loss,
+    loglinear_proximal_logprobs,
+    loss_normalizer,
+    policy_loss,
+    policy_losses,
+    register_policy_loss,
+    summarize_stats,
+)
+from areal_jax.rl.packing import (
+    MicroBatchConfig,
+    PackedBatch,
+    default_row_buckets,
+    pack_micro_batch,
+    pack_micro_batches,
+    plan_micro_batches,
+    possible_shapes,
+    split_minibatches,
+    unpack_outputs,
+)
+
+__all__ = [
+    "AdvantageConfig",
+    "LossConfig",
+    "MicroBatchConfig",
+    "PackedBatch",
+    "accumulate_stats",
+    "advantage_estimators",
+    "aggregate_loss",
+    "compute_advantages",
+    "default_row_buckets",
+    "kl_penalty",
+    "kl_reward_to_go",
+    "loglinear_proximal_logprobs",
+    "loss_normalizer",
+    "overlong_penalty",
+    "pack_micro_batch",
+    "pack_micro_batches",
+    "plan_micro_batches",
+    "policy_loss",
+    "policy_losses",
+    "possible_shapes",
+    "register_advantage",
+    "register_policy_loss",
+    "shape_rewards",
+    "split_minibatches",
+    "summarize_stats",
+    "token_logprobs",
+    "trajectory_advantages",
+    "unpack_outputs",
+]

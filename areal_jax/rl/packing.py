@@ -1,0 +1,355 @@
+"""Dynamic micro-batching (AReaL Algorithm 1) and packing of trajectories into [R, T] rows.
+
+A PPO minibatch is split into micro-batches of at most ``token_budget`` tokens each; a
+micro-batch is then packed into ``R`` rows of ``T`` tokens, several sequences per row, with
+``T`` taken from a fixed set of row-length buckets and ``R`` rounded up to a power of two (times
+``row_multiple``), so the number of distinct compiled shapes stays small. All per-token arrays
+are aligned to the *predicted* token: position ``j`` holds what the model predicts there, i.e.
+the next token of the same sequence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from areal_jax.trajectory import Trajectory, TrajectoryGroup
+
+
+@dataclasses.dataclass(frozen=True)
+class MicroBatchConfig:
+    """How a minibatch is cut into micro-batches and padded into rows.
+
+    ``row_buckets``: allowed row lengths T (ascending); empty means ``default_row_buckets``.
+    ``row_multiple``: R is always a multiple of it (e.g. the data-parallel size).
+    """
+
+    token_budget: int = 16384
+    min_micro_batches: int = 1
+    row_buckets: tuple[int, ...] = ()
+    bucket_base: int = 128
+    row_multiple: int = 1
+
+    def __post_init__(self):
+        for name in ("token_budget", "min_micro_batches", "bucket_base", "row_multiple"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        buckets = self.row_buckets
+        if buckets:
+            if any(b < 1 for b in buckets) or list(buckets) != sorted(set(buckets)):
+                raise ValueError(f"row_buckets must be strictly ascending positive, got {buckets}")
+            if buckets[-1] < self.token_budget:
+                raise ValueError(
+                    f"row_buckets: largest bucket {buckets[-1]} is below token_budget "
+                    f"{self.token_budget}, so a sequence that fits the budget could fit no row"
+                )
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        """Row lengths T in use."""
+        return self.row_buckets or default_row_buckets(self.token_budget, self.bucket_base)
+
+
+def default_row_buckets(token_budget: int, base: int = 128) -> tuple[int, ...]:
+    """``base * 2**k`` below the budget, then the budget rounded up to a multiple of ``base``."""
+    top = -(-token_budget // base) * base
+    buckets, b = [], base
+    while b < top:
+        buckets.append(b)
+        b *= 2
+    return tuple(buckets) + (top,)
+
+
+def row_count_bucket(rows: int, row_multiple: int = 1) -> int:
+    """Smallest ``row_multiple * 2**k`` that is >= ``rows``."""
+    groups = -(-rows // row_multiple)
+    return row_multiple * (1 << max(groups - 1, 0).bit_length())
+
+
+def plan_micro_batches(
+    lengths: Sequence[int], token_budget: int, min_count: int = 1
+) -> list[list[int]]:
+    """AReaL Algorithm 1: assign sequence indices to micro-batches of <= ``token_budget`` tokens.
+
+    Sequences go longest first into the micro-batch that fits them and holds the fewest
+    sequences (ties: fewer tokens, then lower index); a new micro-batch opens when none fits or
+    fewer than ``min_count`` exist. Returns index lists, each in ascending order.
+    """
+    if token_budget < 1:
+        raise ValueError(f"token_budget must be >= 1, got {token_budget}")
+    if min_count < 1:
+        raise ValueError(f"min_count must be >= 1, got {min_count}")
+    if min_count > len(lengths):
+        raise ValueError(
+            f"min_count={min_count} micro-batches cannot be filled by {len(lengths)} sequences"
+        )
+    for i, n in enumerate(lengths):
+        if n > token_budget:
+            raise ValueError(
+                f"sequence {i} has {n} tokens, more than the micro-batch token budget "
+                f"{token_budget}"
+            )
+        if n < 1:
+            raise ValueError(f"sequence {i} has length {n}; lengths must be >= 1")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches: list[list[int]] = []
+    loads: list[int] = []
+    for i in order:
+        fits = [b for b in range(len(batches)) if loads[b] + lengths[i] <= token_budget]
+        if len(batches) < min_count or not fits:
+            batches.append([i])
+            loads.append(lengths[i])
+            continue
+        b = min(fits, key=lambda b: (len(batches[b]), loads[b], b))
+        batches[b].append(i)
+        loads[b] += lengths[i]
+    return [sorted(b) for b in batches]
+
+
+def split_minibatches(
+    items: Sequence[Trajectory | TrajectoryGroup], n: int
+) -> list[list[Trajectory | TrajectoryGroup]]:
+    """Split trajectories or whole groups into ``n`` minibatches balanced by token count.
+
+    Largest item first into the lightest minibatch (ties: lower index); each minibatch keeps the
+    input order. Deterministic.
+    """
+    if n < 1:
+        raise ValueError(f"number of minibatches must be >= 1, got {n}")
+    if n > len(items):
+        raise ValueError(f"cannot split {len(items)} items into {n} non-empty minibatches")
+    sizes = [_token_count(x) for x in items]
+    order = sorted(range(len(items)), key=lambda i: (-sizes[i], i))
+    members: list[list[int]] = [[] for _ in range(n)]
+    loads = [0] * n
+    for i in order:
+        b = min(range(n), key=lambda b: (loads[b], b))
+        members[b].append(i)
+        loads[b] += sizes[i]
+    return [[items[i] for i in sorted(m)] for m in members]
+
+
+def _token_count(item: Trajectory | TrajectoryGroup) -> int:
+    if isinstance(item, TrajectoryGroup):
+        return sum(t.length for t in item.trajectories)
+    return item.length
+
+
+def _first_fit_rows(lengths: Sequence[int], row_len: int) -> list[list[int]]:
+    """First-fit-decreasing of sequence indices into rows of ``row_len`` tokens."""
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        r = next((r for r in range(len(rows)) if free[r] >= lengths[i]), None)
+        if r is None:
+            rows.append([])
+            free.append(row_len)
+            r = len(rows) - 1
+        rows[r].append(i)
+        free[r] -= lengths[i]
+    return rows
+
+
+def choose_row_layout(
+    lengths: Sequence[int], buckets: Sequence[int], row_multiple: int = 1
+) -> tuple[int, list[list[int]]]:
+    """Pick the bucket T (and rows) minimising padded area ``R_bucketed * T``; ties: smaller T.
+
+    Returns (T, rows) with rows as lists of sequence indices; ``len(rows)`` is the used rows.
+    """
+    longest = max(lengths)
+    best = None
+    for t in buckets:
+        if t < longest:
+            continue
+        rows = _first_fit_rows(lengths, t)
+        area = row_count_bucket(len(rows), row_multiple) * t
+        if best is None or area < best[0]:
+            best = (area, t, rows)
+    if best is None:
+        raise ValueError(f"a sequence of {longest} tokens exceeds the largest row bucket {buckets[-1]}")
+    return best[1], best[2]
+
+
+def possible_shapes(cfg: MicroBatchConfig) -> set[tuple[int, int]]:
+    """Every (R, T) that packing a micro-batch of <= ``cfg.token_budget`` tokens can produce.
+
+    First-fit leaves at most one row at most half full, so k rows of length T hold more than
+    (k - 1) * T / 2 tokens: k <= ceil(2 * budget / T).
+    """
+    shapes = set()
+    for t in cfg.buckets:
+        max_rows = max(1, -(-2 * cfg.token_budget // t))
+        r = row_count_bucket(1, cfg.row_multiple)
+        while True:
+            shapes.add((r, t))
+            if r >= row_count_bucket(max_rows, cfg.row_multiple):
+                break
+            r *= 2
+    return shapes
+
+
+@dataclasses.dataclass
+class PackedBatch:
+    """One micro-batch packed into rows. All arrays are [R, T]; position j predicts token j+1.
+
+    tokens, segment_ids (1.. per sequence in a row, 0 = padding), positions (restart at 0 per
+    sequence): model inputs. targets: next token of the same sequence (0 where none).
+    loss_mask: 1.0 iff targets is a policy-generated output token. behav_logprobs, versions
+    (-1 where masked), advantages: of the target token, 0 where masked. seq_index: index of the
+    trajectory in this micro-batch (-1 padding). placements [N, 4]: per trajectory
+    (row, offset, prompt_len, output_len). traj_index [N]: index into the packed list.
+    """
+
+    tokens: np.ndarray
+    segment_ids: np.ndarray
+    positions: np.ndarray
+    targets: np.ndarray
+    loss_mask: np.ndarray
+    behav_logprobs: np.ndarray
+    versions: np.ndarray
+    advantages: np.ndarray
+    seq_index: np.ndarray
+    placements: np.ndarray
+    traj_index: np.ndarray
+
+    ROW_FIELDS = (
+        "tokens", "segment_ids", "positions", "targets", "loss_mask",
+        "behav_logprobs", "versions", "advantages", "seq_index",
+    )  # fmt: skip
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.tokens.shape
+
+    @property
+    def n_valid_tokens(self) -> int:
+        return int(self.loss_mask.sum())
+
+    @property
+    def n_sequences(self) -> int:
+        """Trajectories with at least one loss-mask token (the seq-mean count)."""
+        return len(np.unique(self.seq_index[self.loss_mask > 0]))
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The [R, T] arrays by name (what goes to the device)."""
+        return {name: getattr(self, name) for name in self.ROW_FIELDS}
+
+
+def _output_advantages(adv, traj: Trajectory, i: int) -> np.ndarray:
+    """Per-output-token advantages [O] from a scalar or an [O] array."""
+    a = np.asarray(adv, dtype=np.float32)
+    n_out = len(traj.output_ids)
+    if a.ndim == 0:
+        return np.full(n_out, a, dtype=np.float32)
+    if a.shape != (n_out,):
+        raise ValueError(
+            f"advantages[{i}] has shape {a.shape}; expected a scalar or ({n_out},) for the "
+            f"trajectory's output tokens"
+        )
+    return a
+
+
+def pack_micro_batch(
+    trajectories: Sequence[Trajectory],
+    advantages: Sequence[float | np.ndarray],
+    buckets: Sequence[int],
+    row_multiple: int = 1,
+) -> PackedBatch:
+    """Pack one micro-batch of trajectories into [R, T] rows (see ``PackedBatch``).
+
+    ``advantages[i]`` is a scalar or a per-output-token array [O_i] for ``trajectories[i]``.
+    """
+    if not trajectories:
+        raise ValueError("cannot pack an empty micro-batch")
+    if len(advantages) != len(trajectories):
+        raise ValueError(
+            f"advantages has {len(advantages)} entries for {len(trajectories)} trajectories"
+        )
+    lengths = [t.length for t in trajectories]
+    row_len, rows = choose_row_layout(lengths, buckets, row_multiple)
+    n_rows = row_count_bucket(len(rows), row_multiple)
+    shape = (n_rows, row_len)
+    out = {
+        "tokens": np.zeros(shape, np.int32),
+        "segment_ids": np.zeros(shape, np.int32),
+        "positions": np.zeros(shape, np.int32),
+        "targets": np.zeros(shape, np.int32),
+        "loss_mask": np.zeros(shape, np.float32),
+        "behav_logprobs": np.zeros(shape, np.float32),
+        "versions": np.full(shape, -1, np.int32),
+        "advantages": np.zeros(shape, np.float32),
+        "seq_index": np.full(shape, -1, np.int32),
+    }
+    placements = np.zeros((len(trajectories), 4), np.int32)
+    for r, members in enumerate(rows):
+        offset = 0
+        for seg, i in enumerate(members, start=1):
+            traj = trajectories[i]
+            adv = _output_advantages(advantages[i], traj, i)
+            n_p, n_o = len(traj.prompt_ids), len(traj.output_ids)
+            span = slice(offset, offset + n_p + n_o)
+            out["tokens"][r, span] = np.concatenate([traj.prompt_ids, traj.output_ids])
+            out["segment_ids"][r, span] = seg
+            out["positions"][r, span] = np.arange(n_p + n_o)
+            out["seq_index"][r, span] = i
+            # Output token k is predicted at sequence position n_p - 1 + k.
+            pred = slice(offset + n_p - 1, offset + n_p - 1 + n_o)
+            mask = traj.output_mask.astype(bool)
+            out["targets"][r, pred] = traj.output_ids
+            out["targets"][r, offset : offset + n_p - 1] = traj.prompt_ids[1:]
+            out["loss_mask"][r, pred] = mask
+            out["behav_logprobs"][r, pred] = np.where(mask, traj.behav_logprobs, 0.0)
+            out["versions"][r, pred] = np.where(mask, traj.versions, -1)
+            out["advantages"][r, pred] = np.where(mask, adv, 0.0)
+            placements[i] = (r, offset, n_p, n_o)
+            offset += n_p + n_o
+    return PackedBatch(
+        **out, placements=placements, traj_index=np.arange(len(trajectories), dtype=np.int32)
+    )
+
+
+def pack_micro_batches(
+    trajectories: Sequence[Trajectory],
+    advantages: Sequence[float | np.ndarray],
+    cfg: MicroBatchConfig,
+) -> list[PackedBatch]:
+    """Plan micro-batches over a minibatch (Algorithm 1) and pack each one.
+
+    Each result's ``traj_index`` maps its local trajectory index to the position in
+    ``trajectories``.
+    """
+    if len(advantages) != len(trajectories):
+        raise ValueError(
+            f"advantages has {len(advantages)} entries for {len(trajectories)} trajectories"
+        )
+    plan = plan_micro_batches(
+        [t.length for t in trajectories], cfg.token_budget, cfg.min_micro_batches
+    )
+    packed = []
+    for members in plan:
+        batch = pack_micro_batch(
+            [trajectories[i] for i in members],
+            [advantages[i] for i in members],
+            cfg.buckets,
+            cfg.row_multiple,
+        )
+        batch.traj_index = np.asarray(members, dtype=np.int32)
+        packed.append(batch)
+    return packed
+
+
+def unpack_outputs(values: np.ndarray, placements: np.ndarray) -> list[np.ndarray]:
+    """Per-trajectory slices [O_i] of a predicted-token-aligned [R, T] array.
+
+    ``out[i][k]`` is the value at the position predicting output token k of trajectory i,
+    e.g. recomputed log-probs or KL terms.
+    """
+    values = np.asarray(values)
+    result = []
+    for row, offset, n_p, n_o in np.asarray(placements):
+        start = offset + n_p - 1
+        result.append(values[row, start : start + n_o].copy())
+    return result

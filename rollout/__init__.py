@@ -1,0 +1,1 @@
+"""Rollout server: gRPC service, generation engines (JAX, SGLang), workflows, weight intake."""

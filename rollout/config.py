@@ -1,0 +1,105 @@
+"""Typed configuration of a rollout server, loaded with ``areal_jax.config``."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Literal
+
+from areal_jax.config import ConfigError
+
+DEFAULT_WORKFLOW = "rollout.workflows.single_turn.SingleTurnWorkflow"
+
+
+@dataclasses.dataclass
+class EngineConfig:
+    """Which engine serves the model. ``options`` are engine-specific and checked by the engine."""
+
+    kind: Literal["jax", "sglang"] = "jax"
+    model_path: str = ""  # Hugging Face checkpoint directory
+    tokenizer_path: str = ""  # default: model_path
+    initial_version: int = 0  # version of the weights at model_path
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        if not self.model_path:
+            raise ConfigError("engine.model_path: required (a Hugging Face checkpoint directory)")
+        if self.initial_version < 0:
+            raise ConfigError(f"engine.initial_version: must be >= 0, got {self.initial_version}")
+        self.tokenizer_path = self.tokenizer_path or self.model_path
+
+
+@dataclasses.dataclass
+class WorkflowConfig:
+    """The workflow class (dotted path) and the keyword options it is constructed with."""
+
+    path: str = DEFAULT_WORKFLOW
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class RewardConfig:
+    """The reward process pool (``areal_jax.rewards.RewardPool``)."""
+
+    num_workers: int = 4
+    timeout_s: float = 30.0
+
+    def __post_init__(self):
+        if self.num_workers < 1:
+            raise ConfigError(f"rewards.num_workers: must be >= 1, got {self.num_workers}")
+        if self.timeout_s <= 0:
+            raise ConfigError(f"rewards.timeout_s: must be > 0, got {self.timeout_s}")
+
+
+@dataclasses.dataclass
+class ServerConfig:
+    """A rollout server. Binds 127.0.0.1 unless ``host`` says otherwise."""
+
+    engine: EngineConfig
+    host: str = "127.0.0.1"
+    port: int = 50051  # 0 picks a free port
+    workflow: WorkflowConfig = dataclasses.field(default_factory=WorkflowConfig)
+    rewards: RewardConfig = dataclasses.field(default_factory=RewardConfig)
+    max_concurrent_groups: int = 64  # groups being generated at once
+    max_queued_requests: int = 1024  # admitted groups waiting for a slot; then reading stops
+    max_group_size: int = 256
+    tls_cert_path: str | None = None  # PEM; with tls_key_path turns on TLS
+    tls_key_path: str | None = None
+    auth_token: str | None = None  # clients must send "authorization: Bearer <token>"
+    auth_token_env: str | None = None  # or: name of the environment variable holding it
+    push_dir: str | None = None  # where PushWeights writes checkpoints (default: a temp dir)
+    max_message_mb: int = 64
+    shutdown_grace_s: float = 30.0
+    status_log_interval_s: float = 30.0  # how often `serve` logs a status line; 0 = never
+
+    def __post_init__(self):
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port: must be in [0, 65535], got {self.port}")
+        for name in (
+            "max_concurrent_groups",
+            "max_queued_requests",
+            "max_group_size",
+            "max_message_mb",
+        ):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        for name in ("shutdown_grace_s", "status_log_interval_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if (self.tls_cert_path is None) != (self.tls_key_path is None):
+            raise ConfigError("tls_cert_path and tls_key_path: set both or neither")
+        if self.auth_token is not None and self.auth_token_env is not None:
+            raise ConfigError("auth_token and auth_token_env: set at most one")
+        if self.auth_token == "":
+            raise ConfigError("auth_token: must not be empty (leave it unset for no token)")
+
+    def resolve_auth_token(self) -> str | None:
+        """The shared token, read from the environment when ``auth_token_env`` names it."""
+        if self.auth_token_env is None:
+            return self.auth_token
+        token = os.environ.get(self.auth_token_env, "")
+        if not token:
+            raise ConfigError(
+                f"auth_token_env: environment variable {self.auth_token_env} is unset or empty"
+            )
+        return token

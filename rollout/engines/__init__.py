@@ -1,0 +1,40 @@
+"""Generation engines, built by kind: ``create_engine(config)``.
+
+Each kind lives in its own module, imported only when selected, which exposes
+``build_engine(config: EngineConfig) -> GenerationEngine``.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from areal_jax.config import ConfigError
+from rollout.config import EngineConfig
+from rollout.engine import GenerationEngine
+
+ENGINE_MODULES = {
+    "jax": "rollout.engines.jax_engine",
+    "sglang": "rollout.engines.sglang_engine",
+}
+
+
+def create_engine(config: EngineConfig) -> GenerationEngine:
+    """The engine of kind ``config.kind``; a clear ``ConfigError`` if it is unavailable."""
+    module_name = ENGINE_MODULES.get(config.kind)
+    if module_name is None:
+        raise ConfigError(f"engine.kind: {config.kind!r} is not one of {sorted(ENGINE_MODULES)}")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name != module_name:
+            raise
+        raise ConfigError(
+            f"engine.kind: {config.kind!r} needs the module {module_name}, which is not available"
+        ) from e
+    build = getattr(module, "build_engine", None)
+    if build is None:
+        raise ConfigError(f"engine.kind: {module_name} does not define build_engine(config)")
+    engine = build(config)
+    if not isinstance(engine, GenerationEngine):
+        raise TypeError(f"{module_name}.build_engine returned {type(engine).__name__}")
+    return engine

@@ -1,0 +1,160 @@
+"""Every SGLang HTTP API detail the adapter relies on, in one place (SGLang 0.5.6 – 0.5.x).
+
+Endpoints, launch flags, request payloads and response parsing. When SGLang changes its API,
+this module is what changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from rollout.engine import FinishReason, SamplingParams
+
+HEALTH = "/health_generate"  # 200 when ready, 503 while starting
+GENERATE = "/generate"
+PAUSE = "/pause_generation"
+CONTINUE = "/continue_generation"
+UPDATE_WEIGHTS_FROM_DISK = "/update_weights_from_disk"
+ABORT = "/abort_request"
+MODEL_INFO = ("/model_info", "/get_model_info")  # 0.5.23 name first, then the older one
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchFlags:
+    """Server flags the adapter sets (``python -m sglang.launch_server ...``)."""
+
+    model_path: str
+    host: str
+    port: int
+    weight_version: int
+    tp_size: int = 1
+    dp_size: int = 1
+    dtype: str = "auto"
+    context_length: int | None = None
+    mem_fraction_static: float | None = None
+    max_running_requests: int | None = None
+    random_seed: int | None = None
+    deterministic_inference: bool = False
+
+
+def launch_command(python: str, flags: LaunchFlags, extra_args: list[str] = ()) -> list[str]:
+    """argv of an SGLang server that takes and returns token ids (no tokenizer)."""
+    argv = [
+        python, "-m", "sglang.launch_server",
+        "--model-path", flags.model_path,
+        "--host", flags.host,
+        "--port", str(flags.port),
+        "--skip-tokenizer-init",
+        "--tp-size", str(flags.tp_size),
+        "--dp-size", str(flags.dp_size),
+        "--dtype", flags.dtype,
+        "--weight-version", str(flags.weight_version),
+    ]  # fmt: skip
+    optional = {
+        "--context-length": flags.context_length,
+        "--mem-fraction-static": flags.mem_fraction_static,
+        "--max-running-requests": flags.max_running_requests,
+        "--random-seed": flags.random_seed,
+    }
+    for flag, value in optional.items():
+        if value is not None:
+            argv += [flag, str(value)]
+    if flags.deterministic_inference:
+        argv.append("--enable-deterministic-inference")
+    return argv + list(extra_args)
+
+
+def generate_payload(
+    input_ids: list[int], params: SamplingParams, max_new_tokens: int, rid: str
+) -> dict[str, Any]:
+    """``POST /generate`` body: one sequence, log-probs of the output tokens only.
+
+    Only sampling keys SGLang knows are sent (0.5.23 rejects unknown ones with HTTP 400).
+    ``no_stop_trim`` keeps a matched stop token in ``output_ids``.
+    """
+    sampling: dict[str, Any] = {
+        "max_new_tokens": max_new_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k,
+        "no_stop_trim": True,
+    }
+    if params.stop_token_ids:
+        sampling["stop_token_ids"] = list(params.stop_token_ids)
+    if params.seed is not None:
+        sampling["sampling_seed"] = params.seed
+    return {
+        "input_ids": list(input_ids),
+        "sampling_params": sampling,
+        "return_logprob": True,
+        "logprob_start_len": -1,
+        "rid": rid,
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateOutput:
+    """What one ``/generate`` answer says about the tokens it produced."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    weight_version: int | None  # None when absent or not an integer
+    message: str = ""
+
+
+def parse_version(value: Any) -> int | None:
+    """SGLang's ``weight_version`` string as an int, or None (e.g. "default")."""
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def parse_generate_response(body: Any) -> GenerateOutput:
+    """Tokens and log-probs from ``meta_info.output_token_logprobs`` triples.
+
+    Each triple is ``[logprob, token_id, text_or_null]``, one per generated token; the token ids
+    are taken from it rather than ``output_ids``, which SGLang may trim of a matched stop token.
+    """
+    if isinstance(body, list):
+        if len(body) != 1:
+            raise ValueError(f"expected one /generate result, got {len(body)}")
+        body = body[0]
+    if not isinstance(body, dict) or not isinstance(body.get("meta_info"), dict):
+        raise ValueError(f"/generate answer has no meta_info: {str(body)[:200]}")
+    meta = body["meta_info"]
+    triples = meta.get("output_token_logprobs") or []
+    finish = meta.get("finish_reason") or {}
+    kind = finish.get("type") if isinstance(finish, dict) else None
+    if kind not in ("stop", "length", "abort"):
+        raise ValueError(f"/generate answer has finish_reason {finish!r}")
+    return GenerateOutput(
+        token_ids=[int(t[1]) for t in triples],
+        logprobs=[float(t[0]) for t in triples],
+        finish_reason=kind,
+        weight_version=parse_version(meta.get("weight_version")),
+        message=str(finish.get("message", "")),
+    )
+
+
+PAUSE_PAYLOAD = {"mode": "abort"}  # running requests return at once with finish_reason abort
+CONTINUE_PAYLOAD: dict = {}
+ABORT_ALL_PAYLOAD = {"rid": "", "abort_all": True}
+
+
+def abort_payload(rid: str) -> dict[str, Any]:
+    return {"rid": rid, "abort_all": False}
+
+
+def update_weights_payload(path: str, version: int) -> dict[str, Any]:
+    """``POST /update_weights_from_disk`` body; requests are already aborted by the pause."""
+    return {"model_path": path, "weight_version": str(version), "abort_all_requests": False}
+
+
+def update_succeeded(status: int, body: Any) -> tuple[bool, str]:
+    """``(ok, message)`` of an update answer; HTTP 400 means the old weights are still loaded."""
+    message = body.get("message", "") if isinstance(body, dict) else str(body or "")
+    ok = status == 200 and isinstance(body, dict) and bool(body.get("success"))
+    return ok, message or f"HTTP {status}"

@@ -1,0 +1,314 @@
+"""The ``RolloutService`` RPC handlers.
+
+On the Rollout stream a bad request does not end the stream: its TrajectoryGroup comes back
+with ``error`` set (code, field, message) and the other requests carry on, because one stream
+carries many independent prompts. The other RPCs concern one thing each and fail with a
+status code (INVALID_ARGUMENT naming the field, FAILED_PRECONDITION for a stale version or a
+checkpoint that does not load, UNAVAILABLE while shutting down).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Collection
+from pathlib import Path
+
+import grpc
+
+from areal_jax.protocol import finish_reason_to_proto, group_to_proto
+from areal_jax.protocol.v1 import rollout_pb2 as pb
+from areal_jax.protocol.v1 import rollout_pb2_grpc as pb_grpc
+from areal_jax.trajectory import TrajectoryGroup
+from rollout.admission import Admission, AdmissionClosed
+from rollout.config import ServerConfig
+from rollout.engine import (
+    EngineError,
+    GenerationChunk,
+    GenerationEngine,
+    InvalidParamError,
+    WeightLoadError,
+)
+from rollout.requests import Limits, generate_args_from_proto, rollout_task_from_proto
+from rollout.timing import ActivityClock, ThroughputMeter, TimedEngine, TimedScorer
+from rollout.weight_intake import WeightIntake
+from rollout.workflows.base import RewardScorer, RolloutTask, Workflow
+
+log = logging.getLogger(__name__)
+_DONE = object()
+
+
+class Rejected(Exception):
+    """An RPC that fails with ``code``; turned into a status at the handler boundary."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def _first_leaf(exc: BaseException) -> BaseException:
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc
+
+
+def _error_group(request_id: str, code: grpc.StatusCode, message: str, field: str = ""):
+    error = pb.RequestError(code=code.value[0], field=field, message=message)
+    return pb.TrajectoryGroup(request_id=request_id, error=error)
+
+
+def _chunk_to_proto(chunk: GenerationChunk) -> pb.GenerateChunk:
+    finish = chunk.finish_reason
+    return pb.GenerateChunk(
+        token_ids=chunk.token_ids,
+        logprobs=chunk.logprobs,
+        versions=chunk.versions,
+        finish_reason=finish_reason_to_proto(finish) if finish else pb.FINISH_REASON_UNSPECIFIED,
+    )
+
+
+def _check_group(group: TrajectoryGroup, task: RolloutTask) -> None:
+    """Hold a workflow to its contract (``rollout.workflows.base``)."""
+    if group.group_id != task.request_id:
+        raise RuntimeError(f"workflow returned group_id {group.group_id!r}")
+    if not group.trajectories:
+        raise RuntimeError("workflow returned no trajectories")
+    for traj in group.trajectories:
+        if tuple(traj.prompt_ids.tolist()) != task.prompt_ids:
+            raise RuntimeError("workflow returned a trajectory with another prompt")
+
+
+class RolloutServicer(pb_grpc.RolloutServiceServicer):
+    """Runs workflows on the engine and streams the groups back; see the module docstring."""
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        engine: GenerationEngine,
+        workflow: Workflow,
+        scorer: RewardScorer,
+        reward_names: Collection[str],
+        push_dir: Path,
+    ):
+        self._config = config
+        self._engine = engine
+        self._workflow = workflow
+        self._scorer = scorer
+        self._reward_names = frozenset(reward_names)
+        self._admission = Admission(config.max_queued_requests, config.max_concurrent_groups)
+        self._meter = ThroughputMeter()
+        self._update_lock = asyncio.Lock()
+        self._intake = WeightIntake(push_dir)
+        self._readers: set[asyncio.Task] = set()
+        self.closing = False
+
+    def begin_shutdown(self) -> None:
+        """Stop reading and admitting requests; queued ones come back aborted."""
+        self.closing = True
+        self._admission.close()
+        for reader in self._readers:
+            reader.cancel()
+
+    def _limits(self) -> Limits:
+        return Limits(
+            vocab_size=self._engine.vocab_size,
+            max_context_len=self._engine.max_context_len,
+            reward_names=self._reward_names,
+            max_group_size=self._config.max_group_size,
+        )
+
+    # Rollout ---------------------------------------------------------------------------------
+
+    async def Rollout(self, request_iterator, context):
+        if self.closing:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+        out: asyncio.Queue = asyncio.Queue()
+        tasks: set[asyncio.Task] = set()
+        reader = asyncio.create_task(self._read(request_iterator, out, tasks))
+        self._readers.add(reader)
+        try:
+            while (item := await out.get()) is not _DONE:
+                yield item
+        finally:
+            self._readers.discard(reader)
+            reader.cancel()
+            for task in tasks:
+                task.cancel()
+
+    async def _read(self, requests: AsyncIterator, out: asyncio.Queue, tasks: set) -> None:
+        """Admit each request of one stream; put ``_DONE`` once all its groups are out."""
+        in_flight: set[str] = set()
+        try:
+            async for req in requests:
+                try:
+                    task = rollout_task_from_proto(req, self._limits())
+                    if task.request_id in in_flight:
+                        raise InvalidParamError("request_id", "already in flight on this stream")
+                except InvalidParamError as e:
+                    code = grpc.StatusCode.INVALID_ARGUMENT
+                    out.put_nowait(_error_group(req.request_id, code, str(e), e.field))
+                    continue
+                await self._admission.reserve()
+                in_flight.add(task.request_id)
+                job = asyncio.create_task(self._run_group(task, out, in_flight))
+                tasks.add(job)
+                job.add_done_callback(tasks.discard)
+        except (asyncio.CancelledError, AdmissionClosed):
+            pass  # shutdown or client gone: finish what was admitted
+        finally:
+            if tasks:
+                await asyncio.gather(*tasks, return_exceptions=True)
+            out.put_nowait(_DONE)
+
+    async def _run_group(self, task: RolloutTask, out: asyncio.Queue, in_flight: set) -> None:
+        admitted = time.monotonic()
+        started = False
+        try:
+            await self._admission.start()
+            started = True
+            queue_s = time.monotonic() - admitted
+            gen_clock, reward_clock = ActivityClock(), ActivityClock()
+            group = await self._workflow.run(
+                task,
+                TimedEngine(self._engine, gen_clock, self._meter.add),
+                TimedScorer(self._scorer, reward_clock),
+            )
+            _check_group(group, task)
+            timing = {"queue_s": queue_s, "generation_s": gen_clock.total}
+            msg = group_to_proto(group, timing | {"reward_s": reward_clock.total})
+        except AdmissionClosed:
+            msg = _error_group(task.request_id, grpc.StatusCode.ABORTED, "server shut down")
+        except Exception as e:  # noqa: BLE001 - reported to the client, the stream goes on
+            msg = self._failure(task.request_id, _first_leaf(e))
+        finally:
+            self._admission.release(started)
+            in_flight.discard(task.request_id)
+        out.put_nowait(msg)
+
+    @staticmethod
+    def _failure(request_id: str, exc: BaseException) -> pb.TrajectoryGroup:
+        if isinstance(exc, InvalidParamError):
+            return _error_group(request_id, grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.field)
+        if isinstance(exc, EngineError):
+            log.warning("request %s: engine failed: %s", request_id, exc)
+            return _error_group(request_id, grpc.StatusCode.UNAVAILABLE, f"engine: {exc}")
+        log.exception("request %s failed", request_id, exc_info=exc)
+        return _error_group(request_id, grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+    # Generate --------------------------------------------------------------------------------
+
+    async def Generate(self, request, context):
+        try:
+            request_id, prompt, params = generate_args_from_proto(request, self._limits())
+        except InvalidParamError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        try:
+            await self._admission.reserve()
+        except AdmissionClosed:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+        started = False
+        try:
+            await self._admission.start()
+            started = True
+            async with contextlib.aclosing(self._engine.generate(prompt, params, request_id)) as chunks:
+                async for chunk in chunks:
+                    self._meter.add(len(chunk.token_ids))
+                    yield _chunk_to_proto(chunk)
+        except AdmissionClosed:
+            await context.abort(grpc.StatusCode.ABORTED, "server shut down")
+        except EngineError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine: {e}")
+        finally:
+            self._admission.release(started)
+
+    # Weights ---------------------------------------------------------------------------------
+
+    def _check_version(self, version: int, field: str = "version") -> None:
+        if version <= self._engine.version:
+            raise Rejected(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"{field}: {version} is not newer than the serving version {self._engine.version}",
+            )
+
+    async def _update(self, path: str, version: int) -> pb.UpdateWeightsResponse:
+        if self.closing:
+            raise Rejected(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+        self._check_version(version)
+        start = time.monotonic()
+        try:
+            await self._engine.update_weights(path, version)
+        except WeightLoadError as e:
+            raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, f"path: {e}") from e
+        except EngineError as e:
+            raise Rejected(grpc.StatusCode.UNAVAILABLE, f"engine: {e}") from e
+        load_s = time.monotonic() - start
+        log.info("now serving version %d (loaded %s in %.1f s)", version, path, load_s)
+        return pb.UpdateWeightsResponse(version=self._engine.version, load_s=load_s)
+
+    async def UpdateWeights(self, request, context):
+        try:
+            if not request.path:
+                raise InvalidParamError("path", "must not be empty")
+            if request.version < 0:
+                raise InvalidParamError("version", f"must be >= 0, got {request.version}")
+            async with self._update_lock:
+                return await self._update(request.path, request.version)
+        except InvalidParamError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except Rejected as e:
+            await context.abort(e.code, str(e))
+
+    async def PushWeights(self, request_iterator, context):
+        try:
+            async with self._update_lock:
+                check = lambda v: self._check_version(v, "header.version")  # noqa: E731
+                directory, version = await self._intake.receive(request_iterator, check)
+                try:
+                    response = await self._update(str(directory), version)
+                except BaseException:
+                    self._intake.discard(directory)
+                    raise
+                self._intake.keep(directory)
+                return response
+        except InvalidParamError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except Rejected as e:
+            await context.abort(e.code, str(e))
+        except OSError as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"writing weights: {e}")
+
+    # Control ---------------------------------------------------------------------------------
+
+    async def Pause(self, request, context):
+        return await self._control(self._engine.pause, context)
+
+    async def Resume(self, request, context):
+        return await self._control(self._engine.resume, context)
+
+    async def _control(self, action, context) -> pb.ServerStatus:
+        try:
+            await action()
+        except EngineError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine: {e}")
+        return self.status()
+
+    async def GetStatus(self, request, context):
+        return self.status()
+
+    def status(self) -> pb.ServerStatus:
+        engine = self._engine
+        stats = {k: float(v) for k, v in engine.stats().items()}
+        return pb.ServerStatus(
+            version=engine.version,
+            running_requests=self._admission.running,
+            queued_requests=self._admission.queued,
+            tokens_generated=self._meter.total,
+            tokens_per_second=self._meter.rate(),
+            engine_kind=engine.kind,
+            paused=engine.paused,
+            vocab_size=engine.vocab_size,
+            max_context_len=engine.max_context_len,
+            engine_stats=stats,
+        )

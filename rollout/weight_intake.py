@@ -1,0 +1,125 @@
+"""Receives a pushed checkpoint (``PushWeights``) into a fresh local directory.
+
+The stream is one ``header`` (version, file names and sizes) followed by each file's bytes in
+order. Names must be plain file names; every byte count is checked against the header, and a
+directory that failed (bad stream, full disk, rejected load) is removed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import uuid
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import BinaryIO
+
+from areal_jax.protocol.v1 import rollout_pb2 as pb
+from rollout.engine import InvalidParamError
+
+
+def _check_name(name: str, field: str) -> None:
+    if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+        raise InvalidParamError(field, f"{name!r} is not a plain file name")
+
+
+class WeightIntake:
+    """Writes pushed checkpoints under ``root``; keeps only the last one that was loaded."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.current: Path | None = None
+
+    async def receive(
+        self,
+        requests: AsyncIterator[pb.PushWeightsRequest],
+        check_version: Callable[[int], None],
+    ) -> tuple[Path, int]:
+        """Write the stream's files; return ``(directory, version)``.
+
+        ``check_version`` runs on the header's version before any byte is written.
+        """
+        header = await anext(aiter(requests), None)
+        if header is None or header.WhichOneof("item") != "header":
+            raise InvalidParamError("header", "the first message must be the header")
+        self._check_header(header.header)
+        version = header.header.version
+        files = {f.name: f.size for f in header.header.files}
+        check_version(version)
+        needed = sum(files.values())
+        self.root.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(self.root).free
+        if needed > free:
+            raise OSError(f"push needs {needed} bytes, {self.root} has {free} free")
+        directory = self.root / f"v{version}-{uuid.uuid4().hex[:8]}"
+        directory.mkdir()
+        try:
+            written = await self._write_files(requests, directory, files)
+            for i, (name, size) in enumerate(files.items()):
+                if written[name] != size:
+                    raise InvalidParamError(
+                        f"header.files[{i}].size",
+                        f"{name}: header says {size} bytes, received {written[name]}",
+                    )
+        except BaseException:
+            self.discard(directory)
+            raise
+        return directory, version
+
+    def keep(self, directory: Path) -> None:
+        """Make ``directory`` the current checkpoint and remove the previous one."""
+        if self.current is not None and self.current != directory:
+            self.discard(self.current)
+        self.current = directory
+
+    def discard(self, directory: Path) -> None:
+        shutil.rmtree(directory, ignore_errors=True)
+
+    @staticmethod
+    def _check_header(header: pb.WeightsHeader) -> None:
+        if header.version < 0:
+            raise InvalidParamError("header.version", f"must be >= 0, got {header.version}")
+        if not header.files:
+            raise InvalidParamError("header.files", "must list at least one file")
+        seen = set()
+        for i, f in enumerate(header.files):
+            _check_name(f.name, f"header.files[{i}].name")
+            if f.name in seen:
+                raise InvalidParamError(f"header.files[{i}].name", f"{f.name!r} listed twice")
+            seen.add(f.name)
+            if f.size < 0:
+                raise InvalidParamError(f"header.files[{i}].size", f"must be >= 0, got {f.size}")
+
+    @staticmethod
+    async def _write_files(
+        requests: AsyncIterator[pb.PushWeightsRequest], directory: Path, sizes: dict[str, int]
+    ) -> dict[str, int]:
+        written = dict.fromkeys(sizes, 0)
+        handles: dict[str, BinaryIO] = {}
+        try:
+            async for req in requests:
+                if req.WhichOneof("item") != "chunk":
+                    raise InvalidParamError("header", "sent more than once")
+                chunk = req.chunk
+                if chunk.name not in sizes:
+                    raise InvalidParamError("chunk.name", f"{chunk.name!r} is not in the header")
+                if chunk.offset != written[chunk.name]:
+                    raise InvalidParamError(
+                        "chunk.offset",
+                        f"{chunk.name}: expected offset {written[chunk.name]}, got {chunk.offset}",
+                    )
+                if written[chunk.name] + len(chunk.data) > sizes[chunk.name]:
+                    raise InvalidParamError(
+                        "chunk.data", f"{chunk.name}: more bytes than the header's size"
+                    )
+                if chunk.name not in handles:
+                    handles[chunk.name] = open(directory / chunk.name, "wb")  # noqa: SIM115
+                await asyncio.to_thread(handles[chunk.name].write, chunk.data)
+                written[chunk.name] += len(chunk.data)
+            for name in sizes:
+                if name not in handles:
+                    (directory / name).touch()
+        finally:
+            for handle in handles.values():
+                handle.close()
+        return written

@@ -1,0 +1,60 @@
+"""Typed YAML configs with key=value overrides; unknown keys and bad values are named."""
+
+import dataclasses
+from typing import Literal
+
+import pytest
+
+from areal_jax.config import ConfigError, from_dict, load_config, to_dict
+
+
+@dataclasses.dataclass
+class Optim:
+    lr: float = 1e-5
+    betas: tuple[float, float] = (0.9, 0.999)
+
+
+@dataclasses.dataclass
+class Experiment:
+    name: str
+    steps: int = 10
+    mode: Literal["async", "sync"] = "async"
+    seed: int | None = None
+    optim: Optim = dataclasses.field(default_factory=Optim)
+    tags: list[str] = dataclasses.field(default_factory=list)
+
+
+def test_yaml_and_overrides(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("name: run\noptim:\n  lr: 3.0e-4\ntags: [a]\n")
+    cfg = load_config(Experiment, f, ["steps=5", "optim.betas=[0.8, 0.9]", "mode=sync", "seed=7"])
+    assert cfg == Experiment(name="run", steps=5, mode="sync", seed=7,
+                             optim=Optim(lr=3e-4, betas=(0.8, 0.9)), tags=["a"])
+    assert to_dict(cfg)["optim"] == {"lr": 3e-4, "betas": [0.8, 0.9]}
+
+
+@pytest.mark.parametrize("data,overrides,message", [
+    ({"name": "x", "optim": {"lrr": 1}}, [], r"unknown config key optim\.lrr; valid keys here: betas, lr"),
+    ({"name": "x"}, ["steps=many"], "steps: expected an integer, got 'many'"),
+    ({"name": "x"}, ["mode=fast"], r"mode: 'fast' is not one of \['async', 'sync'\]"),
+    ({"name": "x"}, ["optim.betas=[1]"], r"optim.betas: expected 2 items, got 1"),
+    ({}, [], "missing required config key name"),
+    ({"name": "x"}, ["steps"], "not of the form key=value"),
+    ({"name": "x", "steps": 3}, ["steps.sub=1"], "steps is not a mapping"),
+])
+def test_errors_name_the_key(tmp_path, data, overrides, message):
+    import yaml
+
+    f = tmp_path / "c.yaml"
+    f.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match=message):
+        load_config(Experiment, f, overrides)
+
+
+def test_missing_file_and_non_mapping(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(Experiment, tmp_path / "nope.yaml")
+    (tmp_path / "l.yaml").write_text("- 1\n")
+    with pytest.raises(ConfigError, match="mapping at the top level"):
+        load_config(Experiment, tmp_path / "l.yaml")
+    assert from_dict(Experiment, {"name": "n", "seed": None}).seed is None

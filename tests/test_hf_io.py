@@ -1,0 +1,109 @@
+"""Hugging Face import/export: round trips, exact dtypes, sharded files, clear errors."""
+
+import json
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from areal_jax.models import CheckpointError, ModelConfig, ModelConfigError, export_hf, load_hf_model
+from areal_jax.models.safetensors_io import SafetensorsFile
+
+from _hf_models import hf_logits, hf_model, save_hf_model
+
+
+def _load_torch(path):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("model_type,tie", [("qwen2", True), ("qwen3", False), ("llama", False)])
+def test_import_export_reload_gives_same_logits(tmp_path, model_type, tie):
+    ref = hf_model(model_type, tie=tie, seed=21)
+    save_hf_model(ref, tmp_path / "src")
+    model, _ = load_hf_model(tmp_path / "src")
+    export_hf(model, tmp_path / "out")
+    reloaded = _load_torch(tmp_path / "out")
+    tokens = np.random.RandomState(3).randint(0, 97, size=(2, 20))
+    np.testing.assert_allclose(hf_logits(reloaded, tokens), hf_logits(ref, tokens), atol=1e-5, rtol=0)
+    gen = json.loads((tmp_path / "out" / "generation_config.json").read_text())
+    assert "eos_token_id" in gen
+
+
+def test_export_reproduces_every_tensor_exactly_in_source_dtype(tmp_path):
+    ref = hf_model("qwen2", seed=4)
+    save_hf_model(ref, tmp_path / "src", dtype=torch.bfloat16)
+    model, dtypes = load_hf_model(tmp_path / "src")
+    assert set(np.dtype(d) for d in dtypes.values()) == {np.dtype(ml_dtypes.bfloat16)}
+    export_hf(model, tmp_path / "out", dtype={k: "BF16" for k in dtypes},
+              max_shard_bytes=20_000)
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    src = SafetensorsFile(tmp_path / "src" / "model.safetensors")
+    assert sorted(index["weight_map"]) == sorted(src.keys())
+    for name, fname in index["weight_map"].items():
+        out = SafetensorsFile(tmp_path / "out" / fname)
+        assert out.dtype(name) == src.dtype(name), name
+        np.testing.assert_array_equal(out.get(name).view(np.uint16), src.get(name).view(np.uint16))
+    # The sharded export loads in transformers.
+    reloaded = _load_torch(tmp_path / "out")
+    tokens = np.random.RandomState(0).randint(0, 97, size=(1, 12))
+    ref_bf16 = _load_torch(tmp_path / "src")
+    np.testing.assert_allclose(hf_logits(reloaded, tokens), hf_logits(ref_bf16, tokens), atol=1e-5)
+
+
+def test_export_replaces_existing_directory_atomically(tmp_path):
+    model, _ = load_hf_model(save_hf_model(hf_model("llama", seed=1), tmp_path / "src"))
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "stale.txt").write_text("old")
+    export_hf(model, tmp_path / "out")
+    assert not (tmp_path / "out" / "stale.txt").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]  # no temp dirs left
+
+
+def test_unknown_model_type_and_missing_field_are_named():
+    base = {"model_type": "qwen2", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+            "num_hidden_layers": 1, "num_attention_heads": 2}
+    with pytest.raises(ModelConfigError, match=r"model_type 'gpt2' is not supported; supported: qwen2, qwen3, llama"):
+        ModelConfig.from_hf_dict({**base, "model_type": "gpt2"})
+    missing = dict(base)
+    del missing["intermediate_size"]
+    with pytest.raises(ModelConfigError, match="missing field 'intermediate_size'"):
+        ModelConfig.from_hf_dict(missing)
+    with pytest.raises(ModelConfigError, match="rope_type 'yarn' is not supported"):
+        ModelConfig.from_hf_dict({**base, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
+    with pytest.raises(ModelConfigError, match="hidden_act 'gelu'"):
+        ModelConfig.from_hf_dict({**base, "hidden_act": "gelu"})
+    with pytest.raises(ModelConfigError, match="multiple of num_key_value_heads"):
+        ModelConfig.from_hf_dict({**base, "num_key_value_heads": 3, "num_attention_heads": 4})
+
+
+def test_missing_truncated_and_incomplete_weights_fail_clearly(tmp_path):
+    src = save_hf_model(hf_model("qwen2", seed=2), tmp_path / "m")
+    weights = tmp_path / "m" / "model.safetensors"
+    data = weights.read_bytes()
+
+    weights.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="truncated: tensor"):
+        load_hf_model(src)
+
+    weights.write_bytes(data[:5])
+    with pytest.raises(CheckpointError, match="truncated"):
+        load_hf_model(src)
+
+    weights.unlink()
+    with pytest.raises(CheckpointError, match="no model.safetensors"):
+        load_hf_model(src)
+
+    # A checkpoint whose config promises more layers than the file holds names the tensor.
+    save_hf_model(hf_model("qwen2", seed=2), tmp_path / "m2")
+    cfg = json.loads((tmp_path / "m2" / "config.json").read_text())
+    cfg["num_hidden_layers"] = 3
+    (tmp_path / "m2" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="missing tensor model.layers.2."):
+        load_hf_model(tmp_path / "m2")
+
+    with pytest.raises(ModelConfigError, match="no config.json"):
+        load_hf_model(tmp_path / "nowhere")

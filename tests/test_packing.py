@@ -1,0 +1,190 @@
+"""Dynamic micro-batching (Algorithm 1), minibatch splits and packing into [R, T] rows."""
+
+import numpy as np
+import pytest
+
+from areal_jax.config import ConfigError, from_dict
+from areal_jax.rl.packing import (
+    MicroBatchConfig,
+    default_row_buckets,
+    pack_micro_batch,
+    pack_micro_batches,
+    plan_micro_batches,
+    possible_shapes,
+    split_minibatches,
+    unpack_outputs,
+)
+from areal_jax.trajectory import Trajectory, TrajectoryGroup
+
+
+def _traj(n_prompt, n_out, seed=0, reward=0.0):
+    rng = np.random.default_rng(seed)
+    return Trajectory(
+        prompt_ids=rng.integers(1, 1000, n_prompt),
+        output_ids=rng.integers(1, 1000, n_out),
+        behav_logprobs=-rng.random(n_out),
+        versions=rng.integers(0, 5, n_out),
+        reward=reward,
+        output_mask=(rng.random(n_out) < 0.8).astype(np.int32),
+    )
+
+
+def test_plan_hand_example():
+    # Descending: 8 (i2), 7 (i4), 5 (i0), 3 (i1), 2 (i3); budget 10.
+    # 8 opens mb0; 7 and 5 fit nowhere and open mb1, mb2; 3 fits mb1 (7) and mb2 (5): both hold
+    # one sequence, mb2 has fewer tokens; 2 fits all, mb0 and mb1 hold fewest, mb1 lighter.
+    assert plan_micro_batches([5, 3, 8, 2, 7], 10) == [[2], [3, 4], [0, 1]]
+    # min_count=4 forces a fourth micro-batch for the 3; the 2 joins the lightest (the 3's).
+    assert plan_micro_batches([5, 3, 8, 2, 7], 10, min_count=4) == [[2], [4], [0], [1, 3]]
+
+
+def test_plan_random_invariants():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        budget = int(rng.integers(16, 256))
+        lengths = rng.integers(1, budget + 1, int(rng.integers(1, 40))).tolist()
+        min_count = int(rng.integers(1, len(lengths) + 1))
+        plan = plan_micro_batches(lengths, budget, min_count)
+        placed = sorted(i for mb in plan for i in mb)
+        assert placed == list(range(len(lengths)))
+        assert all(sum(lengths[i] for i in mb) <= budget for mb in plan)
+        assert len(plan) >= min_count
+
+
+def test_plan_errors():
+    with pytest.raises(ValueError, match=r"sequence 3 has 300 tokens.*budget 256"):
+        plan_micro_batches([10, 20, 30, 300], 256)
+    with pytest.raises(ValueError, match="min_count=5"):
+        plan_micro_batches([1, 2, 3], 10, min_count=5)
+    with pytest.raises(ValueError, match="sequence 1 has length 0"):
+        plan_micro_batches([1, 0], 10)
+
+
+def test_split_minibatches_balanced_and_whole_groups():
+    sizes = [9, 3, 7, 5, 4, 6]  # tokens per group: one trajectory of (1 prompt + s-1 output)
+    groups = [TrajectoryGroup(f"g{i}", [_traj(1, s - 1, seed=i)]) for i, s in enumerate(sizes)]
+    parts = split_minibatches(groups, 2)
+    # Largest first into the lighter part: 9->A, 7->B, 6->B(7<9), 5->A(13 vs 14), 4->A? A=14,
+    # B=13 -> B, 3 -> A (14 vs 17). A = {9, 5, 3} = 17, B = {7, 6, 4} = 17, input order kept.
+    assert [[g.group_id for g in p] for p in parts] == [["g0", "g1", "g3"], ["g2", "g4", "g5"]]
+    trajs = [g.trajectories[0] for g in groups]
+    assert [len(p) for p in split_minibatches(trajs, 3)] == [2, 2, 2]
+    with pytest.raises(ValueError, match="cannot split 6 items into 7"):
+        split_minibatches(groups, 7)
+
+
+def test_default_row_buckets():
+    assert default_row_buckets(1024) == (128, 256, 512, 1024)
+    assert default_row_buckets(1000) == (128, 256, 512, 1024)
+    assert default_row_buckets(3000) == (128, 256, 512, 1024, 2048, 3072)
+    assert default_row_buckets(100) == (128,)
+
+
+def test_pack_hand_example():
+    a = Trajectory(
+        prompt_ids=[11, 12], output_ids=[13, 14, 15], behav_logprobs=[-0.1, -0.2, -0.3],
+        versions=[3, 4, 4], output_mask=[1, 0, 1],
+    )  # fmt: skip
+    b = Trajectory(prompt_ids=[21], output_ids=[22, 23], behav_logprobs=[-0.5, -0.6], versions=[5, 5])
+    # Lengths 5 and 3 fit one row of T=8 (area 8 < 16 for T=16).
+    p = pack_micro_batch([a, b], [2.0, np.array([1.5, -1.5])], buckets=(8, 16))
+    assert p.shape == (1, 8)
+    np.testing.assert_array_equal(p.tokens, [[11, 12, 13, 14, 15, 21, 22, 23]])
+    np.testing.assert_array_equal(p.segment_ids, [[1, 1, 1, 1, 1, 2, 2, 2]])
+    np.testing.assert_array_equal(p.positions, [[0, 1, 2, 3, 4, 0, 1, 2]])
+    np.testing.assert_array_equal(p.targets, [[12, 13, 14, 15, 0, 22, 23, 0]])
+    np.testing.assert_array_equal(p.loss_mask, [[0, 1, 0, 1, 0, 1, 1, 0]])
+    np.testing.assert_allclose(p.behav_logprobs, [[0, -0.1, 0, -0.3, 0, -0.5, -0.6, 0]])
+    np.testing.assert_array_equal(p.versions, [[-1, 3, -1, 4, -1, 5, 5, -1]])
+    np.testing.assert_allclose(p.advantages, [[0, 2.0, 0, 2.0, 0, 1.5, -1.5, 0]])
+    np.testing.assert_array_equal(p.seq_index, [[0, 0, 0, 0, 0, 1, 1, 1]])
+    np.testing.assert_array_equal(p.placements, [[0, 0, 2, 3], [0, 5, 1, 2]])
+    assert p.n_valid_tokens == 4 and p.n_sequences == 2
+    assert p.loss_mask.dtype == np.float32 and p.tokens.dtype == np.int32
+
+    out = unpack_outputs(np.arange(8).reshape(1, 8), p.placements)
+    np.testing.assert_array_equal(out[0], [1, 2, 3])
+    np.testing.assert_array_equal(out[1], [5, 6])
+
+    # row_multiple=2 pads with a whole row of padding.
+    p2 = pack_micro_batch([a, b], [2.0, 1.0], buckets=(8, 16), row_multiple=2)
+    assert p2.shape == (2, 8)
+    assert (p2.segment_ids[1] == 0).all() and (p2.seq_index[1] == -1).all()
+    assert (p2.versions[1] == -1).all() and p2.loss_mask[1].sum() == 0
+
+
+def test_pack_row_layout_minimises_padded_area():
+    trajs = [_traj(10, 50, seed=i) for i in range(4)]  # four sequences of 60 tokens
+    # T=100 holds one per row: 3 rows, bucketed to 4 (area 400); T=200 holds all three (200).
+    assert pack_micro_batch(trajs[:3], [0.0] * 3, buckets=(100, 200)).shape == (1, 200)
+    # One sequence: (1, 100) beats (1, 200).
+    assert pack_micro_batch(trajs[:1], [0.0], buckets=(100, 200)).shape == (1, 100)
+    # T=128 gives 2 rows of two (256), T=256 one row of four (256): a tie goes to the smaller T.
+    assert pack_micro_batch(trajs, [0.0] * 4, buckets=(128, 256)).shape == (2, 128)
+
+
+def test_pack_errors():
+    a = _traj(3, 4)
+    with pytest.raises(ValueError, match=r"advantages\[1\] has shape \(3,\)"):
+        pack_micro_batch([a, _traj(2, 2)], [1.0, np.zeros(3)], buckets=(16,))
+    with pytest.raises(ValueError, match="exceeds the largest row bucket 4"):
+        pack_micro_batch([a], [1.0], buckets=(4,))
+    with pytest.raises(ValueError, match="advantages has 1 entries for 2"):
+        pack_micro_batches([a, a], [1.0], MicroBatchConfig(token_budget=64))
+
+
+def test_config_validation():
+    cfg = from_dict(MicroBatchConfig, {"token_budget": 512, "row_buckets": [128, 512]})
+    assert cfg.buckets == (128, 512)
+    with pytest.raises(ConfigError, match="largest bucket 256 is below token_budget 512"):
+        from_dict(MicroBatchConfig, {"token_budget": 512, "row_buckets": [128, 256]})
+    with pytest.raises(ConfigError, match="strictly ascending"):
+        from_dict(MicroBatchConfig, {"token_budget": 64, "row_buckets": [128, 64]})
+    with pytest.raises(ConfigError, match="row_multiple must be >= 1"):
+        from_dict(MicroBatchConfig, {"row_multiple": 0})
+
+
+def test_possible_shapes_literal():
+    cfg = MicroBatchConfig(token_budget=1024, row_multiple=2)
+    assert possible_shapes(cfg) == {
+        (2, 128), (4, 128), (8, 128), (16, 128),
+        (2, 256), (4, 256), (8, 256),
+        (2, 512), (4, 512),
+        (2, 1024),
+    }  # fmt: skip
+
+
+def test_random_minibatches_shapes_bounded_and_content_exact():
+    cfg = MicroBatchConfig(token_budget=1024, min_micro_batches=2, row_multiple=2)
+    allowed = possible_shapes(cfg)
+    rng = np.random.default_rng(1)
+    seen = set()
+    for trial in range(60):
+        n = int(rng.integers(2, 24))
+        trajs = [
+            _traj(int(rng.integers(1, 64)), int(rng.integers(0, 700)), seed=trial * 100 + i)
+            for i in range(n)
+        ]
+        advs = [rng.normal(size=len(t.output_ids)) if i % 2 else float(i) for i, t in enumerate(trajs)]
+        batches = pack_micro_batches(trajs, advs, cfg)
+        assert len(batches) >= cfg.min_micro_batches
+        placed = sorted(int(i) for b in batches for i in b.traj_index)
+        assert placed == list(range(n))
+        for b in batches:
+            seen.add(b.shape)
+            assert b.shape in allowed
+            assert sum(trajs[g].length for g in b.traj_index) <= cfg.token_budget
+            n_valid = 0
+            for local, (row, off, n_p, n_o) in enumerate(b.placements):
+                t = trajs[b.traj_index[local]]
+                span = slice(off, off + n_p + n_o)
+                np.testing.assert_array_equal(b.tokens[row, span], np.r_[t.prompt_ids, t.output_ids])
+                assert (b.seq_index[row, span] == local).all()
+                np.testing.assert_array_equal(b.targets[row, off : off + n_p + n_o - 1], b.tokens[row, off + 1 : off + n_p + n_o])
+                assert b.targets[row, off + n_p + n_o - 1] == 0
+                n_valid += int(t.output_mask.sum())
+            assert b.n_valid_tokens == n_valid
+            assert ((b.segment_ids > 0) == (b.seq_index >= 0)).all()
+            assert (b.loss_mask[b.seq_index < 0] == 0).all()
+    assert len(seen) <= len(allowed)
+    assert len(seen) >= 3  # the random batches really did use several buckets

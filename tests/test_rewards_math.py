@@ -1,0 +1,193 @@
+"""Reward registry, the math reward and the reward process pool."""
+
+import asyncio
+import os
+import time
+
+import pytest
+
+from areal_jax.rewards import (
+    RewardNotFoundError,
+    RewardPool,
+    available_rewards,
+    get_reward,
+    register_reward,
+)
+from areal_jax.rewards.math_answer import math_reward
+
+
+def constant_reward(completion: str, metadata: dict) -> float:
+    return float(metadata.get("value", 0.5))
+
+
+def hanging_reward(completion: str, metadata: dict) -> float:
+    time.sleep(600)
+    return 1.0
+
+
+def crashing_reward(completion: str, metadata: dict) -> float:
+    os._exit(3)
+
+
+def raising_reward(completion: str, metadata: dict) -> float:
+    raise RuntimeError("broken reward")
+
+
+def nan_reward(completion: str, metadata: dict) -> float:
+    return float("nan")
+
+
+def length_reward(completion: str, metadata: dict) -> float:
+    return float(len(completion))
+
+
+register_reward("test_length")(length_reward)
+
+
+# --- registry -----------------------------------------------------------------------------
+
+
+def test_builtins_and_registered_names_are_listed():
+    names = available_rewards()
+    assert {"math", "code", "code_fraction", "synthetic_arith", "test_length"} <= set(names)
+    assert names == sorted(names)
+    assert get_reward("test_length")("abc", {}) == 3.0
+    assert get_reward("math") is math_reward
+
+
+def test_custom_reward_by_dotted_path_in_both_forms():
+    for path in (f"{__name__}:constant_reward", f"{__name__}.constant_reward"):
+        assert get_reward(path)("", {"value": 0.25}) == 0.25
+
+
+def test_unknown_or_bad_reward_names_raise_with_the_problem():
+    with pytest.raises(RewardNotFoundError, match="not registered; available: code"):
+        get_reward("nope")
+    with pytest.raises(RewardNotFoundError, match="cannot import 'no_such_pkg'"):
+        get_reward("no_such_pkg.module:fn")
+    with pytest.raises(RewardNotFoundError, match="has no attribute 'missing'"):
+        get_reward(f"{__name__}:missing")
+    with pytest.raises(RewardNotFoundError, match="not a function"):
+        get_reward("os:sep")
+
+
+def test_registration_conflicts_are_errors():
+    register_reward("test_length")(length_reward)  # same function again: fine
+    with pytest.raises(ValueError, match="already registered"):
+        register_reward("test_length")(constant_reward)
+    with pytest.raises(ValueError, match="built-in"):
+        register_reward("math")(constant_reward)
+
+
+# --- math reward --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "completion, answer, expected",
+    [
+        (r"So the result is \boxed{\frac{1}{2}}.", "0.5", 1.0),
+        (r"We get $\boxed{0.5}$", r"\frac{1}{2}", 1.0),
+        (r"\boxed{\sqrt 2}", r"\sqrt{2}", 1.0),
+        (r"\boxed{1+x^2}", "x^2+1", 1.0),
+        (r"\boxed{1000}", "1,000", 1.0),
+        (r"\boxed{(1, 2)}", "(1,2)", 1.0),
+        (r"\boxed{3}", "4", 0.0),
+        (r"First I thought \boxed{5}, but the final answer is \boxed{6}", "6", 1.0),
+        ("The total is 12 apples. Answer: 72", "72", 1.0),
+        ("I get 72 at first, then answer: 70", "72", 0.0),
+        ("After simplifying we get 41", "41", 1.0),
+        ("I do not know.", "41", 0.0),
+    ],
+)
+def test_math_reward_hand_examples(completion, answer, expected):
+    assert math_reward(completion, {"answer": answer}) == expected
+
+
+def test_math_reward_needs_a_usable_gold_answer():
+    with pytest.raises(KeyError, match="answer"):
+        math_reward(r"\boxed{1}", {})
+    with pytest.raises(ValueError, match="empty"):
+        math_reward(r"\boxed{1}", {"answer": "  "})
+
+
+# --- pool ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with RewardPool(num_workers=2, timeout_s=20.0) as p:
+        yield p
+
+
+def test_pool_scores_builtin_registered_and_dotted_rewards(pool):
+    async def main():
+        return await asyncio.gather(
+            pool.score("math", r"\boxed{\frac{2}{4}}", {"answer": "1/2"}),
+            pool.score("math", r"\boxed{3}", {"answer": "1/2"}),
+            pool.score("synthetic_arith", "3+4=7. Answer: 7", {"answer": 7}),
+            pool.score("test_length", "abcd", {}),
+            pool.score(f"{__name__}:constant_reward", "", {"value": 0.75}),
+        )
+
+    assert asyncio.run(main()) == [1.0, 0.0, 1.0, 4.0, 0.75]
+    assert pool.score_sync("code", "print(int(input()) + 1)", {"tests": [{"input": "1", "output": "2"}]}) == 1.0
+
+
+def test_pool_queues_more_calls_than_workers(pool):
+    async def main():
+        return await asyncio.gather(*(pool.score("test_length", "x" * n, {}) for n in range(7)))
+
+    assert asyncio.run(main()) == [float(n) for n in range(7)]
+
+
+def test_pool_rejects_unknown_reward_before_scoring(pool):
+    with pytest.raises(RewardNotFoundError):
+        pool.score_sync("no_such_reward", "", {})
+
+
+def test_errors_score_zero_and_the_worker_keeps_serving(pool):
+    errors = pool.num_errors
+    assert pool.score_sync(f"{__name__}:raising_reward", "", {}) == 0.0
+    assert pool.score_sync(f"{__name__}:nan_reward", "", {}) == 0.0
+    assert pool.score_sync("math", r"\boxed{1}", {}) == 0.0  # missing answer
+    assert pool.num_errors == errors + 3
+    assert pool.score_sync("test_length", "ab", {}) == 2.0
+
+
+def test_hung_and_crashing_workers_are_replaced():
+    with RewardPool(num_workers=1, timeout_s=1.0) as pool:
+        start = time.monotonic()
+        assert pool.score_sync(f"{__name__}:hanging_reward", "", {}) == 0.0
+        assert time.monotonic() - start < 5.0
+        assert pool.num_timeouts == 1
+        # The only worker hung; the next call must still be served.
+        assert pool.score_sync("test_length", "abc", {}) == 3.0
+        assert pool.score_sync(f"{__name__}:crashing_reward", "", {}) == 0.0
+        assert pool.num_errors == 1
+        assert pool.score_sync("test_length", "abcde", {}) == 5.0
+
+
+def test_a_hung_call_does_not_block_concurrent_calls():
+    async def main(pool):
+        hung = asyncio.ensure_future(pool.score(f"{__name__}:hanging_reward", "", {}))
+        quick = [await pool.score("test_length", "x" * n, {}) for n in range(3)]
+        return quick, await hung
+
+    with RewardPool(num_workers=2, timeout_s=2.0) as pool:
+        assert asyncio.run(main(pool)) == ([0.0, 1.0, 2.0], 0.0)
+
+
+def test_closed_pool_refuses_calls_and_stops_workers():
+    pool = RewardPool(num_workers=2, timeout_s=5.0)
+    processes = [w.process for w in pool._idle]
+    pool.close()
+    assert all(not p.is_alive() for p in processes)
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.score_sync("test_length", "", {})
+
+
+def test_pool_arguments_are_validated():
+    with pytest.raises(ValueError, match="num_workers"):
+        RewardPool(num_workers=0, timeout_s=1.0)
+    with pytest.raises(ValueError, match="timeout_s"):
+        RewardPool(num_workers=1, timeout_s=0)

@@ -1,0 +1,261 @@
+"""The code sandbox: limits, isolation and clean-up, and the code reward built on it."""
+
+import json
+import os
+import socket
+import tempfile
+import textwrap
+
+import pytest
+
+from areal_jax.rewards.code_tests import code_fraction_reward, code_reward, extract_code, run_tests
+from areal_jax.rewards.sandbox import (
+    MINIMAL_PATH,
+    SandboxLimits,
+    network_isolation_available,
+    run_python,
+)
+
+FAST = SandboxLimits(timeout_s=3.0)
+
+SQUARE_CASES = [{"input": "3\n", "output": "9\n"}, {"input": "12\n", "output": "144"}]
+
+
+def _alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+def _group_members(pgid: int) -> list[int]:
+    members = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except FileNotFoundError:
+                continue
+            if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+                members.append(int(name))
+    return members
+
+
+def test_correct_solution_passes_io_and_assert_tests():
+    assert run_tests("print(int(input()) ** 2)", SQUARE_CASES, FAST) == (2, 2)
+    asserts = "assert square(4) == 16\nassert square(-2) == 4"
+    assert run_tests("def square(x):\n    return x * x", asserts, FAST) == (1, 1)
+    completion = "Here it is:\n```python\nprint(int(input()) ** 2)\n```\nDone."
+    assert code_reward(completion, {"tests": SQUARE_CASES}) == 1.0
+    assert code_reward(completion, {"tests": json.dumps(SQUARE_CASES)}) == 1.0
+
+
+def test_wrong_solution_fails_and_fraction_counts_passed_cases():
+    wrong = "```python\nn = int(input())\nprint(9 if n == 3 else 0)\n```"
+    assert code_reward(wrong, {"tests": SQUARE_CASES}) == 0.0
+    assert code_fraction_reward(wrong, {"tests": SQUARE_CASES}) == 0.5
+    assert code_reward("def square(x):\n    return x + x", {"tests": "assert square(3) == 9"}) == 0.0
+    crashing = "```python\nraise SystemExit(1)\n```"
+    assert code_fraction_reward(crashing, {"tests": SQUARE_CASES}) == 0.0
+
+
+def test_extract_code_prefers_last_python_block():
+    text = "```\nplain\n```\n```python\nfirst\n```\n```py\nsecond\n```"
+    assert extract_code(text) == "second\n"
+    assert extract_code("```text\nonly\n```") == "only\n"
+    assert extract_code("print(1)") == "print(1)"
+
+
+def test_bad_tests_metadata_is_rejected_with_the_problem():
+    with pytest.raises(ValueError, match=r"'tests'\[0\]"):
+        run_tests("print(1)", [{"input": ""}], FAST)
+    with pytest.raises(KeyError, match="tests"):
+        code_reward("print(1)", {})
+
+
+def test_infinite_loop_is_killed_within_the_timeout():
+    limits = SandboxLimits(timeout_s=1.0)
+    result = run_python("while True:\n    pass\n", limits=limits)
+    assert result.timed_out and not result.ok
+    assert result.elapsed_s < limits.timeout_s + 1.0
+    sleeper = run_python("import time\ntime.sleep(60)\n", limits=limits)
+    assert sleeper.timed_out and sleeper.elapsed_s < limits.timeout_s + 1.0
+    slow = code_reward("while True: pass", {"tests": SQUARE_CASES, "timeout_s": 1})
+    assert slow == 0.0
+
+
+def test_memory_bomb_is_stopped():
+    limits = SandboxLimits(timeout_s=5.0, memory_bytes=256 << 20)
+    result = run_python("chunks = []\nwhile True:\n    chunks.append(bytearray(16 << 20))\n", limits=limits)
+    assert not result.ok and not result.timed_out
+    assert "MemoryError" in result.stderr
+    small = run_python("x = bytearray(64 << 20)\nprint(len(x))", limits=limits)
+    assert small.ok and small.stdout.strip() == str(64 << 20)
+
+
+def test_fork_bomb_is_stopped_by_the_process_limit():
+    limits = SandboxLimits(timeout_s=5.0, max_processes=6)
+    counting = textwrap.dedent(
+        """
+        import os, time
+        made = 0
+        for _ in range(200):
+            try:
+                pid = os.fork()
+            except OSError:
+                break
+            if pid == 0:
+                time.sleep(30)
+                os._exit(0)
+            made += 1
+        print(made)
+        """
+    )
+    result = run_python(counting, limits=limits)
+    assert result.ok
+    assert int(result.stdout) < limits.max_processes
+
+    bomb = textwrap.dedent(
+        """
+        import os
+        print(os.getpgid(0), flush=True)
+        while True:
+            try:
+                os.fork()
+            except OSError:
+                pass
+        """
+    )
+    result = run_python(bomb, limits=SandboxLimits(timeout_s=1.5, max_processes=6))
+    assert result.timed_out
+    assert _group_members(int(result.stdout.split()[0])) == []
+
+
+def test_huge_file_write_is_stopped():
+    limits = SandboxLimits(timeout_s=5.0, max_file_bytes=4 << 20)
+    writer = textwrap.dedent(
+        """
+        written = 0
+        try:
+            with open("big.bin", "wb", buffering=0) as f:
+                for _ in range(64):
+                    written += f.write(b"x" * (1 << 20))
+        except OSError as e:
+            print("stopped", e.errno)
+        print(written)
+        """
+    )
+    result = run_python(writer, limits=limits)
+    lines = result.stdout.split()
+    assert lines[0] == "stopped"
+    assert int(lines[-1]) <= limits.max_file_bytes
+    unguarded = run_python("open('big.bin', 'wb').write(b'x' * (8 << 20))", limits=limits)
+    assert not unguarded.ok and "File too large" in unguarded.stderr
+
+
+def test_parent_environment_is_not_visible(monkeypatch):
+    monkeypatch.setenv("AREAL_SECRET_TOKEN", "hunter2")
+    result = run_python("import json, os\nprint(json.dumps(dict(os.environ)))", limits=FAST)
+    env = json.loads(result.stdout)
+    assert "AREAL_SECRET_TOKEN" not in env
+    assert env["PATH"] == MINIMAL_PATH
+    assert set(env) <= {"PATH", "LC_CTYPE"}  # LC_CTYPE: Python's own C-locale coercion
+
+
+def test_cwd_is_a_private_temp_dir_that_is_removed():
+    code = textwrap.dedent(
+        """
+        import os
+        os.makedirs("locked/inner")
+        open("locked/inner/f.txt", "w").write("data")
+        os.chmod("locked", 0)
+        print(os.getcwd())
+        print(sorted(os.listdir(".")))
+        """
+    )
+    first = run_python(code, limits=FAST)
+    second = run_python(code, limits=FAST)
+    cwd, listing = first.stdout.splitlines()
+    assert first.ok and listing == "['locked', 'main.py']"
+    assert os.path.dirname(cwd) == tempfile.gettempdir()
+    assert cwd != second.stdout.splitlines()[0]
+    assert not os.path.exists(cwd)
+
+
+def test_child_left_behind_is_killed_with_the_group():
+    code = textwrap.dedent(
+        """
+        import subprocess, sys
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        print(child.pid, flush=True)
+        """
+    )
+    result = run_python(code, limits=FAST)
+    assert result.ok and not result.timed_out
+    assert result.elapsed_s < FAST.timeout_s
+    assert not _alive(int(result.stdout))
+
+
+def test_process_that_leaves_the_group_is_killed_when_uid_isolated():
+    code = textwrap.dedent(
+        """
+        import os, time
+        pid = os.fork()
+        if pid == 0:
+            os.setsid()
+            time.sleep(60)
+            os._exit(0)
+        print(pid, flush=True)
+        """
+    )
+    result = run_python(code, limits=FAST)
+    if not result.uid_isolated:
+        pytest.skip("the sandbox runs under the caller's uid here (not root)")
+    assert not _alive(int(result.stdout))
+
+
+def test_caller_files_are_not_writable_when_uid_isolated(tmp_path):
+    target = tmp_path / "owned.txt"
+    target.write_text("keep")
+    tmp_path.chmod(0o755)
+    target.chmod(0o644)
+    result = run_python(f"open({str(target)!r}, 'w').write('gone')", limits=FAST)
+    if not result.uid_isolated:
+        pytest.skip("the sandbox runs under the caller's uid here (not root)")
+    assert "PermissionError" in result.stderr
+    assert target.read_text() == "keep"
+
+
+def test_network_is_unreachable():
+    if not network_isolation_available():
+        pytest.skip("this kernel/user cannot create a network namespace; the sandbox has network")
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        port = server.getsockname()[1]
+        code = textwrap.dedent(
+            f"""
+            import socket
+            s = socket.socket()
+            s.settimeout(2)
+            try:
+                s.connect(("127.0.0.1", {port}))
+                print("connected")
+            except OSError as e:
+                print("refused", e.errno)
+            """
+        )
+        result = run_python(code, limits=FAST)
+    assert result.network_isolated
+    assert result.stdout.startswith("refused")
+
+
+def test_limits_are_validated():
+    with pytest.raises(ValueError, match="timeout_s"):
+        SandboxLimits(timeout_s=0)
+    with pytest.raises(ValueError, match="max_processes"):
+        SandboxLimits(max_processes=-1)
+    assert SandboxLimits(timeout_s=2.5).cpu_seconds == 4

@@ -1,4 +1,4 @@
-"""Training metrics to ``RUN_DIR/metrics.jsonl`` and TensorBoard event files in ``RUN_DIR/tensorboard``.
+"""Training metrics to ``RUN_DIR/metrics.jsonl`` and TensorBoard events in ``RUN_DIR/tensorboard``.
 
 Each ``log(step, metrics)`` appends one JSON object ``{"step", "wall_time", <metrics>...}``;
 non-finite values are written as ``null`` (TensorBoard gets them as they are). Steps must not
@@ -35,7 +35,10 @@ class MetricsLogger:
         self.last_step = _truncate(self.path, resume_from_step)
         self._file = self.path.open("a", encoding="utf-8")
         self._writer = SummaryWriter(
-            str(self.run_dir / TENSORBOARD_DIR), purge_step=resume_from_step, flush_secs=30
+            str(self.run_dir / TENSORBOARD_DIR),
+            purge_step=resume_from_step,
+            flush_secs=30,
+            filename_suffix=f".{os.getpid()}.{time.time_ns()}",  # a reopened run gets its own file
         )
 
     def log(self, step: int, metrics: dict) -> None:
@@ -45,7 +48,8 @@ class MetricsLogger:
         step = int(step)
         if self.last_step is not None and step < self.last_step:
             raise ValueError(
-                f"metrics step {step} is before the last logged step {self.last_step} in {self.path}; "
+                f"metrics step {step} is before the last logged step {self.last_step} "
+                f"in {self.path}; "
                 "pass resume_from_step to rewrite from an earlier step"
             )
         values = {name: _to_float(name, value) for name, value in metrics.items()}

@@ -51,7 +51,9 @@ def read_series(path: str | Path) -> dict[str, tuple[list[int], list[float]]]:
                 record = json.loads(line)
                 step = int(record["step"])
             except (ValueError, KeyError, TypeError):
-                raise PlotError(f"{path} line {number}: not a metrics record with a 'step'") from None
+                raise PlotError(
+                    f"{path} line {number}: not a metrics record with a 'step'"
+                ) from None
             for key, value in record.items():
                 if key in ("step", "wall_time") or isinstance(value, bool):
                     continue
@@ -79,9 +81,13 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     ncols = min(MAX_COLUMNS, len(panels))
     nrows = math.ceil(len(panels) / ncols)
     fig, axes = plt.subplots(
-        nrows, ncols, figsize=(PANEL_SIZE_IN[0] * ncols, PANEL_SIZE_IN[1] * nrows), dpi=DPI, squeeze=False
+        nrows,
+        ncols,
+        figsize=(PANEL_SIZE_IN[0] * ncols, PANEL_SIZE_IN[1] * nrows),
+        dpi=DPI,
+        squeeze=False,
     )
-    for ax, (title, keys) in zip(axes.flat, panels):
+    for ax, (title, keys) in zip(axes.flat, panels, strict=False):
         for key in keys:
             steps, values = series[key]
             ax.plot(steps, values, label=key, linewidth=1.2)

@@ -170,8 +170,8 @@ async def start_server(
     return RolloutServer(server, servicer, health_servicer, engine, closers, port)
 
 
-async def _serve(config: ServerConfig) -> int:
-    server = await start_server(config)
+async def _serve(config: ServerConfig, **components) -> int:
+    server = await start_server(config, **components)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -196,6 +196,9 @@ async def _serve(config: ServerConfig) -> int:
     return 0
 
 
-def serve(config: ServerConfig) -> int:
-    """Run a rollout server until SIGTERM or SIGINT; return the exit code."""
-    return asyncio.run(_serve(config))
+def serve(config: ServerConfig, **components) -> int:
+    """Run a rollout server until SIGTERM or SIGINT; return the exit code.
+
+    ``components`` (engine, scorer, reward_names, tokenizer) go to ``start_server``.
+    """
+    return asyncio.run(_serve(config, **components))

@@ -22,7 +22,7 @@ GROUPS = [[1.0, 0.0, 0.0, 0.0], [2.0, 4.0, 9.0]]
 def _check(name, expected, **kw):
     got = compute_advantages(name, GROUPS, **kw)
     assert len(got) == len(expected)
-    for g, e in zip(got, expected):
+    for g, e in zip(got, expected, strict=True):
         assert g.dtype == np.float32
         np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)
 
@@ -130,7 +130,7 @@ def test_trajectory_advantages_pipeline():
     # Shaped *2, clip 1.5: 1.0, -1.5, 0, 0. GRPO group a: mean -0.25, std 1.25 -> +-1.
     # KL reward-to-go of trajectory 0: -0.1 * [6, 5, 3]; masked token of trajectory 1 -> 0.
     expected = [[0.4, 0.5, 0.7], [-1.0, -1.0, 0.0, -1.0], [0.0], [0.0, 0.0]]
-    for g, e in zip(got, expected):
+    for g, e in zip(got, expected, strict=True):
         np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)
 
     normed = trajectory_advantages(
@@ -140,7 +140,7 @@ def test_trajectory_advantages_pipeline():
     valid = np.array([0.4, 0.5, 0.7, -1.0, -1.0, -1.0, 0.0, 0.0, 0.0])
     ref = [(np.array(e) - valid.mean()) / (valid.std() + 1e-6) for e in expected]
     ref[1][2] = 0.0
-    for g, e in zip(normed, ref):
+    for g, e in zip(normed, ref, strict=True):
         np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)
     trained = np.concatenate([normed[0], np.delete(normed[1], 2), normed[2], normed[3]])
     np.testing.assert_allclose([trained.mean(), trained.std()], [0.0, 1.0], atol=1e-5)

@@ -57,7 +57,7 @@ def test_gradients_match_unchunked():
 
     chunked = objective(lambda h, k: token_logprobs(h, k, targets, 1.3, 4))
     plain = objective(lambda h, k: _unchunked(h, k, targets, 1.3))
-    for a, b in zip(chunked, plain):
+    for a, b in zip(chunked, plain, strict=True):
         assert float(jnp.abs(b).max()) > 0.1
         np.testing.assert_allclose(a, b, atol=1e-5)
 

@@ -70,8 +70,9 @@ def test_loss_and_grad_match_numpy(name):
     cfg = CASES[name]
     lc, lp, lb, adv, mask = _inputs()
     norm = 57.0
-    f = lambda lc_: policy_loss(cfg, lc_, lp, lb, adv, mask, norm)
-    (loss, stats), grad = jax.value_and_grad(f, has_aux=True)(jnp.asarray(lc))
+    (loss, stats), grad = jax.value_and_grad(
+        lambda x: policy_loss(cfg, x, lp, lb, adv, mask, norm), has_aux=True
+    )(jnp.asarray(lc))
     ref_loss, ref_grad = _reference(cfg, lc, lp, lb, adv, mask)
     np.testing.assert_allclose(float(loss), ref_loss.sum() / norm, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(grad), ref_grad / norm, rtol=1e-5, atol=1e-7)
@@ -98,17 +99,20 @@ def test_loss_and_grad_match_numpy(name):
     np.testing.assert_allclose(stats["pg_loss"], ref_loss.sum(), rtol=1e-5)
 
 
-def test_standard_ppo_recovered_when_proximal_equals_behaviour():
+@pytest.mark.parametrize("cap, mode", [(None, "mask"), (1.0, "mask"), (1.0, "truncate")])
+def test_standard_ppo_recovered_when_proximal_equals_behaviour(cap, mode):
     lc, _, lb, adv, mask = _inputs(1)
-    for cap, mode in [(None, "mask"), (1.0, "mask"), (1.0, "truncate")]:
-        dec = LossConfig(behav_weight_cap=cap, behav_cap_mode=mode, eps_clip_high=0.3)
-        ppo = dataclasses.replace(dec, policy_loss="ppo")
-        g_dec = jax.grad(lambda x: policy_loss(dec, x, lb, lb, adv, mask, 10.0)[0])(lc)
-        g_ppo = jax.grad(lambda x: policy_loss(ppo, x, None, lb, adv, mask, 10.0)[0])(lc)
-        np.testing.assert_allclose(g_dec, g_ppo, rtol=1e-6)
-        a = policy_loss(dec, lc, lb, lb, adv, mask, 10.0)[0]
-        b = policy_loss(ppo, lc, lc * 7.0, lb, adv, mask, 10.0)[0]  # ppo ignores prox_logp
-        np.testing.assert_allclose(a, b, rtol=1e-6)
+    dec = LossConfig(behav_weight_cap=cap, behav_cap_mode=mode, eps_clip_high=0.3)
+    ppo = dataclasses.replace(dec, policy_loss="ppo")
+
+    def value_and_grad(cfg, prox):
+        return jax.value_and_grad(lambda x: policy_loss(cfg, x, prox, lb, adv, mask, 10.0)[0])(lc)
+
+    loss_dec, grad_dec = value_and_grad(dec, lb)
+    loss_ppo, grad_ppo = value_and_grad(ppo, lc * 7.0)  # ppo ignores prox_logp
+    np.testing.assert_allclose(loss_dec, loss_ppo, rtol=1e-6)
+    np.testing.assert_allclose(grad_dec, grad_ppo, rtol=1e-6)
+    assert float(jnp.abs(grad_ppo).max()) > 0.01
 
 
 @pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "token_sum"])
@@ -119,10 +123,10 @@ def test_micro_batches_sum_to_minibatch_loss(aggregation):
     seq_index = np.where(np.arange(T) < 12, 0, 1)[None, :] + 2 * np.arange(R)[:, None]
     n_seqs = len(np.unique(seq_index[mask > 0]))
     norm = loss_normalizer(cfg, int(mask.sum()), n_seqs)
-    args = lambda rows: (lp[rows], lb[rows], adv[rows], mask[rows])
 
     def loss_of(lc_, rows):
-        return policy_loss(cfg, lc_, *args(rows), norm, seq_index[rows])
+        fixed = (lp[rows], lb[rows], adv[rows], mask[rows])
+        return policy_loss(cfg, lc_, *fixed, norm, seq_index[rows])
 
     full, full_stats = loss_of(lc, slice(None))
     parts = [loss_of(lc[rows], rows) for rows in (slice(0, 1), slice(1, 4))]
@@ -131,17 +135,24 @@ def test_micro_batches_sum_to_minibatch_loss(aggregation):
     for k in full_stats:
         np.testing.assert_allclose(acc[k], full_stats[k], rtol=1e-6)
     g_full = jax.grad(lambda x: loss_of(x, slice(None))[0])(lc)
-    g_parts = [jax.grad(lambda x, r=rows: loss_of(x, r)[0])(lc[rows]) for rows in (slice(0, 1), slice(1, 4))]
+    g_parts = [
+        jax.grad(lambda x, r=rows: loss_of(x, r)[0])(lc[rows])
+        for rows in (slice(0, 1), slice(1, 4))
+    ]
     np.testing.assert_allclose(np.concatenate(g_parts), g_full, rtol=1e-6)
 
     # The aggregate itself, from the NumPy per-token losses.
     tok, _ = _reference(cfg, lc, lp, lb, adv, mask)
     if aggregation == "seq_mean_token_mean":
         seqs = np.unique(seq_index[mask > 0])
-        expected = sum(tok[seq_index == s].sum() / mask[seq_index == s].sum() for s in seqs) / n_seqs
+        expected = (
+            sum(tok[seq_index == s].sum() / mask[seq_index == s].sum() for s in seqs) / n_seqs
+        )
     else:
         expected = tok.sum() / norm
-    assert norm == {"token_mean": mask.sum(), "seq_mean_token_mean": 8, "token_sum": 64.0}[aggregation]
+    assert (
+        norm == {"token_mean": mask.sum(), "seq_mean_token_mean": 8, "token_sum": 64.0}[aggregation]
+    )
     np.testing.assert_allclose(full, expected, rtol=1e-5)
 
 
@@ -149,8 +160,15 @@ def test_loss_normalizer_and_summary():
     assert loss_normalizer(LossConfig(), 0, 0) == 1.0
     assert loss_normalizer(LossConfig(), 120, 4) == 120.0
     assert loss_normalizer(LossConfig(aggregation="seq_mean_token_mean"), 120, 4) == 4.0
-    assert loss_normalizer(LossConfig(aggregation="token_sum", token_sum_divisor=8192), 12, 4) == 8192.0
-    stats = {"n_tokens": jnp.float32(4), "clip_frac": jnp.float32(1), "behav_weight_max": jnp.float32(3.5)}
+    assert (
+        loss_normalizer(LossConfig(aggregation="token_sum", token_sum_divisor=8192), 12, 4)
+        == 8192.0
+    )
+    stats = {
+        "n_tokens": jnp.float32(4),
+        "clip_frac": jnp.float32(1),
+        "behav_weight_max": jnp.float32(3.5),
+    }
     assert summarize_stats(stats) == {"n_tokens": 4.0, "clip_frac": 0.25, "behav_weight_max": 3.5}
 
 
@@ -158,7 +176,9 @@ def test_masked_positions_cannot_poison_the_gradient():
     lc, lp, lb, adv, mask = _inputs(3)
     lc = np.where(mask > 0, lc, 1e4).astype(np.float32)  # exp would overflow if not masked
     lp = np.where(mask > 0, lp, -1e4).astype(np.float32)
-    loss, grad = jax.value_and_grad(lambda x: policy_loss(LossConfig(), x, lp, lb, adv, mask, 9.0)[0])(lc)
+    loss, grad = jax.value_and_grad(
+        lambda x: policy_loss(LossConfig(), x, lp, lb, adv, mask, 9.0)[0]
+    )(lc)
     assert np.isfinite(loss) and np.isfinite(grad).all()
     assert (np.asarray(grad)[mask == 0] == 0).all()
 
@@ -178,7 +198,10 @@ def test_config_validation():
     assert from_dict(LossConfig, {"behav_weight_cap": None}).behav_weight_cap is None
     assert LossConfig().needs_proximal and not LossConfig(policy_loss="ppo").needs_proximal
     for data, msg in [
-        ({"policy_loss": "grpo"}, "policy_loss 'grpo' is not registered; choose one of decoupled_ppo, ppo"),
+        (
+            {"policy_loss": "grpo"},
+            "policy_loss 'grpo' is not registered; choose one of decoupled_ppo, ppo",
+        ),
         ({"dual_clip": 1.0}, "dual_clip must be > 1"),
         ({"behav_weight_cap": 0.5}, "behav_weight_cap must be >= 1"),
         ({"eps_clip_low": 1.2}, "eps_clip_low must be in"),

@@ -85,7 +85,9 @@ def test_pack_hand_example():
         prompt_ids=[11, 12], output_ids=[13, 14, 15], behav_logprobs=[-0.1, -0.2, -0.3],
         versions=[3, 4, 4], output_mask=[1, 0, 1],
     )  # fmt: skip
-    b = Trajectory(prompt_ids=[21], output_ids=[22, 23], behav_logprobs=[-0.5, -0.6], versions=[5, 5])
+    b = Trajectory(
+        prompt_ids=[21], output_ids=[22, 23], behav_logprobs=[-0.5, -0.6], versions=[5, 5]
+    )
     # Lengths 5 and 3 fit one row of T=8 (area 8 < 16 for T=16).
     p = pack_micro_batch([a, b], [2.0, np.array([1.5, -1.5])], buckets=(8, 16))
     assert p.shape == (1, 8)
@@ -165,7 +167,9 @@ def test_random_minibatches_shapes_bounded_and_content_exact():
             _traj(int(rng.integers(1, 64)), int(rng.integers(0, 700)), seed=trial * 100 + i)
             for i in range(n)
         ]
-        advs = [rng.normal(size=len(t.output_ids)) if i % 2 else float(i) for i, t in enumerate(trajs)]
+        advs = [
+            rng.normal(size=len(t.output_ids)) if i % 2 else float(i) for i, t in enumerate(trajs)
+        ]
         batches = pack_micro_batches(trajs, advs, cfg)
         assert len(batches) >= cfg.min_micro_batches
         placed = sorted(int(i) for b in batches for i in b.traj_index)
@@ -178,9 +182,14 @@ def test_random_minibatches_shapes_bounded_and_content_exact():
             for local, (row, off, n_p, n_o) in enumerate(b.placements):
                 t = trajs[b.traj_index[local]]
                 span = slice(off, off + n_p + n_o)
-                np.testing.assert_array_equal(b.tokens[row, span], np.r_[t.prompt_ids, t.output_ids])
+                np.testing.assert_array_equal(
+                    b.tokens[row, span], np.r_[t.prompt_ids, t.output_ids]
+                )
                 assert (b.seq_index[row, span] == local).all()
-                np.testing.assert_array_equal(b.targets[row, off : off + n_p + n_o - 1], b.tokens[row, off + 1 : off + n_p + n_o])
+                np.testing.assert_array_equal(
+                    b.targets[row, off : off + n_p + n_o - 1],
+                    b.tokens[row, off + 1 : off + n_p + n_o],
+                )
                 assert b.targets[row, off + n_p + n_o - 1] == 0
                 n_valid += int(t.output_mask.sum())
             assert b.n_valid_tokens == n_valid

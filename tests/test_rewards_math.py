@@ -63,7 +63,7 @@ def test_custom_reward_by_dotted_path_in_both_forms():
 def test_unknown_or_bad_reward_names_raise_with_the_problem():
     with pytest.raises(RewardNotFoundError, match="not registered; available: code"):
         get_reward("nope")
-    with pytest.raises(RewardNotFoundError, match="cannot import 'no_such_pkg'"):
+    with pytest.raises(RewardNotFoundError, match="cannot import 'no_such_pkg.module'"):
         get_reward("no_such_pkg.module:fn")
     with pytest.raises(RewardNotFoundError, match="has no attribute 'missing'"):
         get_reward(f"{__name__}:missing")
@@ -92,7 +92,8 @@ def test_registration_conflicts_are_errors():
         (r"\boxed{1000}", "1,000", 1.0),
         (r"\boxed{(1, 2)}", "(1,2)", 1.0),
         (r"\boxed{3}", "4", 0.0),
-        (r"First I thought \boxed{5}, but the final answer is \boxed{6}", "6", 1.0),
+        (r"It is \boxed{5} or maybe \boxed{6}", "6", 0.0),  # hedging: all boxes form a set
+        (r"It is \boxed{5} and \boxed{6}", "5, 6", 1.0),
         ("The total is 12 apples. Answer: 72", "72", 1.0),
         ("I get 72 at first, then answer: 70", "72", 0.0),
         ("After simplifying we get 41", "41", 1.0),
@@ -130,7 +131,12 @@ def test_pool_scores_builtin_registered_and_dotted_rewards(pool):
         )
 
     assert asyncio.run(main()) == [1.0, 0.0, 1.0, 4.0, 0.75]
-    assert pool.score_sync("code", "print(int(input()) + 1)", {"tests": [{"input": "1", "output": "2"}]}) == 1.0
+    assert (
+        pool.score_sync(
+            "code", "print(int(input()) + 1)", {"tests": [{"input": "1", "output": "2"}]}
+        )
+        == 1.0
+    )
 
 
 def test_pool_queues_more_calls_than_workers(pool):

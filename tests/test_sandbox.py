@@ -57,7 +57,9 @@ def test_wrong_solution_fails_and_fraction_counts_passed_cases():
     wrong = "```python\nn = int(input())\nprint(9 if n == 3 else 0)\n```"
     assert code_reward(wrong, {"tests": SQUARE_CASES}) == 0.0
     assert code_fraction_reward(wrong, {"tests": SQUARE_CASES}) == 0.5
-    assert code_reward("def square(x):\n    return x + x", {"tests": "assert square(3) == 9"}) == 0.0
+    assert (
+        code_reward("def square(x):\n    return x + x", {"tests": "assert square(3) == 9"}) == 0.0
+    )
     crashing = "```python\nraise SystemExit(1)\n```"
     assert code_fraction_reward(crashing, {"tests": SQUARE_CASES}) == 0.0
 
@@ -89,7 +91,9 @@ def test_infinite_loop_is_killed_within_the_timeout():
 
 def test_memory_bomb_is_stopped():
     limits = SandboxLimits(timeout_s=5.0, memory_bytes=256 << 20)
-    result = run_python("chunks = []\nwhile True:\n    chunks.append(bytearray(16 << 20))\n", limits=limits)
+    result = run_python(
+        "chunks = []\nwhile True:\n    chunks.append(bytearray(16 << 20))\n", limits=limits
+    )
     assert not result.ok and not result.timed_out
     assert "MemoryError" in result.stderr
     small = run_python("x = bytearray(64 << 20)\nprint(len(x))", limits=limits)
@@ -202,10 +206,11 @@ def test_child_left_behind_is_killed_with_the_group():
 def test_process_that_leaves_the_group_is_killed_when_uid_isolated():
     code = textwrap.dedent(
         """
-        import os, time
+        import ctypes, os, time
         pid = os.fork()
         if pid == 0:
             os.setsid()
+            ctypes.CDLL(None).prctl(4, 0)  # PR_SET_DUMPABLE 0: /proc/PID now belongs to root
             time.sleep(60)
             os._exit(0)
         print(pid, flush=True)

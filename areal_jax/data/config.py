@@ -22,7 +22,9 @@ class DatasetConfig:
     path: str
     format: Literal["auto", "jsonl", "parquet"] = "auto"
     prompt_field: str = "question"
-    metadata_fields: dict[str, str] = dataclasses.field(default_factory=lambda: {"answer": "answer"})
+    metadata_fields: dict[str, str] = dataclasses.field(
+        default_factory=lambda: {"answer": "answer"}
+    )
     id_field: str | None = None
     reward: str = "math"
     system_prompt: str | None = None
@@ -38,7 +40,9 @@ class DatasetConfig:
         if not self.prompt_field:
             raise ValueError("dataset.prompt_field is empty")
         if self.max_prompt_tokens < 1:
-            raise ValueError(f"dataset.max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
+            raise ValueError(
+                f"dataset.max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}"
+            )
         for key, column in self.metadata_fields.items():
             if not key or not isinstance(column, str) or not column:
                 raise ValueError(f"dataset.metadata_fields: {key!r} must map to a column name")

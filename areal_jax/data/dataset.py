@@ -40,32 +40,49 @@ class PromptDataset(Sequence[PromptItem]):
         for index, (where, row) in enumerate(rows):
             question = _field(row, config.prompt_field, path, where)
             if not isinstance(question, str) or not question.strip():
-                raise DatasetError(f"{path} {where}: field {config.prompt_field!r} must be a non-empty string")
-            item_id = str(_field(row, config.id_field, path, where)) if config.id_field else f"{path.stem}-{index}"
+                raise DatasetError(
+                    f"{path} {where}: field {config.prompt_field!r} must be a non-empty string"
+                )
+            item_id = (
+                str(_field(row, config.id_field, path, where))
+                if config.id_field
+                else f"{path.stem}-{index}"
+            )
             if item_id in seen:
-                raise DatasetError(f"{path} {where}: id {item_id!r} already used at {seen[item_id]}")
+                raise DatasetError(
+                    f"{path} {where}: id {item_id!r} already used at {seen[item_id]}"
+                )
             seen[item_id] = where
             ids.append(item_id)
             questions.append(question)
-            metadata.append({key: _field(row, column, path, where) for key, column in config.metadata_fields.items()})
+            metadata.append(
+                {
+                    key: _field(row, column, path, where)
+                    for key, column in config.metadata_fields.items()
+                }
+            )
         try:
             rendered = render_prompts(questions, tokenizer, config)
         except ValueError as e:
             raise DatasetError(str(e)) from e
         self._items = [
             PromptItem(id=i, prompt_ids=tokens, prompt_text=text, metadata=meta)
-            for i, (text, tokens), meta in zip(ids, rendered, metadata)
+            for i, (text, tokens), meta in zip(ids, rendered, metadata, strict=True)
             if len(tokens) <= config.max_prompt_tokens
         ]
         self.num_dropped = len(rows) - len(self._items)
         if self.num_dropped:
             logger.warning(
                 "%s: dropped %d of %d prompts longer than max_prompt_tokens=%d",
-                path, self.num_dropped, len(rows), config.max_prompt_tokens,
+                path,
+                self.num_dropped,
+                len(rows),
+                config.max_prompt_tokens,
             )
         if not self._items:
             raise DatasetError(
-                f"{path}: every prompt is longer than dataset.max_prompt_tokens={config.max_prompt_tokens}"
+                f"{path}: every prompt is longer than "
+                f"dataset.max_prompt_tokens={config.max_prompt_tokens}"
             )
 
     def __len__(self) -> int:

@@ -11,7 +11,7 @@ class DatasetError(ValueError):
 
 
 def read_rows(path: str | Path, fmt: str) -> list[tuple[str, dict]]:
-    """(location, row) pairs; location is "line N" (JSONL, 1-based) or "row N" (Parquet, 0-based)."""
+    """(location, row) pairs; location is "line N" (JSONL, from 1) or "row N" (Parquet, from 0)."""
     path = Path(path)
     if not path.is_file():
         raise DatasetError(f"dataset file {path} does not exist")
@@ -37,7 +37,9 @@ def _read_jsonl(path: Path) -> list[tuple[str, dict]]:
             except json.JSONDecodeError as e:
                 raise DatasetError(f"{path} line {number}: invalid JSON ({e.msg})") from None
             if not isinstance(row, dict):
-                raise DatasetError(f"{path} line {number}: expected a JSON object, got {type(row).__name__}")
+                raise DatasetError(
+                    f"{path} line {number}: expected a JSON object, got {type(row).__name__}"
+                )
             rows.append((f"line {number}", row))
     return rows
 

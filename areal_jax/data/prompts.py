@@ -7,7 +7,9 @@ from areal_jax.data.config import DatasetConfig
 _CHUNK = 1024
 
 
-def render_prompts(questions: list[str], tokenizer, config: DatasetConfig) -> list[tuple[str, list[int]]]:
+def render_prompts(
+    questions: list[str], tokenizer, config: DatasetConfig
+) -> list[tuple[str, list[int]]]:
     """(prompt text, prompt token ids) for each question, formatted as ``config`` says.
 
     With ``config.use_chat_template`` each question (plus ``instruction_suffix``) is one user turn
@@ -23,8 +25,12 @@ def render_prompts(questions: list[str], tokenizer, config: DatasetConfig) -> li
     for start in range(0, len(questions), _CHUNK):
         users = [q + config.instruction_suffix for q in questions[start : start + _CHUNK]]
         if config.use_chat_template:
-            system = [{"role": "system", "content": config.system_prompt}] if config.system_prompt else []
-            chats = [system + [{"role": "user", "content": u}] for u in users]
+            system = (
+                [{"role": "system", "content": config.system_prompt}]
+                if config.system_prompt
+                else []
+            )
+            chats = [[*system, {"role": "user", "content": u}] for u in users]
             texts = tokenizer.apply_chat_template(chats, add_generation_prompt=True, tokenize=False)
             ids = tokenizer.apply_chat_template(
                 chats, add_generation_prompt=True, tokenize=True, return_dict=False
@@ -33,5 +39,5 @@ def render_prompts(questions: list[str], tokenizer, config: DatasetConfig) -> li
             prefix = f"{config.system_prompt}\n" if config.system_prompt else ""
             texts = [prefix + u for u in users]
             ids = tokenizer(texts)["input_ids"]
-        out.extend((text, [int(t) for t in row]) for text, row in zip(texts, ids))
+        out.extend((text, [int(t) for t in row]) for text, row in zip(texts, ids, strict=True))
     return out

@@ -52,16 +52,25 @@ class PromptIterator(Generic[T]):
         return item
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "index": self.index, "seed": self.seed, "size": len(self._items)}
+        return {
+            "epoch": self.epoch,
+            "index": self.index,
+            "seed": self.seed,
+            "size": len(self._items),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from ``state``; its seed replaces ours, its size must match the dataset."""
         for key in ("epoch", "index", "seed", "size"):
             if not isinstance(state.get(key), int) or state[key] < 0:
-                raise ValueError(f"iterator state: {key!r} must be a non-negative integer, got {state.get(key)!r}")
+                raise ValueError(
+                    f"iterator state: {key!r} must be a non-negative integer, "
+                    f"got {state.get(key)!r}"
+                )
         if state["size"] != len(self._items):
             raise ValueError(
-                f"iterator state was saved for {state['size']} items, this dataset has {len(self._items)}"
+                f"iterator state was saved for {state['size']} items, "
+                f"this dataset has {len(self._items)}"
             )
         if state["index"] > state["size"]:
             raise ValueError(f"iterator state: index {state['index']} exceeds size {state['size']}")

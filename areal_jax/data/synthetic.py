@@ -69,7 +69,9 @@ def step_probabilities(max_steps: int, alpha: float) -> list[float]:
 
 def sample_problem(rng: random.Random, cfg: SyntheticConfig) -> ArithProblem:
     """One problem drawn from ``rng``."""
-    steps = rng.choices(range(1, cfg.max_steps + 1), step_probabilities(cfg.max_steps, cfg.step_alpha))[0]
+    steps = rng.choices(
+        range(1, cfg.max_steps + 1), step_probabilities(cfg.max_steps, cfg.step_alpha)
+    )[0]
     value = rng.randint(1, 9)
     expression, lines = str(value), []
     for _ in range(steps):

@@ -4,8 +4,9 @@
 (a JSON string of such a list is accepted too) or a string of assert-based Python test code that
 is appended to the solution and must exit with status 0. Outputs are compared line by line with
 trailing whitespace ignored. Optional ``metadata["timeout_s"]`` and ``metadata["memory_mb"]`` set
-the per-test wall-clock and memory limits (defaults: ``SandboxLimits``). The solution is the last fenced code block of the completion
-(```python ... ``` preferred), or the whole completion when it has no fence.
+the per-test wall-clock and memory limits (defaults: ``SandboxLimits``). The solution is the last
+fenced code block of the completion (```python ... ``` preferred), or the whole completion when it
+has no fence.
 """
 
 from __future__ import annotations
@@ -44,7 +45,9 @@ def parse_tests(tests) -> list[dict] | str:
             raise ValueError("metadata 'tests' is an empty string")
         return tests
     if not isinstance(tests, (list, tuple)) or not tests:
-        raise ValueError(f"metadata 'tests' must be a non-empty list or a string, got {tests!r:.80}")
+        raise ValueError(
+            f"metadata 'tests' must be a non-empty list or a string, got {tests!r:.80}"
+        )
     for i, case in enumerate(tests):
         if not isinstance(case, dict) or "input" not in case or "output" not in case:
             raise ValueError(f"metadata 'tests'[{i}] must be a mapping with 'input' and 'output'")

@@ -1,8 +1,9 @@
 """Math answer reward: 1.0 when math-verify finds the completion's answer equal to the gold one.
 
-The model is asked to put its final answer in ``\\boxed{}``. math-verify's default extraction
-prefers the last ``\\boxed{}``; without one it falls back to an "answer: X" / "final answer is X"
-anchor and then to the last number or expression in the text, which is the fallback we keep.
+The model is asked to put its final answer in ``\\boxed{}``. We keep math-verify's default
+extraction: every ``\\boxed{}`` of the completion is read, together, as the answer (so hedging
+with two boxed values does not match a single gold value); without a box it falls back to an
+"answer: X" / "final answer is X" anchor and then to the last number or expression in the text.
 math-verify enforces its own time limits with ``signal.alarm``, so call this only from a
 process's main thread (``RewardPool`` workers do).
 """

@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 
 
 def _worker_main(conn) -> None:
-    """Worker loop: receive (reward path, completion, metadata), send ("ok", float) or ("error", msg)."""
+    """Serve (reward path, completion, metadata) requests with ("ok", float) or ("error", msg)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     functions = {}
     while True:
@@ -30,8 +30,9 @@ def _worker_main(conn) -> None:
         except (EOFError, OSError):
             return
         try:
-            fn = functions.get(path) or functions.setdefault(path, import_path(path))
-            value = float(fn(completion, metadata))
+            if path not in functions:
+                functions[path] = import_path(path)
+            value = float(functions[path](completion, metadata))
             if not math.isfinite(value):
                 raise ValueError(f"reward returned {value}")
             reply = ("ok", value)
@@ -171,9 +172,11 @@ class RewardPool:
             finally:
                 loop.remove_reader(fd)
             status, value = worker.conn.recv()
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self.num_timeouts += 1
-            logger.warning("reward %s timed out after %.1fs; worker restarted", reward_name, self.timeout_s)
+            logger.warning(
+                "reward %s timed out after %.1fs; worker restarted", reward_name, self.timeout_s
+            )
             return 0.0, False
         except (EOFError, OSError) as e:
             self.num_errors += 1

@@ -9,7 +9,7 @@ that e.g. math-verify loads only where the math reward runs), then a Python dott
 from __future__ import annotations
 
 import importlib
-from typing import Callable
+from collections.abc import Callable
 
 RewardFn = Callable[[str, dict], float]
 
@@ -36,7 +36,9 @@ def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
             raise ValueError(f"reward name {name!r} is taken by a built-in reward")
         existing = _REGISTERED.get(name)
         if existing is not None and reward_path(existing) != reward_path(fn):
-            raise ValueError(f"reward name {name!r} is already registered to {reward_path(existing)}")
+            raise ValueError(
+                f"reward name {name!r} is already registered to {reward_path(existing)}"
+            )
         _REGISTERED[name] = fn
         return fn
 
@@ -73,7 +75,9 @@ def import_path(path: str) -> RewardFn:
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise RewardNotFoundError(f"reward path {path!r}: cannot import {module_name!r}: {e}") from e
+        raise RewardNotFoundError(
+            f"reward path {path!r}: cannot import {module_name!r}: {e}"
+        ) from e
     obj = module
     for part in attr.split("."):
         try:
@@ -83,7 +87,9 @@ def import_path(path: str) -> RewardFn:
                 f"reward path {path!r}: module {module_name!r} has no attribute {attr!r}"
             ) from None
     if not callable(obj):
-        raise RewardNotFoundError(f"reward path {path!r} names a {type(obj).__name__}, not a function")
+        raise RewardNotFoundError(
+            f"reward path {path!r} names a {type(obj).__name__}, not a function"
+        )
     return obj
 
 

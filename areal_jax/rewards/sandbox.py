@@ -20,6 +20,7 @@ What :func:`run_python` enforces (docs/rewards.md lists what it does not):
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import functools
@@ -57,9 +58,17 @@ class SandboxLimits:
     python: str | None = None
 
     def __post_init__(self):
-        for name in ("timeout_s", "memory_bytes", "max_processes", "max_file_bytes", "max_open_files"):
+        for name in (
+            "timeout_s",
+            "memory_bytes",
+            "max_processes",
+            "max_file_bytes",
+            "max_open_files",
+        ):
             if getattr(self, name) <= 0:
-                raise ValueError(f"SandboxLimits.{name} must be positive, got {getattr(self, name)!r}")
+                raise ValueError(
+                    f"SandboxLimits.{name} must be positive, got {getattr(self, name)!r}"
+                )
         if self.cpu_time_s is not None and self.cpu_time_s <= 0:
             raise ValueError(f"SandboxLimits.cpu_time_s must be positive, got {self.cpu_time_s!r}")
 
@@ -240,7 +249,11 @@ def _world_executable(path: str) -> bool:
 
 
 def _proc_entries():
-    """(pid, state, process group, owner uid) of every process, read from /proc."""
+    """(pid, state, process group, real uid) of every process, read from /proc.
+
+    The uid comes from ``status``, not the owner of ``/proc/PID``, which a process can turn into
+    root by making itself non-dumpable.
+    """
     try:
         names = os.listdir("/proc")
     except OSError:
@@ -251,24 +264,23 @@ def _proc_entries():
         try:
             with open(f"/proc/{name}/stat", "rb") as f:
                 fields = f.read().rsplit(b")", 1)[1].split()
-            owner = os.stat(f"/proc/{name}").st_uid
-        except OSError:
+            with open(f"/proc/{name}/status", "rb") as f:
+                uid_line = next(line for line in f if line.startswith(b"Uid:"))
+        except (OSError, StopIteration):
             continue
-        yield int(name), fields[0].decode(), int(fields[2]), owner
+        yield int(name), fields[0].decode(), int(fields[2]), int(uid_line.split()[1])
 
 
 def _own_process_count() -> int:
-    uid = os.geteuid()
+    uid = os.getuid()
     return sum(1 for *_, owner in _proc_entries() if owner == uid)
 
 
 def _kill_everything(proc: subprocess.Popen, uid: int | None) -> None:
     """SIGKILL the whole process group and every process of the sandbox uid, then reap."""
     pgid = proc.pid
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     proc.wait()
     for _ in range(200):
         alive = [
@@ -279,10 +291,8 @@ def _kill_everything(proc: subprocess.Popen, uid: int | None) -> None:
         if not alive:
             return
         for pid in alive:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         time.sleep(0.005)
 
 

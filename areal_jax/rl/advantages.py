@@ -200,7 +200,7 @@ def trajectory_advantages(
         )
     rewards = shape_rewards(rewards, cfg.reward_bias, cfg.reward_scale, cfg.reward_clip)
     bounds = np.cumsum([0] + [len(g.trajectories) for g in groups])
-    per_group = [rewards[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+    per_group = [rewards[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
     scalar = np.concatenate(compute_advantages(cfg.estimator, per_group, eps=cfg.eps))
 
     if cfg.kl_beta > 0 and kl is None:
@@ -218,8 +218,11 @@ def trajectory_advantages(
         out.append(adv)
 
     if cfg.normalize_batch:
-        valid = np.concatenate([a[t.output_mask == 1] for a, t in zip(out, trajs)])
+        valid = np.concatenate([a[t.output_mask == 1] for a, t in zip(out, trajs, strict=True)])
         if valid.size:
             mean, std = valid.mean(), valid.std(ddof=0)
             out = [(a - mean) / (std + cfg.eps) for a in out]
-    return [np.where(t.output_mask == 1, a, 0.0).astype(np.float32) for a, t in zip(out, trajs)]
+    return [
+        np.where(t.output_mask == 1, a, 0.0).astype(np.float32)
+        for a, t in zip(out, trajs, strict=True)
+    ]

@@ -40,7 +40,9 @@ def token_logprobs(
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if isinstance(temperature, (int, float)) and temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    return _token_logprobs(hidden, head_kernel, targets, temperature, min(chunk_size, hidden.shape[1]))
+    return _token_logprobs(
+        hidden, head_kernel, targets, temperature, min(chunk_size, hidden.shape[1])
+    )
 
 
 @functools.partial(jax.jit, static_argnames="chunk_size")
@@ -53,13 +55,13 @@ def _token_logprobs(hidden, head_kernel, targets, temperature, chunk_size):
     # [n_chunks, R, chunk, ...]: the scanned axis is the chunk index, R stays in place.
     hidden = hidden.reshape(rows, n_chunks, chunk_size, dim).swapaxes(0, 1)
     targets = targets.reshape(rows, n_chunks, chunk_size).swapaxes(0, 1)
-    inv_temp = 1.0 / jnp.asarray(temperature, jnp.float32)
+    temperature = jnp.asarray(temperature, jnp.float32)
 
     @jax.checkpoint
     def chunk(args):
         h, t = args
         logits = jnp.einsum("rcd,dv->rcv", h, head_kernel, preferred_element_type=jnp.float32)
-        logits = logits.astype(jnp.float32) * inv_temp
+        logits = logits.astype(jnp.float32) / temperature  # the rollout engines' convention
         log_z = jax.nn.logsumexp(logits, axis=-1)
         logp = jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0] - log_z
         probs = jnp.exp(logits - log_z[..., None])
@@ -67,5 +69,8 @@ def _token_logprobs(hidden, head_kernel, targets, temperature, chunk_size):
         return logp, entropy
 
     logp, entropy = jax.lax.map(chunk, (hidden, targets))
-    unchunk = lambda x: x.swapaxes(0, 1).reshape(rows, n_chunks * chunk_size)[:, :length]
+
+    def unchunk(x):
+        return x.swapaxes(0, 1).reshape(rows, n_chunks * chunk_size)[:, :length]
+
     return unchunk(logp), unchunk(entropy)

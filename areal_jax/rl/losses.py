@@ -59,7 +59,8 @@ class LossConfig:
     ``behav_weight_cap``: None = no cap; 'mask' drops tokens with w > cap, 'truncate' uses
     min(w, cap). ``dual_clip``: None or c > 1. ``prox_logp``: 'recompute' (forward pass with the
     pre-update parameters) or 'loglinear' (``loglinear_proximal_logprobs``).
-    ``token_sum_divisor``: the constant normaliser of the 'token_sum' aggregation.
+    ``token_sum_divisor``: the constant normaliser of the 'token_sum' aggregation. Tokens
+    dropped by the cap still count in the normaliser (as in AReaL's implementation).
     """
 
     policy_loss: str = "decoupled_ppo"
@@ -88,7 +89,9 @@ class LossConfig:
                 f"(a cap below 1 would reject fresh, on-policy tokens)"
             )
         if self.behav_cap_mode not in ("mask", "truncate"):
-            raise ValueError(f"behav_cap_mode must be mask or truncate, got {self.behav_cap_mode!r}")
+            raise ValueError(
+                f"behav_cap_mode must be mask or truncate, got {self.behav_cap_mode!r}"
+            )
         if self.dual_clip is not None and self.dual_clip <= 1:
             raise ValueError(f"dual_clip must be > 1 or null, got {self.dual_clip}")
         if self.aggregation not in ("token_mean", "seq_mean_token_mean", "token_sum"):
@@ -98,7 +101,9 @@ class LossConfig:
         if self.prox_logp not in ("recompute", "loglinear"):
             raise ValueError(f"prox_logp must be recompute or loglinear, got {self.prox_logp!r}")
         if self.prox_logp == "loglinear" and not self.needs_proximal:
-            raise ValueError(f"prox_logp=loglinear needs a decoupled policy loss, not {self.policy_loss!r}")
+            raise ValueError(
+                f"prox_logp=loglinear needs a decoupled policy loss, not {self.policy_loss!r}"
+            )
 
     @property
     def needs_proximal(self) -> bool:
@@ -123,18 +128,20 @@ def _clipped_surrogate(cfg, logp, prox_logp, behav_logp, advantages, loss_mask, 
     if cfg.dual_clip is not None:
         bound = -cfg.dual_clip * adv  # = c * |A| where A < 0
         dual_hit = (adv < 0) & (loss > bound)
-        loss = loss
+        loss = jnp.where(dual_hit, bound, loss)
 
     if decoupled:
         w_raw = jnp.exp(jnp.where(mask, lp - lb, 0.0))
         cap = cfg.behav_weight_cap
-        capped = w_raw > cap if cap is not None else jnp.zeros_like(mask)
         if cap is None:
-            w = w_raw
-        elif cfg.behav_cap_mode == "mask":
-            w = jnp.where(capped, 0.0, w_raw)
+            w, capped = w_raw, jnp.zeros_like(mask)
         else:
-            w = jnp.minimum(w_raw, cap)
+            capped = w_raw > cap
+            w = (
+                jnp.where(capped, 0.0, w_raw)
+                if cfg.behav_cap_mode == "mask"
+                else jnp.minimum(w_raw, cap)
+            )
         loss = loss * w
     else:
         w_raw = jnp.ones_like(u)

@@ -169,7 +169,9 @@ def choose_row_layout(
         if best is None or area < best[0]:
             best = (area, t, rows)
     if best is None:
-        raise ValueError(f"a sequence of {longest} tokens exceeds the largest row bucket {buckets[-1]}")
+        raise ValueError(
+            f"a sequence of {longest} tokens exceeds the largest row bucket {buckets[-1]}"
+        )
     return best[1], best[2]
 
 

@@ -1,0 +1,32 @@
+"""``areal-jax sft --config CONFIG [key=value ...]``: the supervised warm start alone."""
+
+from __future__ import annotations
+
+import argparse
+
+NAME = "sft"
+HELP = "Supervised fine-tuning on the dataset's reference responses; writes RUN_DIR/sft_model."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, help="experiment YAML (its sft section)")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides")
+
+
+def run(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    from areal_jax.config import load_config
+    from areal_jax.controller.progress import TrainingProgress
+    from areal_jax.controller.run import prepare_base_model, prepare_data, run_sft
+    from areal_jax.experiment import ExperimentConfig
+
+    cfg = load_config(ExperimentConfig, args.config, args.overrides)
+    if cfg.sft.steps < 1:
+        raise SystemExit("sft.steps must be >= 1 for `areal-jax sft`")
+    prepare_data(cfg)
+    base = prepare_base_model(cfg)
+    with TrainingProgress() as progress:
+        out = run_sft(cfg, base, AutoTokenizer.from_pretrained(base), progress)
+    print(f"wrote {out}")
+    return 0

@@ -1,0 +1,1 @@
+"""The trainer-side controller: staleness gate, rollout-server pool, the asynchronous RL loop."""

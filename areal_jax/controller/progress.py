@@ -1,0 +1,59 @@
+"""Terminal progress for long phases (SFT, RL): step, reward, tokens/s, staleness, ETA."""
+
+from __future__ import annotations
+
+import math
+import sys
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn
+from rich.progress import TimeElapsedColumn, TimeRemainingColumn
+
+_SHOWN = (("loss", "loss {:.3f}"), ("reward/mean", "reward {:.3f}"),
+          ("eval/accuracy", "eval acc {:.3f}"),
+          ("throughput/tokens_per_s", "{:.0f} tok/s"), ("staleness/mean", "stale {:.2f}"),
+          ("staleness/max", "max {:.0f}"))
+
+
+def summary(metrics: dict) -> str:
+    """A one-line digest of the metrics users watch."""
+    parts = []
+    for key, fmt in _SHOWN:
+        value = metrics.get(key)
+        if value is not None and not (isinstance(value, float) and math.isnan(value)):
+            parts.append(fmt.format(value))
+    return "  ".join(parts)
+
+
+class TrainingProgress:
+    """A rich progress display; when stdout is not a terminal it prints one line per step."""
+
+    def __init__(self):
+        self._console = Console(file=sys.stdout)
+        self._live = self._console.is_terminal
+        self._progress = Progress(
+            SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(),
+            MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+            TextColumn("{task.fields[info]}"), console=self._console, disable=not self._live)
+
+    def __enter__(self):
+        self._progress.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._progress.__exit__(*exc)
+
+    def start_phase(self, name: str, total: int | None, completed: int = 0):
+        if not self._live:
+            print(f"== {name}", flush=True)
+        return self._progress.add_task(name, total=total, completed=completed, info="")
+
+    def advance(self, task, metrics: dict) -> None:
+        info = summary(metrics)
+        self._progress.update(task, advance=1, info=info)
+        if not self._live:
+            t = self._progress.tasks[[x.id for x in self._progress.tasks].index(task)]
+            print(f"  {t.description} {int(t.completed)}/{int(t.total or 0)}  {info}", flush=True)
+
+    def end_phase(self, task) -> None:
+        self._progress.remove_task(task)

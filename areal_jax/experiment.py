@@ -1,0 +1,109 @@
+"""The experiment config behind ``areal-jax train`` / ``sft`` / ``eval``: one YAML file.
+
+``model_path: tiny`` builds the tiny model kit into the run directory; ``synthetic:`` writes the
+built-in arithmetic task's train/test files there, and dataset paths may use ``{run_dir}``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+from areal_jax.config import ConfigError
+from areal_jax.data.config import DatasetConfig
+from areal_jax.data.synthetic import SyntheticConfig
+from areal_jax.models.tiny import TinyModelSpec
+from areal_jax.trainer.config import TrainerConfig
+
+
+@dataclasses.dataclass
+class SamplingConfig:
+    """How rollout servers sample during training."""
+
+    group_size: int = 4
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+
+    def __post_init__(self):
+        if self.group_size < 1:
+            raise ConfigError(f"sampling.group_size: must be >= 1, got {self.group_size}")
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"sampling.max_new_tokens: must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclasses.dataclass
+class ScheduleConfig:
+    """Batching and the staleness gate. ``mode: sync`` pauses generation during training and
+    forces ``max_staleness: 0`` (the synchronous baseline)."""
+
+    mode: Literal["async", "sync"] = "async"
+    batch_size: int = 16  # prompt groups per trainer step
+    max_staleness: int = 4  # η
+    max_in_flight: int = 64  # groups being generated at once
+    total_steps: int = 100
+
+    def __post_init__(self):
+        if self.batch_size < 1:
+            raise ConfigError(f"schedule.batch_size: must be >= 1, got {self.batch_size}")
+        if self.max_staleness < 0:
+            raise ConfigError(f"schedule.max_staleness: must be >= 0, got {self.max_staleness}")
+        if self.max_in_flight < 1:
+            raise ConfigError(f"schedule.max_in_flight: must be >= 1, got {self.max_in_flight}")
+        if self.total_steps < 0:
+            raise ConfigError(f"schedule.total_steps: must be >= 0, got {self.total_steps}")
+        if self.mode == "sync":
+            self.max_staleness = 0
+
+
+@dataclasses.dataclass
+class RolloutConfig:
+    """Where generation happens: local servers launched by the trainer, or given addresses."""
+
+    addresses: list[str] = dataclasses.field(default_factory=list)  # empty: launch locally
+    num_local_servers: int = 1
+    cpu_sets: list[list[int]] | None = None  # one CPU list per local server
+    server: dict[str, Any] = dataclasses.field(default_factory=dict)  # extra server config keys
+    weights_transport: Literal["path", "push"] = "path"
+    auth_token_env: str | None = None  # environment variable holding the shared token
+    tls_root_cert: str | None = None  # PEM file of the servers' CA, turns on TLS
+
+
+@dataclasses.dataclass
+class SFTConfig:
+    """Supervised warm start before RL, on ``response_key`` of the training prompts' metadata."""
+
+    steps: int = 0
+    batch_size: int = 64  # examples per step
+    response_key: str = "solution"
+    trainer: dict[str, Any] = dataclasses.field(default_factory=dict)  # overrides of `trainer`
+
+
+@dataclasses.dataclass
+class EvalConfig:
+    """Held-out accuracy through the rollout servers (greedy by default)."""
+
+    dataset: DatasetConfig | None = None
+    max_prompts: int = 200
+    every_steps: int = 0  # 0: only before and after RL
+    temperature: float = 0.0
+    max_new_tokens: int = 256
+
+
+@dataclasses.dataclass
+class ExperimentConfig:
+    run_dir: str
+    model_path: str  # a Hugging Face directory, or "tiny"
+    dataset: DatasetConfig
+    trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
+    tiny: TinyModelSpec = dataclasses.field(default_factory=TinyModelSpec)
+    synthetic: SyntheticConfig | None = None
+    sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
+    schedule: ScheduleConfig = dataclasses.field(default_factory=ScheduleConfig)
+    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    sft: SFTConfig = dataclasses.field(default_factory=SFTConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    checkpoint_every: int = 10  # trainer steps
+    trainer_cpus: list[int] | None = None  # pin the trainer process to these CPUs
+    seed: int = 0

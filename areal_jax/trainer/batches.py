@@ -1,0 +1,77 @@
+"""Host side of a step: trajectories -> minibatches of packed micro-batches -> device arrays."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from areal_jax.parallel import DEFAULT_RULES, logical_to_spec
+from areal_jax.rl import MicroBatchConfig, PackedBatch, pack_micro_batches, split_minibatches
+from areal_jax.trajectory import Trajectory, TrajectoryGroup
+
+
+def flatten_groups(groups: Sequence[TrajectoryGroup]) -> list[Trajectory]:
+    """All trajectories of ``groups`` in order; rejects an empty batch or a batch with no
+    trained token (every output_mask 0), which would give an update from weight decay alone."""
+    if not groups:
+        raise ValueError("groups is empty: a training batch needs at least one trajectory group")
+    for i, g in enumerate(groups):
+        if not isinstance(g, TrajectoryGroup):
+            raise TypeError(f"groups[{i}] is a {type(g).__name__}, expected a TrajectoryGroup")
+    trajs = [t for g in groups for t in g.trajectories]
+    if not any(t.output_mask.any() for t in trajs):
+        raise ValueError("groups hold no trained token: every trajectory's output_mask is 0")
+    return trajs
+
+
+def batch_axis_size(mesh: Mesh, rules=None) -> int:
+    """Devices the row axis of a batch is split over (the mesh axes of logical "batch")."""
+    axes = (rules or DEFAULT_RULES)["batch"]
+    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    return math.prod(mesh.shape[a] for a in axes if a in mesh.shape)
+
+
+def minibatch_plan(
+    trajs: Sequence[Trajectory],
+    advantages: Sequence[np.ndarray],
+    n_minibatches: int,
+    cfg: MicroBatchConfig,
+    order: np.ndarray,
+) -> list[list[PackedBatch]]:
+    """Split ``trajs`` into minibatches balanced by tokens and pack each into micro-batches.
+
+    ``order`` [N] is a permutation of the trajectories; it decides ties of the balanced split,
+    so equal-sized samples land in different minibatches from step to step. Each PackedBatch's
+    ``traj_index`` indexes ``trajs``.
+    """
+    position = {id(t): i for i, t in enumerate(trajs)}
+    if len(position) != len(trajs):
+        raise ValueError("the same Trajectory object appears twice in the batch")
+    if n_minibatches > len(trajs):
+        raise ValueError(
+            f"ppo_n_minibatches={n_minibatches} is more than the {len(trajs)} trajectories "
+            f"of the batch"
+        )
+    plan = []
+    for members in split_minibatches([trajs[i] for i in order], n_minibatches):
+        index = np.array([position[id(t)] for t in members], dtype=np.int32)
+        packed = pack_micro_batches(members, [advantages[i] for i in index], cfg)
+        for batch in packed:
+            batch.traj_index = index[batch.traj_index]
+        plan.append(packed)
+    return plan
+
+
+def pack_all(trajs: Sequence[Trajectory], cfg: MicroBatchConfig) -> list[PackedBatch]:
+    """Micro-batches of ``trajs`` with zero advantages (for forward passes only)."""
+    return pack_micro_batches(list(trajs), [0.0] * len(trajs), cfg)
+
+
+def put_batch(batch: PackedBatch, mesh: Mesh, rules=None) -> dict[str, jax.Array]:
+    """The [R, T] arrays of ``batch`` on ``mesh``, rows split over the "batch" axes."""
+    spec = logical_to_spec(("batch", None), batch.shape, mesh, rules)
+    return jax.device_put(batch.arrays(), NamedSharding(mesh, spec))

@@ -1,0 +1,259 @@
+"""The JAX generation engine: continuous batching, on-device sampling, interruptible weight swap.
+
+This module is the asyncio face of the engine (``GenerationEngine``); the device work runs on
+the worker thread of ``jax_worker``, the device programs live in ``jax_decode`` and sampling in
+``jax_sampling``. Runs on one device (the first JAX device) on CPU, GPU or TPU.
+``docs/jax-engine.md`` describes the options and the guarantees.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from areal_jax.config import ConfigError, from_dict
+from areal_jax.models import ModelConfig
+from rollout.config import EngineConfig
+from rollout.engine import (
+    EngineError,
+    GenerationChunk,
+    GenerationEngine,
+    InvalidParamError,
+    SamplingParams,
+)
+from rollout.engines.jax_slots import Sequence
+from rollout.engines.jax_weights import load_params, read_config
+from rollout.engines.jax_worker import ABORTED, DecodeWorker
+from rollout.timing import ThroughputMeter
+
+DEFAULT_MAX_SEQ_LEN = 2048
+SMALLEST_BUCKET = 16
+
+
+@dataclasses.dataclass
+class JaxEngineOptions:
+    """``engine.options`` for ``engine.kind: jax``."""
+
+    num_slots: int = 8  # sequences decoded together
+    max_seq_len: int | None = None  # cache length = max prompt + output; default min(model, 2048)
+    prefill_buckets: list[int] | None = None  # prompt paddings; default powers of two from 16
+    decode_steps_per_call: int = 8  # decode steps inside one device call
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: float32 on CPU, else bfloat16
+    seed: int = 0  # draws the seeds of requests that bring none
+    swap_mode: Literal["interrupt", "drain"] = "interrupt"
+
+    def __post_init__(self):
+        for name in ("num_slots", "decode_steps_per_call"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"engine.options.{name}: must be >= 1, got {getattr(self, name)}")
+        if self.max_seq_len is not None and self.max_seq_len < 2:
+            raise ConfigError(f"engine.options.max_seq_len: must be >= 2, got {self.max_seq_len}")
+        if self.prefill_buckets is not None:
+            if not self.prefill_buckets:
+                raise ConfigError("engine.options.prefill_buckets: must not be empty")
+            for i, b in enumerate(self.prefill_buckets):
+                if b < 1:
+                    raise ConfigError(f"engine.options.prefill_buckets[{i}]: must be >= 1, got {b}")
+        if self.seed < 0:
+            raise ConfigError(f"engine.options.seed: must be >= 0, got {self.seed}")
+
+    def resolved(self, cfg: ModelConfig) -> JaxEngineOptions:
+        """These options with ``max_seq_len``, ``prefill_buckets`` and ``dtype`` made concrete.
+
+        The buckets always end with ``max_seq_len`` so that every context fits one.
+        """
+        max_len = self.max_seq_len or min(cfg.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
+        if max_len > cfg.max_position_embeddings:
+            raise ConfigError(
+                f"engine.options.max_seq_len: {max_len} exceeds the model's "
+                f"max_position_embeddings {cfg.max_position_embeddings}"
+            )
+        buckets = self.prefill_buckets
+        if buckets is None:
+            buckets = [b for b in _powers_of_two(SMALLEST_BUCKET) if b < max_len]
+        for i, b in enumerate(buckets):
+            if b > max_len:
+                raise ConfigError(
+                    f"engine.options.prefill_buckets[{i}]: {b} exceeds max_seq_len {max_len}"
+                )
+        dtype = self.dtype
+        if dtype == "auto":
+            dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+        return dataclasses.replace(
+            self, max_seq_len=max_len, prefill_buckets=sorted({*buckets, max_len}), dtype=dtype
+        )
+
+
+def _powers_of_two(start: int):
+    b = start
+    while True:
+        yield b
+        b *= 2
+
+
+class JaxEngine(GenerationEngine):
+    """Serves one model with the JAX engine; see the module docstring."""
+
+    kind = "jax"
+
+    def __init__(self, options: JaxEngineOptions, cfg: ModelConfig, model_path: str, version: int):
+        self.options = options.resolved(cfg)
+        self._cfg = cfg
+        self._model_path = model_path
+        self._initial_version = version
+        self._dtype = jnp.dtype(self.options.dtype)
+        self._seeds = np.random.default_rng(self.options.seed)
+        self._eos = [t for t in cfg.eos_token_ids if 0 <= t < cfg.vocab_size]
+        self._worker: DecodeWorker | None = None
+        self._update_lock = asyncio.Lock()
+        self._paused = False
+        self._closed = False
+        self._meter = ThroughputMeter(window_s=30.0)
+
+    @property
+    def version(self) -> int:
+        return self._worker.version if self._worker is not None else self._initial_version
+
+    @property
+    def vocab_size(self) -> int:
+        return self._cfg.vocab_size
+
+    @property
+    def max_context_len(self) -> int:
+        return self.options.max_seq_len
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    async def start(self) -> None:
+        if self._worker is not None:
+            return
+        graphdef, params = await asyncio.to_thread(
+            load_params, self._model_path, self._cfg, self._dtype
+        )
+        o = self.options
+        self._worker = DecodeWorker(
+            graphdef, params, self._initial_version, self._cfg,
+            num_slots=o.num_slots, max_seq_len=o.max_seq_len, prefill_buckets=o.prefill_buckets,
+            decode_steps=o.decode_steps_per_call, swap_mode=o.swap_mode, dtype=self._dtype,
+        )
+        self._worker.start()
+
+    def _started(self) -> DecodeWorker:
+        if self._worker is None:
+            raise EngineError("the JAX engine has not been started")
+        return self._worker
+
+    def _check(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        params.validate(self.vocab_size)
+        if not prompt_ids:
+            raise InvalidParamError("prompt_ids", "must not be empty")
+        for i, tok in enumerate(prompt_ids):
+            if not 0 <= tok < self.vocab_size:
+                raise InvalidParamError(
+                    f"prompt_ids[{i}]", f"{tok} is outside the vocabulary [0, {self.vocab_size})"
+                )
+        if len(prompt_ids) + params.max_new_tokens > self.max_context_len:
+            raise InvalidParamError(
+                "max_new_tokens",
+                f"prompt ({len(prompt_ids)}) + max_new_tokens ({params.max_new_tokens}) exceeds "
+                f"the context length {self.max_context_len}",
+            )
+
+    def _sequence(self, prompt_ids, params, request_id, queue: asyncio.Queue) -> Sequence:
+        loop = asyncio.get_running_loop()
+
+        def deliver(item):
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the event loop is gone; nobody is listening
+                pass
+
+        stop_row = np.zeros(self.vocab_size, bool)
+        stop_row[list(params.stop_token_ids) + self._eos] = True
+        seed = params.seed if params.seed is not None else int(self._seeds.integers(2**63))
+        return Sequence(request_id, list(prompt_ids), params, seed, stop_row, deliver)
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[GenerationChunk]:
+        self._check(prompt_ids, params)
+        worker = self._started()
+        queue: asyncio.Queue = asyncio.Queue()
+        seq = self._sequence(prompt_ids, params, request_id, queue)
+        if not worker.submit(seq):
+            if worker.error is not None:
+                raise worker.error
+            yield ABORTED
+            return
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                self._meter.add(len(item.token_ids))
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            if not seq.done:
+                worker.cancel(seq)
+
+    async def update_weights(self, path: str, version: int) -> None:
+        worker = self._started()
+        async with self._update_lock:
+            _, params = await asyncio.to_thread(
+                load_params, path, self._cfg, self._dtype, served=self._cfg
+            )
+            await asyncio.wrap_future(worker.swap(params, version))
+
+    async def pause(self) -> None:
+        self._paused = True
+        await asyncio.wrap_future(self._started().pause())
+
+    async def resume(self) -> None:
+        self._paused = False
+        await asyncio.wrap_future(self._started().resume())
+
+    async def shutdown(self) -> None:
+        if self._closed or self._worker is None:
+            self._closed = True
+            return
+        self._closed = True
+        try:
+            await asyncio.wrap_future(self._worker.close())
+        except EngineError:
+            pass  # the worker had already failed; its requests got the error
+        await asyncio.to_thread(self._worker.join)
+
+    def stats(self) -> dict[str, float]:
+        w = self._worker
+        if w is None:
+            return {}
+        return {
+            "running_slots": w.running,
+            "queued_requests": w.queued,
+            "tokens_generated": self._meter.total,
+            "tokens_per_second": self._meter.rate(),
+            "swaps": w.swaps,
+            "reprefills": w.reprefills,
+            "prefill_calls": w.prefill_calls,
+            "decode_calls": w.decode_calls,
+        }
+
+
+def build_engine(config: EngineConfig) -> JaxEngine:
+    """The JAX engine for ``config``; bad options raise ``ConfigError`` naming the key."""
+    options = from_dict(JaxEngineOptions, config.options, prefix="engine.options")
+    try:
+        cfg = read_config(config.model_path)
+    except EngineError as e:
+        raise ConfigError(f"engine.model_path: {e}") from e
+    return JaxEngine(options, cfg, config.model_path, config.initial_version)

@@ -1,0 +1,270 @@
+"""The JAX engine's worker thread: continuous batching over fixed slots, and the weight swap.
+
+The worker owns everything on the device (parameters, KV cache, stop masks) and is the only
+thread that calls the device programs, so the event loop never blocks on device work. It loops:
+run control commands, drop cancelled requests, swap weights when due, prefill queued requests
+into free slots (one call each, padded to a bucket), re-prefill slots whose cache a swap
+invalidated, then run one decode call of several steps for all slots. Chunks go back to each
+request through its ``deliver`` callback.
+
+Weight swap: new parameters arrive already loaded on the device. In ``interrupt`` mode they
+replace the old ones at once; every running sequence is then re-prefilled (prompt + tokens so
+far) with the new weights and continues. In ``drain`` mode admission stops until the running
+sequences finish, then the swap happens. While paused no token is produced, so either mode
+swaps at once and running sequences re-prefill on resume.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from areal_jax.models import KVCache, ModelConfig
+from rollout.engine import EngineError, GenerationChunk
+from rollout.engines import jax_decode
+from rollout.engines.jax_slots import Sequence, SlotTable
+
+log = logging.getLogger(__name__)
+
+ABORTED = GenerationChunk((), (), (), "abort")
+
+
+class DecodeWorker:
+    """Serves sequences on ``num_slots`` slots from one thread; see the module docstring."""
+
+    def __init__(
+        self,
+        graphdef: nnx.GraphDef,
+        params: nnx.State,
+        version: int,
+        cfg: ModelConfig,
+        *,
+        num_slots: int,
+        max_seq_len: int,
+        prefill_buckets: list[int],
+        decode_steps: int,
+        swap_mode: str,
+        dtype,
+    ):
+        self.version = version
+        self.swaps = self.prefill_calls = self.decode_calls = self.reprefills = 0
+        self.error: EngineError | None = None
+        self._graphdef, self._params = graphdef, params
+        self._buckets = sorted(prefill_buckets)
+        self._steps, self._swap_mode = decode_steps, swap_mode
+        self._cache = KVCache.zeros(cfg, num_slots, max_seq_len, dtype)
+        self._stop_mask = jnp.zeros((num_slots, cfg.vocab_size), bool)
+        self._slots = SlotTable(num_slots)
+        self._pending: collections.deque[Sequence] = collections.deque()
+        self._commands: collections.deque[tuple[Callable[[Future], None], Future]] = (
+            collections.deque()
+        )
+        self._cond = threading.Condition()
+        self._paused = self._closing = self._stopped = False
+        self._swap: tuple[nnx.State, int, Future] | None = None
+        self._close_future: Future | None = None
+        self._thread = threading.Thread(target=self._run, name="jax-engine-worker", daemon=True)
+
+    # Called from other threads ---------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def join(self) -> None:
+        self._thread.join()
+
+    @property
+    def running(self) -> int:
+        return self._slots.running
+
+    @property
+    def queued(self) -> int:
+        return len(self._pending)
+
+    def submit(self, seq: Sequence) -> bool:
+        """Queue ``seq``; False if the worker has stopped (shut down or failed)."""
+        with self._cond:
+            if self._stopped:
+                return False
+            self._pending.append(seq)
+            self._cond.notify()
+        return True
+
+    def cancel(self, seq: Sequence) -> None:
+        """Free ``seq``'s slot (or queue place) at the next round; nothing more is delivered."""
+        with self._cond:
+            seq.cancelled = True
+            self._cond.notify()
+
+    def pause(self) -> Future:
+        """Resolves once no device call runs and none will until ``resume``."""
+        return self._command(lambda fut: self._set_paused(True, fut))
+
+    def resume(self) -> Future:
+        return self._command(lambda fut: self._set_paused(False, fut))
+
+    def swap(self, params: nnx.State, version: int) -> Future:
+        """Resolves once ``params`` serve as ``version`` (in drain mode: after the drain)."""
+        return self._command(lambda fut: self._request_swap(params, version, fut))
+
+    def close(self) -> Future:
+        """Abort every sequence (last chunk ``abort``) and end the thread."""
+        return self._command(self._set_closing)
+
+    def _command(self, action: Callable[[Future], None]) -> Future:
+        fut: Future = Future()
+        with self._cond:
+            if self._stopped:
+                fut.set_exception(self.error or EngineError("the engine has shut down"))
+            else:
+                self._commands.append((action, fut))
+                self._cond.notify()
+        return fut
+
+    # Worker thread ---------------------------------------------------------------------------
+
+    def _set_paused(self, paused: bool, fut: Future) -> None:
+        self._paused = paused
+        self._maybe_swap()
+        fut.set_result(None)
+
+    def _request_swap(self, params: nnx.State, version: int, fut: Future) -> None:
+        self._swap = (params, version, fut)
+        self._maybe_swap()
+
+    def _set_closing(self, fut: Future) -> None:
+        self._closing = True
+        self._close_future = fut
+
+    def _run(self) -> None:
+        try:
+            while self._next_round():
+                self._round()
+        except Exception as e:  # a device call failed: every request gets the error
+            log.exception("JAX engine worker failed")
+            self.error = EngineError(f"JAX engine failed: {type(e).__name__}: {e}")
+        finally:
+            self._end()
+
+    def _has_work(self) -> bool:
+        if self._paused:
+            return False
+        if self._slots.running or self._swap is not None or any(s.cancelled for s in self._pending):
+            return True
+        return bool(self._pending) and self._swap is None and bool(self._slots.free())
+
+    def _next_round(self) -> bool:
+        """Wait for work or commands, run the commands; False once closing."""
+        with self._cond:
+            while not (self._commands or self._has_work()):
+                self._cond.wait()
+            commands = list(self._commands)
+            self._commands.clear()
+        for action, fut in commands:
+            action(fut)
+        return not self._closing
+
+    def _round(self) -> None:
+        if self._paused:
+            return
+        self._drop_cancelled()
+        self._maybe_swap()
+        if self._swap is None:
+            self._admit()
+        for slot in np.flatnonzero(self._slots.stale):
+            self.reprefills += 1
+            self._prefill(int(slot), self._slots.seqs[slot])
+        if self._slots.arrays.active.any():
+            self._decode()
+
+    def _drop_cancelled(self) -> None:
+        for slot in self._slots.occupied():
+            if self._slots.seqs[slot].cancelled:
+                self._slots.release(slot)
+        with self._cond:
+            if any(s.cancelled for s in self._pending):
+                self._pending = collections.deque(s for s in self._pending if not s.cancelled)
+
+    def _maybe_swap(self) -> None:
+        if self._swap is None:
+            return
+        if self._swap_mode == "drain" and not self._paused and self._slots.running:
+            return
+        params, version, fut = self._swap
+        self._swap = None
+        self._params, self.version = params, version
+        self.swaps += 1
+        for slot in self._slots.occupied():
+            self._slots.stale[slot] = True
+            self._slots.arrays.active[slot] = False
+        fut.set_result(None)
+
+    def _admit(self) -> None:
+        free = self._slots.free()
+        while free:
+            with self._cond:
+                if not self._pending:
+                    return
+                seq = self._pending.popleft()
+            self._prefill(free.pop(0), seq)
+
+    def _prefill(self, slot: int, seq: Sequence) -> None:
+        """Prefill ``seq``'s context into ``slot`` and deliver the token sampled after it."""
+        context = seq.context
+        bucket = next(b for b in self._buckets if b >= len(context))
+        tokens = np.zeros((1, bucket), np.int32)
+        tokens[0, : len(context)] = context
+        self._cache, self._stop_mask, token, logprob, status = jax_decode.prefill(
+            self._graphdef, self._params, self._cache, self._stop_mask, np.int32(slot),
+            tokens, np.int32(len(context)), self._slots.request_row(seq), seq.stop_row,
+        )
+        token, logprob, status = jax.device_get((token, logprob, status))
+        self.prefill_calls += 1
+        chunk = self._slots.place(
+            slot, seq, int(token[0]), float(logprob[0]), int(status[0]), self.version
+        )
+        self._send(seq, chunk)
+
+    def _decode(self) -> None:
+        self._cache, new, tokens, logprobs, status = jax_decode.decode(
+            self._graphdef, self._steps, self._params, self._cache, self._stop_mask,
+            self._slots.arrays,
+        )
+        new, tokens, logprobs, status = jax.device_get((new, tokens, logprobs, status))
+        self.decode_calls += 1
+        for seq, chunk in self._slots.absorb(new, tokens, logprobs, status, self.version):
+            self._send(seq, chunk)
+
+    @staticmethod
+    def _send(seq: Sequence, chunk: GenerationChunk) -> None:
+        if chunk.finish_reason is not None:
+            seq.finish(chunk)
+        else:
+            seq.deliver(chunk)
+
+    def _end(self) -> None:
+        """Abort or fail every sequence and command left; later calls are refused."""
+        with self._cond:
+            self._stopped = True
+            pending, self._pending = list(self._pending), collections.deque()
+            commands, self._commands = list(self._commands), collections.deque()
+        final = self.error or ABORTED
+        for seq in [self._slots.seqs[b] for b in self._slots.occupied()] + pending:
+            if not seq.cancelled:
+                seq.finish(final)
+        self._slots = SlotTable(len(self._slots.seqs))
+        refused = self.error or EngineError("the engine has shut down")
+        for _, fut in commands:
+            fut.set_exception(refused)
+        if self._swap is not None:
+            self._swap[2].set_exception(refused)
+        if self._close_future is not None:
+            self._close_future.set_result(None)

@@ -1,0 +1,306 @@
+"""SGLang as a generation engine: launch (or attach to) an SGLang HTTP server and drive it.
+
+Weight updates follow the interrupt-and-resubmit pattern: pause generation in abort mode (every
+running request returns its partial output), load the checkpoint from disk with the new
+``weight_version``, continue; each interrupted request is resubmitted with
+``input_ids = prompt + output so far`` and ``max_new_tokens`` reduced by what was produced. A
+token's version is the ``weight_version`` SGLang reports with the answer that produced it. Pause
+works the same way: interrupted requests wait and are resubmitted after resume.
+
+Needs a GPU machine with SGLang installed (the ``sglang`` extra); it is tested here against a
+protocol double of the HTTP API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from areal_jax.config import ConfigError, from_dict
+from rollout.config import EngineConfig
+from rollout.engine import (
+    EngineError,
+    GenerationChunk,
+    GenerationEngine,
+    SamplingParams,
+    WeightLoadError,
+)
+from rollout.engines import sglang_api as api
+from rollout.engines.http_json import JsonHttpClient
+from rollout.engines.sglang_launch import SGLangProcess, free_port, wait_ready
+
+
+@dataclasses.dataclass
+class SGLangOptions:
+    """``engine.options`` for ``engine.kind: sglang``."""
+
+    url: str | None = None  # attach to a running server instead of launching one
+    python: str = sys.executable  # interpreter that has sglang installed
+    host: str = "127.0.0.1"
+    port: int = 0  # 0 picks a free port
+    tp_size: int = 1
+    dp_size: int = 1
+    dtype: str = "auto"
+    context_length: int | None = None  # default: the model's max_position_embeddings
+    mem_fraction_static: float | None = None
+    max_running_requests: int | None = None
+    random_seed: int | None = None
+    deterministic_inference: bool = False
+    extra_args: list[str] = dataclasses.field(default_factory=list)
+    log_path: str | None = None  # default: a file in the temp directory
+    startup_timeout_s: float = 900.0
+    request_timeout_s: float = 3600.0
+    shutdown_timeout_s: float = 30.0
+    max_connections: int = 512
+
+    def __post_init__(self):
+        for name in ("tp_size", "dp_size", "max_connections"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"engine.options.{name}: must be >= 1, got {getattr(self, name)}")
+        for name in ("startup_timeout_s", "request_timeout_s", "shutdown_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"engine.options.{name}: must be > 0, got {getattr(self, name)}")
+        if self.context_length is not None and self.context_length < 1:
+            raise ConfigError(f"engine.options.context_length: must be >= 1, got {self.context_length}")
+
+
+def _model_dims(model_path: str, context_length: int | None) -> tuple[int, int]:
+    """``(vocab_size, max_context_len)`` from the checkpoint's ``config.json``."""
+    path = Path(model_path) / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"engine.model_path: cannot read {path}: {e}") from e
+    cfg = cfg.get("text_config", cfg)
+    if "vocab_size" not in cfg:
+        raise ConfigError(f"engine.model_path: {path} has no vocab_size")
+    context = context_length or cfg.get("max_position_embeddings")
+    if not context:
+        raise ConfigError(
+            f"engine.options.context_length: required, {path} has no max_position_embeddings"
+        )
+    return int(cfg["vocab_size"]), int(context)
+
+
+class SGLangEngine(GenerationEngine):
+    """Drives one SGLang server over HTTP; see the module docstring."""
+
+    kind = "sglang"
+
+    def __init__(self, options: SGLangOptions, model_path: str, version: int):
+        self.options = options
+        self._model_path = model_path
+        self._version = version
+        self._vocab_size, self._context_len = _model_dims(model_path, options.context_length)
+        self.process: SGLangProcess | None = None
+        self._client: JsonHttpClient | None = None
+        self._control = asyncio.Lock()  # pause / resume / update run one at a time
+        self._running = asyncio.Event()  # cleared while paused
+        self._running.set()
+        self._pause_epoch = 0  # bumped by every pause: tells interruptions from real aborts
+        self._closed = False
+        self._in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._resubmissions = 0
+        self._background: set[asyncio.Task] = set()
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def max_context_len(self) -> int:
+        return self._context_len
+
+    @property
+    def paused(self) -> bool:
+        return not self._running.is_set()
+
+    async def start(self) -> None:
+        opts = self.options
+        url = opts.url
+        if url is None:
+            port = opts.port or free_port(opts.host)
+            flags = api.LaunchFlags(
+                model_path=self._model_path,
+                host=opts.host,
+                port=port,
+                weight_version=self._version,
+                tp_size=opts.tp_size,
+                dp_size=opts.dp_size,
+                dtype=opts.dtype,
+                context_length=opts.context_length,
+                mem_fraction_static=opts.mem_fraction_static,
+                max_running_requests=opts.max_running_requests,
+                random_seed=opts.random_seed,
+                deterministic_inference=opts.deterministic_inference,
+            )
+            log_path = opts.log_path
+            if log_path is None:
+                fd, log_path = tempfile.mkstemp(prefix="sglang-", suffix=".log")
+                os.close(fd)
+            self.process = SGLangProcess(
+                api.launch_command(opts.python, flags, opts.extra_args), Path(log_path)
+            )
+            self.process.start()
+            url = f"http://{opts.host}:{port}"
+        self._client = JsonHttpClient(url, opts.max_connections, opts.request_timeout_s)
+        try:
+            await wait_ready(self._client, self.process, opts.startup_timeout_s)
+            if opts.url is not None:
+                await self._read_version()
+        except BaseException:
+            await self._release()
+            raise
+
+    async def _read_version(self) -> None:
+        """Adopt the attached server's ``weight_version`` when it is an integer."""
+        for path in api.MODEL_INFO:
+            status, body = await self._client.request("GET", path)
+            if status == 200 and isinstance(body, dict):
+                version = api.parse_version(body.get("weight_version"))
+                if version is not None:
+                    self._version = version
+                return
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[GenerationChunk]:
+        context, remaining, attempt = list(prompt_ids), params.max_new_tokens, 0
+        while True:
+            await self._running.wait()
+            if self._closed:
+                yield GenerationChunk((), (), (), "abort")
+                return
+            epoch, version = self._pause_epoch, self._version
+            rid = request_id if attempt == 0 else f"{request_id}#resume{attempt}"
+            try:
+                out = await self._post_generate(context, params, remaining, rid)
+            except EngineError:
+                if not self._closed:
+                    raise
+                yield GenerationChunk((), (), (), "abort")
+                return
+            n = len(out.token_ids)
+            finish = out.finish_reason
+            if finish == "abort" and epoch != self._pause_epoch and not self._closed:
+                finish = "length" if n >= remaining else None  # interrupted: resubmit
+            token_version = version if out.weight_version is None else out.weight_version
+            yield GenerationChunk(
+                tuple(out.token_ids), tuple(out.logprobs), (token_version,) * n, finish
+            )
+            if finish is not None:
+                return
+            context += out.token_ids
+            remaining -= n
+            attempt += 1
+            self._resubmissions += 1
+
+    async def _post_generate(
+        self, input_ids: list[int], params: SamplingParams, max_new_tokens: int, rid: str
+    ) -> api.GenerateOutput:
+        payload = api.generate_payload(input_ids, params, max_new_tokens, rid)
+        self._in_flight += 1
+        self._idle.clear()
+        try:
+            status, body = await self._client.request("POST", api.GENERATE, payload)
+        except asyncio.CancelledError:
+            self._spawn(self._client.request("POST", api.ABORT, api.abort_payload(rid)))
+            raise
+        finally:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._idle.set()
+        if status != 200:
+            raise EngineError(f"SGLang /generate answered HTTP {status}: {str(body)[:500]}")
+        try:
+            return api.parse_generate_response(body)
+        except (ValueError, TypeError, IndexError, KeyError) as e:
+            raise EngineError(f"SGLang /generate answer not understood: {e}") from e
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _post_ok(self, path: str, payload: dict) -> None:
+        status, body = await self._client.request("POST", path, payload)
+        if status != 200:
+            raise EngineError(f"SGLang {path} answered HTTP {status}: {str(body)[:500]}")
+
+    async def _pause_backend(self) -> None:
+        self._running.clear()
+        self._pause_epoch += 1
+        await self._post_ok(api.PAUSE, api.PAUSE_PAYLOAD)
+
+    async def _resume_backend(self) -> None:
+        try:
+            await self._post_ok(api.CONTINUE, api.CONTINUE_PAYLOAD)
+        finally:
+            self._running.set()
+
+    async def pause(self) -> None:
+        async with self._control:
+            if not self.paused:
+                await self._pause_backend()
+
+    async def resume(self) -> None:
+        async with self._control:
+            if self.paused:
+                await self._resume_backend()
+
+    async def update_weights(self, path: str, version: int) -> None:
+        async with self._control:
+            was_paused = self.paused
+            if not was_paused:
+                await self._pause_backend()
+            try:
+                payload = api.update_weights_payload(path, version)
+                status, body = await self._client.request(
+                    "POST", api.UPDATE_WEIGHTS_FROM_DISK, payload
+                )
+                ok, message = api.update_succeeded(status, body)
+                if not ok:
+                    raise WeightLoadError(f"SGLang did not load {path}: {message}")
+                self._version = version
+            finally:
+                if not was_paused:
+                    await self._resume_backend()
+
+    async def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._running.set()  # paused requests wake up and end as aborted
+        if self._client is not None and self._in_flight:
+            try:
+                await self._client.request("POST", api.ABORT, api.ABORT_ALL_PAYLOAD, timeout_s=10)
+                await asyncio.wait_for(self._idle.wait(), self.options.shutdown_timeout_s)
+            except (EngineError, TimeoutError):
+                pass  # the server is going away regardless
+        await self._release()
+
+    async def _release(self) -> None:
+        if self.process is not None:
+            await self.process.stop(self.options.shutdown_timeout_s)
+        if self._client is not None:
+            self._client.close()
+
+    def stats(self) -> dict[str, float]:
+        return {"http_requests_in_flight": self._in_flight, "resubmissions": self._resubmissions}
+
+
+def build_engine(config: EngineConfig) -> SGLangEngine:
+    options = from_dict(SGLangOptions, config.options, prefix="engine.options")
+    return SGLangEngine(options, config.model_path, config.initial_version)

@@ -1,0 +1,168 @@
+"""Test doubles for rollout tests: a character tokenizer, an arithmetic engine, a scorer.
+
+The engine answers the last ``a+b=`` in its context with the digits of ``a+b`` and then EOS, one
+token per step. Greedy requests (temperature 0) always get the right sum; sampled ones get
+``a+b+1`` for odd seeds, so a group with seeds s, s+1, ... alternates right and wrong answers.
+Each token's log-prob is ``-(version + 1) - position / 100`` so tests can tell which weights
+produced it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import zlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from rollout.engine import (
+    GenerationChunk,
+    GenerationEngine,
+    SamplingParams,
+    WeightLoadError,
+)
+
+CHARS = list("0123456789+= ?") + [chr(c) for c in range(ord("a"), ord("z") + 1)]
+EOS_ID = 0
+UNK_ID = 1
+VOCAB = {"[EOS]": EOS_ID, "[UNK]": UNK_ID, **{c: i + 2 for i, c in enumerate(CHARS)}}
+ID_TO_CHAR = {i: c for c, i in VOCAB.items() if len(c) == 1}
+
+
+def encode(text: str) -> list[int]:
+    return [VOCAB[c] for c in text]
+
+
+def make_tokenizer_dir(path: Path) -> Path:
+    """Save a character-level Hugging Face tokenizer over ``VOCAB`` into ``path``."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(VOCAB, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="[EOS]", unk_token="[UNK]")
+    fast.save_pretrained(path)
+    return path
+
+
+def write_checkpoint(path: Path, marker: str) -> Path:
+    """A directory the arithmetic engine accepts as a checkpoint."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({"marker": marker}))
+    (path / "model.safetensors").write_bytes(marker.encode() * 1000)
+    return path
+
+
+class ArithmeticEngine(GenerationEngine):
+    """Deterministic engine double; see the module docstring."""
+
+    kind = "arithmetic"
+
+    def __init__(self, step_s: float = 0.0, max_context_len: int = 64, version: int = 0):
+        self.step_s = step_s
+        self._context_len = max_context_len
+        self._version = version
+        self._running = asyncio.Event()
+        self._running.set()
+        self.closed = False
+        self.started = False
+        self.requests: list[tuple[str, list[int], SamplingParams]] = []
+        self.loaded: list[tuple[str, int, dict[str, bytes]]] = []
+        self.active = 0
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def vocab_size(self) -> int:
+        return len(VOCAB)
+
+    @property
+    def max_context_len(self) -> int:
+        return self._context_len
+
+    @property
+    def paused(self) -> bool:
+        return not self._running.is_set()
+
+    async def start(self) -> None:
+        self.started = True
+
+    async def shutdown(self) -> None:
+        self.closed = True
+        self._running.set()
+
+    def answer(self, context: list[int], params: SamplingParams, request_id: str) -> list[int]:
+        text = "".join(ID_TO_CHAR.get(t, "") for t in context)
+        sums = re.findall(r"(\d+)\+(\d+)=", text)
+        if not sums:
+            return [VOCAB["?"]] * params.max_new_tokens
+        a, b = sums[-1]
+        value = int(a) + int(b)
+        if not params.greedy:
+            seed = params.seed if params.seed is not None else zlib.crc32(request_id.encode())
+            value += seed % 2
+        return encode(str(value)) + [EOS_ID]
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[GenerationChunk]:
+        self.requests.append((request_id, list(prompt_ids), params))
+        planned = self.answer(list(prompt_ids), params, request_id)
+        stops = set(params.stop_token_ids) | {EOS_ID}
+        self.active += 1
+        try:
+            for position in range(params.max_new_tokens):
+                await self._running.wait()
+                if self.closed:
+                    yield GenerationChunk((), (), (), "abort")
+                    return
+                if self.step_s:
+                    await asyncio.sleep(self.step_s)
+                token = planned[position] if position < len(planned) else VOCAB["?"]
+                logprob = -(self._version + 1) - position / 100
+                last = token in stops or position + 1 == params.max_new_tokens
+                finish = ("stop" if token in stops else "length") if last else None
+                yield GenerationChunk((token,), (logprob,), (self._version,), finish)
+                if last:
+                    return
+        finally:
+            self.active -= 1
+
+    async def update_weights(self, path: str, version: int) -> None:
+        directory = Path(path)
+        try:
+            json.loads((directory / "config.json").read_text())
+        except (OSError, ValueError) as e:
+            raise WeightLoadError(f"cannot load {path}: {e}") from e
+        files = {p.name: p.read_bytes() for p in directory.iterdir()}
+        self.loaded.append((path, version, files))
+        self._version = version
+
+    async def pause(self) -> None:
+        self._running.clear()
+
+    async def resume(self) -> None:
+        self._running.set()
+
+    def stats(self) -> dict[str, float]:
+        return {"active_sequences": self.active}
+
+
+class ExactAnswerScorer:
+    """Reward 1.0 when the completion equals ``metadata["answer"]``, else 0.0."""
+
+    names = ("exact",)
+
+    def __init__(self, delay_s: float = 0.0):
+        self.delay_s = delay_s
+        self.calls: list[tuple[str, str, dict]] = []
+
+    async def score(self, reward_name: str, completion: str, metadata: dict) -> float:
+        self.calls.append((reward_name, completion, metadata))
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        return 1.0 if completion.strip() == metadata.get("answer") else 0.0

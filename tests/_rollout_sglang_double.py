@@ -1,0 +1,269 @@
+"""A protocol double of SGLang's HTTP server, following /work/shared/reference/sglang-http-api.md.
+
+A real HTTP server on 127.0.0.1 (stdlib only, so it also runs as a stand-in
+``python -m sglang.launch_server`` through ``main``). Generation is deterministic: the next
+token is a function of the whole context, so a request resubmitted with prompt + partial output
+continues exactly as an uninterrupted one would; its log-prob is
+``-(weight_version + 1) - token / 1000``, so tests can tell which weights produced a token.
+Tokens come out ``token_delay_s`` apart, slow enough for a pause to interrupt.
+
+Behaviour taken from the reference: ``/health_generate`` is 503 while starting; ``/generate``
+rejects unknown sampling keys with 400 and answers ``meta_info.output_token_logprobs`` triples,
+``finish_reason`` dicts and ``weight_version``; a matched stop token is trimmed from
+``output_ids`` unless ``no_stop_trim``; ``/pause_generation {"mode": "abort"}`` makes running
+requests return HTTP 200 with their partial output and finish type ``abort`` and answers once
+they all have (SGLang waits for its model-update lock to drain), and new requests (health
+checks included) block until ``/continue_generation``; ``/update_weights_from_disk``
+answers 400 and keeps the old weights for a bad path; ``/model_info`` reports the version.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+SAMPLING_KEYS = {
+    "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids",
+    "ignore_eos", "n", "skip_special_tokens", "no_stop_trim", "sampling_seed",
+}  # fmt: skip
+
+
+def next_token(context: list[int], vocab_size: int) -> int:
+    return (sum(context) * 7 + len(context) * 3 + 1) % vocab_size
+
+
+def token_logprob(token: int, version: str) -> float:
+    return -(int(version) + 1) - token / 1000
+
+
+class SGLangDouble:
+    """The double's state and behaviour; ``start()`` serves it over HTTP."""
+
+    def __init__(
+        self,
+        vocab_size: int = 50,
+        token_delay_s: float = 0.01,
+        startup_s: float = 0.0,
+        weight_version: str = "0",
+        eos_id: int | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+    ):
+        self.vocab_size = vocab_size
+        self.token_delay_s = token_delay_s
+        self.eos_id = eos_id
+        self.weight_version = weight_version
+        self.model_path = "/models/initial"
+        self.ready_at = time.monotonic() + startup_s
+        self.cond = threading.Condition()
+        self.paused = False
+        self.running: dict[str, bool] = {}  # rid -> abort requested
+        self.log: list[tuple[str, dict]] = []  # (path, payload) of every POST, in order
+        self.server = ThreadingHTTPServer((host, port), _handler(self))
+        self.server.daemon_threads = True
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host, port = self.server.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def start(self) -> SGLangDouble:
+        self._thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        with self.cond:
+            self.paused = False
+            for rid in self.running:
+                self.running[rid] = True
+            self.cond.notify_all()
+        self.server.shutdown()
+        self.server.server_close()
+
+    def posts(self, path: str) -> list[dict]:
+        return [payload for p, payload in self.log if p == path]
+
+    # endpoints -------------------------------------------------------------------------------
+
+    def _wait_unpaused(self) -> None:
+        with self.cond:
+            self.cond.wait_for(lambda: not self.paused)
+
+    def health(self) -> tuple[int, dict]:
+        if time.monotonic() < self.ready_at:
+            return 503, {"message": "starting"}
+        self._wait_unpaused()
+        return 200, {}
+
+    def generate(self, body: dict) -> tuple[int, dict]:
+        params = body.get("sampling_params", {})
+        unknown = set(params) - SAMPLING_KEYS
+        if unknown:
+            return 400, {"error": {"message": f"unknown sampling params {sorted(unknown)}"}}
+        if not isinstance(body.get("input_ids"), list) or not body["input_ids"]:
+            return 400, {"error": {"message": "input_ids required"}}
+        rid = body.get("rid") or f"auto-{len(self.log)}"
+        with self.cond:
+            self.cond.wait_for(lambda: not self.paused)
+            self.running[rid] = False
+        context = list(body["input_ids"])
+        try:
+            return 200, self._run(rid, context, params, body.get("return_logprob", False))
+        finally:
+            with self.cond:
+                self.running.pop(rid, None)
+                self.cond.notify_all()
+
+    def _run(self, rid: str, context: list[int], params: dict, return_logprob: bool) -> dict:
+        """Decode until stop, length or abort; the answer is built before the request ends."""
+        stops = set(params.get("stop_token_ids") or ()) | ({self.eos_id} - {None})
+        out, triples, finish = [], [], None
+        while finish is None:
+            with self.cond:
+                if self.running[rid]:
+                    message = "Abort in waiting queue" if out else "Abort before prefill"
+                    finish = {"type": "abort", "message": message}
+                    break
+                version = self.weight_version
+            time.sleep(self.token_delay_s)
+            token = next_token(context + out, self.vocab_size)
+            out.append(token)
+            triples.append([token_logprob(token, version), token, None])
+            if token in stops:
+                finish = {"type": "stop", "matched": token}
+            elif len(out) >= params.get("max_new_tokens", 128):
+                finish = {"type": "length", "length": len(out)}
+        output_ids = list(out)
+        if finish["type"] == "stop" and not params.get("no_stop_trim"):
+            output_ids = output_ids[:-1]
+        meta = {
+            "id": rid,
+            "prompt_tokens": len(context),
+            "completion_tokens": len(out),
+            "cached_tokens": 0,
+            "weight_version": self.weight_version,
+            "finish_reason": finish,
+        }
+        if return_logprob:
+            meta["output_token_logprobs"] = triples
+        return {"output_ids": output_ids, "meta_info": meta}
+
+    def pause(self, body: dict) -> tuple[int, dict]:
+        """Abort mode returns once every running request has returned its partial output."""
+        with self.cond:
+            self.paused = True
+            if body.get("mode", "abort") == "abort":
+                for rid in self.running:
+                    self.running[rid] = True
+                self.cond.wait_for(lambda: not self.running)
+        return 200, {"message": "Generation paused successfully."}
+
+    def continue_(self, body: dict) -> tuple[int, dict]:
+        with self.cond:
+            self.paused = False
+            self.cond.notify_all()
+        return 200, {"message": "Generation continued successfully."}
+
+    def abort(self, body: dict) -> tuple[int, dict]:
+        with self.cond:
+            for rid in self.running:
+                if body.get("abort_all") or rid == body.get("rid"):
+                    self.running[rid] = True
+        return 200, {}
+
+    def update_weights(self, body: dict) -> tuple[int, dict]:
+        path = body.get("model_path", "")
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            message = f"Failed to update weights: {path} is not a model directory."
+            return 400, {"success": False, "message": message, "num_paused_requests": 0}
+        with self.cond:
+            self.model_path = path
+            if body.get("weight_version") is not None:
+                self.weight_version = body["weight_version"]
+        message = "Succeeded to update model weights."
+        return 200, {"success": True, "message": message, "num_paused_requests": 0}
+
+    def model_info(self) -> tuple[int, dict]:
+        return 200, {
+            "model_path": self.model_path,
+            "tokenizer_path": None,
+            "is_generation": True,
+            "weight_version": self.weight_version,
+        }
+
+
+def _handler(double: SGLangDouble):
+    posts = {
+        "/generate": double.generate,
+        "/pause_generation": double.pause,
+        "/continue_generation": double.continue_,
+        "/abort_request": double.abort,
+        "/update_weights_from_disk": double.update_weights,
+    }
+    gets = {"/health_generate": double.health, "/model_info": double.model_info}
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args):
+            pass
+
+        def _answer(self, status: int, body: dict) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            route = gets.get(self.path)
+            self._answer(*(route() if route else (404, {"detail": "Not Found"})))
+
+        def do_POST(self):
+            length = int(self.headers.get("Content-Length") or 0)
+            body = json.loads(self.rfile.read(length) or b"{}")
+            route = posts.get(self.path)
+            if route is None:
+                self._answer(404, {"detail": "Not Found"})
+                return
+            with double.cond:
+                double.log.append((self.path, body))
+            self._answer(*route(body))
+
+    return Handler
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Serve the double with SGLang's launch flags (as ``sglang.launch_server`` would)."""
+    parser = argparse.ArgumentParser(prog="sglang.launch_server")
+    parser.add_argument("--model-path", required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--skip-tokenizer-init", action="store_true", required=True)
+    parser.add_argument("--tp-size", type=int, default=1)
+    parser.add_argument("--dp-size", type=int, default=1)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--weight-version", default="default")
+    parser.add_argument("--context-length", type=int)
+    parser.add_argument("--mem-fraction-static", type=float)
+    parser.add_argument("--max-running-requests", type=int)
+    parser.add_argument("--random-seed", type=int)
+    parser.add_argument("--enable-deterministic-inference", action="store_true")
+    args = parser.parse_args(argv)
+    startup_s = float(os.environ.get("SGLANG_DOUBLE_STARTUP_S", "0.3"))
+    double = SGLangDouble(
+        startup_s=startup_s, weight_version=args.weight_version, host=args.host, port=args.port
+    )
+    double.model_path = args.model_path
+    double.server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()

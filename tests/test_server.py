@@ -1,0 +1,535 @@
+"""The rollout server through real gRPC on loopback, with an engine double and a scorer double."""
+
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+from _rollout_fakes import EOS_ID, ArithmeticEngine, encode, make_tokenizer_dir, write_checkpoint
+from _rollout_harness import rollout, rollout_request, server_config, serving
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from areal_jax import cli
+from areal_jax.config import ConfigError
+from areal_jax.protocol import SERVICE_NAME, group_from_proto, push_weight_requests
+from areal_jax.protocol import rollout_pb2 as pb
+from rollout import engines
+from rollout.admission import Admission, AdmissionClosed
+from rollout.config import EngineConfig
+from rollout.engine import InvalidParamError, SamplingParams
+from rollout.server import serve
+from rollout.timing import ActivityClock
+
+INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    return make_tokenizer_dir(tmp_path_factory.mktemp("tokenizer"))
+
+
+def test_rollout_stream_returns_complete_scored_groups(tmp_path, tok_dir):
+    async def scenario():
+        async with serving(tmp_path, tok_dir) as h:
+            requests = [
+                rollout_request("a", "12+7=", "19", group_size=4, seed=0),
+                rollout_request("b", "3+4=", "7", group_size=2, temperature=0.0),
+            ]
+            return await rollout(h.stub, requests), h.scorer.calls
+
+    responses, calls = asyncio.run(scenario())
+    by_id = {r.request_id: r for r in responses}
+    assert set(by_id) == {"a", "b"}
+    a = group_from_proto(by_id["a"])
+    assert [t.reward for t in a.trajectories] == [1.0, 0.0, 1.0, 0.0]
+    np.testing.assert_array_equal(a.trajectories[0].prompt_ids, encode("12+7="))
+    np.testing.assert_array_equal(a.trajectories[0].output_ids, encode("19") + [EOS_ID])
+    np.testing.assert_array_equal(a.trajectories[1].output_ids, encode("20") + [EOS_ID])
+    np.testing.assert_allclose(a.trajectories[0].behav_logprobs, [-1.0, -1.01, -1.02])
+    assert all(t.finish_reason == "stop" for t in a.trajectories)
+    assert a.metadata["timing"]["generation_s"] > 0
+    b = group_from_proto(by_id["b"])
+    assert [t.reward for t in b.trajectories] == [1.0, 1.0]
+    assert len(calls) == 6
+
+
+MALFORMED = [
+    ("request_id", dict(request_id="")),
+    ("prompt_ids", dict(prompt_ids=[])),
+    ("prompt_ids[1]", dict(prompt_ids=[3, 42, 4])),
+    ("prompt_ids[0]", dict(prompt_ids=[-1])),
+    ("sampling_params.max_new_tokens", dict(sampling=dict(max_new_tokens=60))),  # 5 + 60 > 64
+    ("sampling_params.max_new_tokens", dict(sampling=dict(max_new_tokens=0))),
+    ("sampling_params.temperature", dict(sampling=dict(temperature=-0.5))),
+    ("sampling_params.top_p", dict(sampling=dict(top_p=0.0))),
+    ("sampling_params.top_p", dict(sampling=dict(top_p=1.5))),
+    ("sampling_params.top_k", dict(sampling=dict(top_k=0))),
+    ("sampling_params.stop_token_ids[1]", dict(sampling=dict(stop_token_ids=[3, 99]))),
+    ("sampling_params.greedy", dict(sampling=dict(greedy=True, temperature=0.7))),
+    ("sampling_params", dict(sampling=None)),
+    ("reward_name", dict(reward_name="math_verify")),
+    ("group_size", dict(group_size=0)),
+    ("group_size", dict(group_size=300)),
+]
+
+
+def _malformed(index: int, fields: dict) -> pb.RolloutRequest:
+    req = rollout_request(f"bad-{index}")
+    fields = dict(fields)
+    sampling = fields.pop("sampling", {})
+    if sampling is None:
+        req.ClearField("sampling_params")
+    else:
+        for key, value in sampling.items():
+            if isinstance(value, list):
+                getattr(req.sampling_params, key).extend(value)
+            else:
+                setattr(req.sampling_params, key, value)
+    for key, value in fields.items():
+        if isinstance(value, list):
+            req.ClearField(key)
+            getattr(req, key).extend(value)
+        else:
+            setattr(req, key, value)
+    return req
+
+
+def test_malformed_requests_get_invalid_argument_naming_the_field(tmp_path, tok_dir):
+    async def scenario():
+        async with serving(tmp_path, tok_dir) as h:
+            requests = [_malformed(i, fields) for i, (_, fields) in enumerate(MALFORMED)]
+            requests.append(rollout_request("good"))
+            return await rollout(h.stub, requests)
+
+    responses = asyncio.run(scenario())
+    assert len(responses) == len(MALFORMED) + 1
+    by_id = {r.request_id: r for r in responses}
+    for i, (field, _) in enumerate(MALFORMED):
+        request_id = "" if field == "request_id" else f"bad-{i}"
+        error = by_id[request_id].error
+        assert (error.code, error.field) == (INVALID, field), (field, error)
+        assert error.message.startswith(f"{field}: ")
+        assert not by_id[request_id].trajectories
+    # the stream stayed open: the valid request after all of them completed
+    assert not by_id["good"].HasField("error")
+    assert len(by_id["good"].trajectories) == 2
+
+
+def test_duplicate_request_id_in_flight_is_rejected(tmp_path, tok_dir):
+    async def scenario():
+        async with serving(tmp_path, tok_dir, engine=ArithmeticEngine(step_s=0.02)) as h:
+            return await rollout(h.stub, [rollout_request("same"), rollout_request("same")])
+
+    first, second = asyncio.run(scenario())
+    assert (first.error.code, first.error.field) == (INVALID, "request_id")
+    assert "already in flight" in first.error.message
+    assert not second.HasField("error")
+
+
+def test_generate_streams_tokens_then_the_finish_reason(tmp_path, tok_dir):
+    async def scenario():
+        async with serving(tmp_path, tok_dir) as h:
+            params = pb.SamplingParams(max_new_tokens=8, greedy=True)
+            req = pb.GenerateRequest(request_id="g", prompt_ids=encode("5+5="), sampling_params=params)
+            chunks = [c async for c in h.stub.Generate(req)]
+            status = await h.stub.GetStatus(pb.GetStatusRequest())
+            bad = pb.GenerateRequest(
+                request_id="g2", prompt_ids=encode("1"), sampling_params=pb.SamplingParams(max_new_tokens=4, top_k=-5)
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in h.stub.Generate(bad):
+                    pass
+            return chunks, status, err.value
+
+    chunks, status, err = asyncio.run(scenario())
+    assert [t for c in chunks for t in c.token_ids] == encode("10") + [EOS_ID]
+    assert [c.finish_reason for c in chunks] == [0, 0, pb.FINISH_REASON_STOP]
+    assert [v for c in chunks for v in c.versions] == [0, 0, 0]
+    assert status.tokens_generated == 3
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.details().startswith("sampling_params.top_k: ")
+
+
+def test_auth_token_is_required_except_for_health(tmp_path, tok_dir):
+    async def scenario():
+        async with serving(tmp_path, tok_dir, auth_token="s3cret") as h:
+            outcomes = {}
+            for label, metadata in [
+                ("missing", None),
+                ("wrong", (("authorization", "Bearer nope"),)),
+                ("right", (("authorization", "Bearer s3cret"),)),
+            ]:
+                try:
+                    await h.stub.GetStatus(pb.GetStatusRequest(), metadata=metadata)
+                    outcomes[label] = "ok"
+                except grpc.aio.AioRpcError as e:
+                    outcomes[label] = e.code()
+            with pytest.raises(grpc.aio.AioRpcError) as stream_err:
+                await rollout(h.stub, [rollout_request("x")])
+            ok = await rollout(h.stub, [rollout_request("y")], (("authorization", "Bearer s3cret"),))
+            health = health_pb2_grpc.HealthStub(h.channel)
+            answer = await health.Check(health_pb2.HealthCheckRequest(service=""))
+            return outcomes, stream_err.value.code(), ok, answer.status
+
+    outcomes, stream_code, ok, health_status = asyncio.run(scenario())
+    unauthenticated = grpc.StatusCode.UNAUTHENTICATED
+    assert outcomes == {"missing": unauthenticated, "wrong": unauthenticated, "right": "ok"}
+    assert stream_code == unauthenticated
+    assert len(ok[0].trajectories) == 2
+    assert health_status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_token_can_come_from_the_environment(tmp_path, tok_dir, monkeypatch):
+    monkeypatch.setenv("ROLLOUT_TEST_TOKEN", "from-env")
+    config = server_config(tmp_path, tok_dir, auth_token_env="ROLLOUT_TEST_TOKEN")
+    assert config.resolve_auth_token() == "from-env"
+    monkeypatch.delenv("ROLLOUT_TEST_TOKEN")
+    with pytest.raises(ConfigError, match="auth_token_env: environment variable ROLLOUT_TEST_TOKEN"):
+        config.resolve_auth_token()
+
+
+def test_health_and_reflection_answer(tmp_path, tok_dir):
+    async def scenario():
+        async with serving(tmp_path, tok_dir) as h:
+            health = health_pb2_grpc.HealthStub(h.channel)
+            overall = await health.Check(health_pb2.HealthCheckRequest(service=""))
+            ours = await health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
+            refl = reflection_pb2_grpc.ServerReflectionStub(h.channel)
+            call = refl.ServerReflectionInfo()
+            await call.write(reflection_pb2.ServerReflectionRequest(list_services=""))
+            await call.write(reflection_pb2.ServerReflectionRequest(file_containing_symbol=SERVICE_NAME))
+            await call.done_writing()
+            answers = [a async for a in call]
+            return overall.status, ours.status, answers
+
+    overall, ours, (listing, files) = asyncio.run(scenario())
+    assert overall == ours == health_pb2.HealthCheckResponse.SERVING
+    services = {s.name for s in listing.list_services_response.service}
+    assert {SERVICE_NAME, "grpc.health.v1.Health"} <= services
+    assert files.file_descriptor_response.file_descriptor_proto  # the rollout.proto descriptor
+
+
+def test_pause_holds_generation_until_resume(tmp_path, tok_dir):
+    async def scenario():
+        engine = ArithmeticEngine(step_s=0.005)
+        async with serving(tmp_path, tok_dir, engine=engine) as h:
+            paused = await h.stub.Pause(pb.PauseRequest())
+            call = h.stub.Rollout()
+            await call.write(rollout_request("p", group_size=2))
+            await call.done_writing()
+            await asyncio.sleep(0.2)
+            during = await h.stub.GetStatus(pb.GetStatusRequest())
+            resumed = await h.stub.Resume(pb.ResumeRequest())
+            responses = [r async for r in call]
+            after = await h.stub.GetStatus(pb.GetStatusRequest())
+            return paused, during, resumed, responses, after
+
+    paused, during, resumed, responses, after = asyncio.run(scenario())
+    assert paused.paused and not resumed.paused
+    assert (during.running_requests, during.tokens_generated) == (1, 0)
+    assert during.engine_stats["active_sequences"] == 2.0
+    assert len(responses[0].trajectories) == 2
+    assert (after.running_requests, after.queued_requests, after.tokens_generated) == (0, 0, 6)
+    assert after.tokens_per_second > 0
+    assert (after.engine_kind, after.vocab_size, after.max_context_len) == ("arithmetic", 42, 64)
+
+
+def test_full_queue_stops_reading_until_slots_free(tmp_path, tok_dir):
+    async def scenario():
+        async with serving(
+            tmp_path, tok_dir, max_concurrent_groups=1, max_queued_requests=1
+        ) as h:
+            await h.stub.Pause(pb.PauseRequest())
+            call = h.stub.Rollout()
+            for i in range(4):
+                await call.write(rollout_request(f"r{i}"))
+            await asyncio.sleep(0.2)
+            status = await h.stub.GetStatus(pb.GetStatusRequest())
+            await h.stub.Resume(pb.ResumeRequest())
+            await call.done_writing()
+            return status, [r async for r in call]
+
+    status, responses = asyncio.run(scenario())
+    assert (status.running_requests, status.queued_requests) == (1, 1)
+    assert sorted(r.request_id for r in responses) == ["r0", "r1", "r2", "r3"]
+    assert all(len(r.trajectories) == 2 for r in responses)
+
+
+def test_update_weights_reaches_the_engine_and_failures_keep_the_version(tmp_path, tok_dir):
+    good = write_checkpoint(tmp_path / "ckpt1", "one")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+
+    async def scenario():
+        async with serving(tmp_path, tok_dir) as h:
+            ok = await h.stub.UpdateWeights(pb.UpdateWeightsRequest(path=str(good), version=1))
+            errors = []
+            for path, version in [(str(broken), 2), (str(tmp_path / "none"), 2), (str(good), 1), ("", 3)]:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await h.stub.UpdateWeights(pb.UpdateWeightsRequest(path=path, version=version))
+                errors.append((err.value.code(), err.value.details()))
+            status = await h.stub.GetStatus(pb.GetStatusRequest())
+            return ok, errors, status, h.engine.loaded
+
+    ok, errors, status, loaded = asyncio.run(scenario())
+    assert ok.version == 1 and ok.load_s >= 0
+    assert [(p, v) for p, v, _ in loaded] == [(str(good), 1)]
+    failed = grpc.StatusCode.FAILED_PRECONDITION
+    assert [code for code, _ in errors] == [failed, failed, failed, grpc.StatusCode.INVALID_ARGUMENT]
+    assert errors[0][1].startswith("path: cannot load")
+    assert errors[2][1].startswith("version: 1 is not newer than the serving version 1")
+    assert errors[3][1].startswith("path: ")
+    assert status.version == 1
+
+
+def test_push_weights_writes_the_files_and_loads_that_directory(tmp_path, tok_dir):
+    first = write_checkpoint(tmp_path / "src1", "first")
+    second = write_checkpoint(tmp_path / "src2", "second")
+
+    async def scenario():
+        async with serving(tmp_path, tok_dir) as h:
+            one = await h.stub.PushWeights(push_weight_requests(first, 1, chunk_bytes=333))
+            first_dir = h.engine.loaded[-1][0]
+            kept_after_first = os.path.isdir(first_dir)
+            two = await h.stub.PushWeights(push_weight_requests(second, 2, chunk_bytes=4096))
+            return one, two, first_dir, kept_after_first, h.engine.loaded
+
+    one, two, first_dir, kept_after_first, loaded = asyncio.run(scenario())
+    assert (one.version, two.version) == (1, 2)
+    for (path, version, files), src in zip(loaded, [first, second], strict=True):
+        assert os.path.dirname(path) == str(tmp_path / "push")
+        assert files == {p.name: p.read_bytes() for p in src.iterdir()}
+    # the previous pushed checkpoint is removed once the next one is loaded
+    assert kept_after_first and not os.path.exists(first_dir)
+    assert os.listdir(tmp_path / "push") == [os.path.basename(loaded[1][0])]
+
+
+def _bad_pushes(src):
+    good = list(push_weight_requests(src, 1, chunk_bytes=500))
+    header_first = good[0]
+    short = [header_first] + good[1:-1]  # last chunk missing
+    renamed = pb.PushWeightsRequest()
+    renamed.CopyFrom(header_first)
+    renamed.header.files[0].name = "../escape.json"
+    skipped = [header_first, good[1], good[3]]  # a file's second chunk before its first
+    return [
+        ("header", good[1:]),
+        ("header.files", [pb.PushWeightsRequest(header=pb.WeightsHeader(version=1))]),
+        ("header.files[1].size", short),
+        ("header.files[0].name", [renamed] + good[1:]),
+        ("chunk.offset", skipped),
+        ("header", [header_first, header_first]),
+    ]
+
+
+def test_bad_pushes_are_rejected_and_leave_nothing_behind(tmp_path, tok_dir):
+    src = write_checkpoint(tmp_path / "src", "x")
+    no_config = tmp_path / "no_config"
+    no_config.mkdir()
+    (no_config / "weights.bin").write_bytes(b"\0" * 10)
+
+    async def scenario():
+        results = []
+        async with serving(tmp_path, tok_dir) as h:
+            for field, requests in _bad_pushes(src):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await h.stub.PushWeights(iter(requests))
+                results.append((field, err.value.code(), err.value.details()))
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await h.stub.PushWeights(push_weight_requests(no_config, 1))
+            results.append(("load", err.value.code(), err.value.details()))
+            status = await h.stub.GetStatus(pb.GetStatusRequest())
+        return results, status
+
+    results, status = asyncio.run(scenario())
+    for field, code, details in results[:-1]:
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, (field, details)
+        assert details.startswith(f"{field}: "), (field, details)
+    assert results[-1][1] == grpc.StatusCode.FAILED_PRECONDITION
+    assert status.version == 0
+    assert os.listdir(tmp_path / "push") == []
+
+
+def test_tokens_after_an_update_carry_the_new_version(tmp_path, tok_dir):
+    ckpt = write_checkpoint(tmp_path / "ckpt", "v1")
+
+    async def scenario():
+        async with serving(tmp_path, tok_dir, engine=ArithmeticEngine(step_s=0.01)) as h:
+            call = h.stub.Rollout()
+            await call.write(rollout_request("long", prompt="no sum", group_size=1, max_new_tokens=30))
+            await call.done_writing()
+            await asyncio.sleep(0.1)
+            await h.stub.UpdateWeights(pb.UpdateWeightsRequest(path=str(ckpt), version=1))
+            return [r async for r in call]
+
+    (response,) = asyncio.run(scenario())
+    versions = list(response.trajectories[0].versions)
+    assert len(versions) == 30
+    switch = versions.index(1)
+    assert 0 < switch < 30 and versions == [0] * switch + [1] * (30 - switch)
+
+
+def test_stop_returns_in_flight_work_as_aborted(tmp_path, tok_dir):
+    async def scenario():
+        engine = ArithmeticEngine(step_s=0.01)
+        async with serving(tmp_path, tok_dir, engine=engine, max_concurrent_groups=1) as h:
+            call = h.stub.Rollout()
+            await call.write(rollout_request("running", prompt="none", max_new_tokens=50))
+            await call.write(rollout_request("queued", prompt="none", max_new_tokens=50))
+            await asyncio.sleep(0.1)
+            stopping = asyncio.create_task(h.server.stop(grace=5.0))
+            responses = [r async for r in call]
+            await stopping
+            return responses, engine.closed
+
+    responses, closed = asyncio.run(scenario())
+    by_id = {r.request_id: r for r in responses}
+    running = group_from_proto(by_id["running"])
+    assert [t.finish_reason for t in running.trajectories] == ["abort", "abort"]
+    assert all(0 < len(t.output_ids) < 50 for t in running.trajectories)
+    assert by_id["queued"].error.code == grpc.StatusCode.ABORTED.value[0]
+    assert closed
+
+
+def test_sigterm_stops_serve_gracefully(tmp_path, tok_dir):
+    engine = ArithmeticEngine()
+    scorer_names = ("exact",)
+    from _rollout_fakes import ExactAnswerScorer
+
+    config = server_config(tmp_path, tok_dir)
+    original = signal.getsignal(signal.SIGTERM)
+
+    def send_sigterm_once_handled():
+        deadline = time.monotonic() + 30
+        while signal.getsignal(signal.SIGTERM) is original and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=send_sigterm_once_handled, daemon=True).start()
+    code = serve(
+        config, engine=engine, scorer=ExactAnswerScorer(), reward_names=scorer_names
+    )
+    assert code == 0
+    assert engine.started and engine.closed
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+def test_tls_serves_only_secure_clients(tmp_path, tok_dir):
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+         "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    creds = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
+
+    async def scenario():
+        tls = dict(tls_cert_path=str(cert), tls_key_path=str(key))
+        factory = lambda target: grpc.aio.secure_channel(target, creds)  # noqa: E731
+        async with serving(tmp_path, tok_dir, channel_factory=factory, **tls) as h:
+            status = await h.stub.GetStatus(pb.GetStatusRequest())
+            plain = grpc.aio.insecure_channel(f"127.0.0.1:{h.server.port}")
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await pb_stub(plain).GetStatus(pb.GetStatusRequest(), timeout=2)
+            await plain.close()
+            return status, err.value.code()
+
+    status, plain_code = asyncio.run(scenario())
+    assert status.engine_kind == "arithmetic"
+    assert plain_code == grpc.StatusCode.UNAVAILABLE
+
+
+def pb_stub(channel):
+    from areal_jax.protocol import rollout_pb2_grpc
+
+    return rollout_pb2_grpc.RolloutServiceStub(channel)
+
+
+def test_server_config_errors_name_the_key(tmp_path, tok_dir):
+    with pytest.raises(ConfigError, match="tls_cert_path and tls_key_path"):
+        server_config(tmp_path, tok_dir, tls_cert_path="/c.pem")
+    with pytest.raises(ConfigError, match="max_concurrent_groups: must be >= 1"):
+        server_config(tmp_path, tok_dir, max_concurrent_groups=0)
+    with pytest.raises(ConfigError, match="unknown config key engine.modle_path"):
+        server_config(tmp_path, tok_dir, engine={"modle_path": "x"})
+    with pytest.raises(ConfigError, match="engine.model_path: required"):
+        server_config(tmp_path, tok_dir, engine={"kind": "sglang"})
+
+
+def test_cli_reports_config_errors(capsys):
+    assert cli.main(["serve", "engine.kind=sglang", "port=-1"]) == 2
+    assert "engine.model_path: required" in capsys.readouterr().err
+
+
+def test_engine_factory_explains_a_missing_engine_module(monkeypatch, tmp_path):
+    monkeypatch.setitem(engines.ENGINE_MODULES, "jax", "rollout.engines.not_written_yet")
+    with pytest.raises(ConfigError, match="engine.kind: 'jax' needs the module rollout.engines.not_written_yet"):
+        engines.create_engine(EngineConfig(kind="jax", model_path=str(tmp_path)))
+    (tmp_path / "config.json").write_text('{"vocab_size": 10, "max_position_embeddings": 32}')
+    with pytest.raises(ConfigError, match="engine.options.tp_size: must be >= 1"):
+        engines.create_engine(
+            EngineConfig(kind="sglang", model_path=str(tmp_path), options={"tp_size": 0})
+        )
+    built = engines.create_engine(EngineConfig(kind="sglang", model_path=str(tmp_path)))
+    assert (built.kind, built.vocab_size, built.max_context_len) == ("sglang", 10, 32)
+
+
+def test_sampling_params_name_the_invalid_field():
+    cases = [
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(max_new_tokens=4, temperature=float("nan")), "temperature"),
+        (dict(max_new_tokens=4, top_p=0), "top_p"),
+        (dict(max_new_tokens=4, top_k=0), "top_k"),
+        (dict(max_new_tokens=4, seed=-1), "seed"),
+        (dict(max_new_tokens=4, stop_token_ids=(-2,)), "stop_token_ids[0]"),
+    ]
+    for kwargs, field in cases:
+        with pytest.raises(InvalidParamError) as err:
+            SamplingParams(**kwargs)
+        assert err.value.field == field
+    params = SamplingParams(max_new_tokens=4, stop_token_ids=[1, 10])
+    with pytest.raises(InvalidParamError, match=r"stop_token_ids\[1\]: 10 is outside .*\[0, 10\)"):
+        params.validate(vocab_size=10)
+    assert SamplingParams(max_new_tokens=1, temperature=0).greedy
+
+
+def test_admission_bounds_queue_and_slots():
+    async def scenario():
+        adm = Admission(max_queued=1, max_running=1)
+        await adm.reserve()
+        await adm.start()
+        await adm.reserve()
+        blocked = asyncio.create_task(adm.reserve())
+        await asyncio.sleep(0.01)
+        assert not blocked.done() and (adm.queued, adm.running) == (1, 1)
+        adm.release(started=True)
+        await asyncio.wait_for(blocked, 1)
+        await adm.start()
+        assert (adm.queued, adm.running) == (1, 1)
+        waiting = asyncio.create_task(adm.start())
+        await asyncio.sleep(0.01)
+        assert not waiting.done()
+        adm.close()
+        with pytest.raises(AdmissionClosed):
+            await waiting
+        with pytest.raises(AdmissionClosed):
+            await adm.reserve()
+
+    asyncio.run(scenario())
+
+
+def test_activity_clock_counts_overlapping_work_once():
+    clock = ActivityClock()
+    with clock.track():
+        time.sleep(0.02)
+        with clock.track():
+            time.sleep(0.02)
+    assert 0.04 <= clock.total < 0.2

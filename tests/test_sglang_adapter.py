@@ -1,0 +1,316 @@
+"""The SGLang adapter against a protocol double of SGLang's HTTP server (SGLang needs a GPU)."""
+
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from _rollout_sglang_double import SGLangDouble, next_token, token_logprob
+
+from rollout.config import EngineConfig
+from rollout.engine import EngineError, SamplingParams, WeightLoadError, collect
+from rollout.engines import sglang_api as api
+from rollout.engines.sglang_engine import SGLangEngine, build_engine
+
+VOCAB = 50
+PROMPT = [3, 1, 4, 1, 5]
+
+
+def expected_tokens(prompt: list[int], n: int) -> list[int]:
+    out: list[int] = []
+    for _ in range(n):
+        out.append(next_token(prompt + out, VOCAB))
+    return out
+
+
+@pytest.fixture
+def model_dir(tmp_path) -> Path:
+    path = tmp_path / "model"
+    path.mkdir()
+    config = {"vocab_size": VOCAB, "max_position_embeddings": 256}
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture
+def double():
+    server = SGLangDouble(vocab_size=VOCAB, token_delay_s=0.01).start()
+    yield server
+    server.stop()
+
+
+def attached(model_dir: Path, double: SGLangDouble) -> SGLangEngine:
+    config = EngineConfig(kind="sglang", model_path=str(model_dir), options={"url": double.url})
+    return build_engine(config)
+
+
+async def _generate(engine, prompt, params, rid="r1"):
+    return await collect(engine.generate(prompt, params, rid))
+
+
+def test_generate_returns_tokens_logprobs_and_versions(model_dir, double):
+    stop_at = expected_tokens(PROMPT, 6)[5]
+
+    async def scenario():
+        engine = attached(model_dir, double)
+        await engine.start()
+        try:
+            params = SamplingParams(max_new_tokens=20, temperature=0.7, top_p=0.9, stop_token_ids=[stop_at], seed=3)
+            stopped = await _generate(engine, PROMPT, params)
+            capped = await _generate(engine, PROMPT, SamplingParams(max_new_tokens=4), "r2")
+        finally:
+            await engine.shutdown()
+        return stopped, capped
+
+    stopped, capped = asyncio.run(scenario())
+    want = expected_tokens(PROMPT, 6)
+    assert want.index(stop_at) == 5  # the stop token first appears at the end
+    assert stopped.output_ids == want  # the matched stop token is kept
+    assert stopped.logprobs == pytest.approx([token_logprob(t, "0") for t in want])
+    assert stopped.versions == [0] * 6 and stopped.finish_reason == "stop"
+    assert capped.output_ids == expected_tokens(PROMPT, 4) and capped.finish_reason == "length"
+    sent = double.posts("/generate")[0]
+    assert sent == {
+        "input_ids": PROMPT,
+        "sampling_params": {
+            "max_new_tokens": 20,
+            "temperature": pytest.approx(0.7),
+            "top_p": pytest.approx(0.9),
+            "top_k": -1,
+            "no_stop_trim": True,
+            "stop_token_ids": [stop_at],
+            "sampling_seed": 3,
+        },
+        "return_logprob": True,
+        "logprob_start_len": -1,
+        "rid": "r1",
+    }
+
+
+def _interrupted_run(engine, double, update):
+    """Start a 30-token request, run ``update`` after about 10 tokens, return the result."""
+
+    async def scenario():
+        await engine.start()
+        try:
+            run = asyncio.create_task(_generate(engine, PROMPT, SamplingParams(max_new_tokens=30)))
+            await asyncio.sleep(0.1)
+            outcome = None
+            try:
+                await update(engine)
+            except WeightLoadError as e:
+                outcome = e
+            return await run, outcome, engine.version
+        finally:
+            await engine.shutdown()
+
+    return asyncio.run(scenario())
+
+
+def test_update_interrupts_and_resubmits_with_per_token_versions(model_dir, double, tmp_path):
+    ckpt = tmp_path / "v1"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{}")
+    engine = attached(model_dir, double)
+    result, error, version = _interrupted_run(engine, double, lambda e: e.update_weights(str(ckpt), 1))
+
+    assert error is None and version == 1
+    # the output is exactly what an uninterrupted run gives: prompt + partial was re-read
+    assert result.output_ids == expected_tokens(PROMPT, 30)
+    assert result.finish_reason == "length"
+    k = result.versions.index(1)
+    assert 0 < k < 30 and result.versions == [0] * k + [1] * (30 - k)
+    want_logprobs = [token_logprob(t, str(v)) for t, v in zip(result.output_ids, result.versions)]
+    assert result.logprobs == pytest.approx(want_logprobs)
+    # pause (abort) -> update with the version -> continue -> resubmission of prompt + partial
+    assert [p for p, _ in double.log] == [
+        "/generate", "/pause_generation", "/update_weights_from_disk", "/continue_generation", "/generate",
+    ]  # fmt: skip
+    assert double.posts("/pause_generation") == [{"mode": "abort"}]
+    update = double.posts("/update_weights_from_disk")[0]
+    assert (update["model_path"], update["weight_version"]) == (str(ckpt), "1")
+    resubmitted = double.posts("/generate")[1]
+    assert resubmitted["input_ids"] == PROMPT + result.output_ids[:k]
+    assert resubmitted["sampling_params"]["max_new_tokens"] == 30 - k
+    assert resubmitted["rid"] == "r1#resume1"
+    assert engine.stats()["resubmissions"] == 1
+
+
+def test_failed_load_keeps_the_old_version(model_dir, double, tmp_path):
+    engine = attached(model_dir, double)
+    missing = str(tmp_path / "no-such-checkpoint")
+    result, error, version = _interrupted_run(engine, double, lambda e: e.update_weights(missing, 1))
+
+    assert isinstance(error, WeightLoadError) and "not a model directory" in str(error)
+    assert version == 0 and double.weight_version == "0"
+    assert result.output_ids == expected_tokens(PROMPT, 30)
+    assert result.versions == [0] * 30
+    assert double.posts("/continue_generation") == [{}]  # generation resumed after the failure
+
+
+def test_pause_holds_requests_until_resume(model_dir, double):
+    async def scenario():
+        engine = attached(model_dir, double)
+        await engine.start()
+        try:
+            run = asyncio.create_task(_generate(engine, PROMPT, SamplingParams(max_new_tokens=20)))
+            await asyncio.sleep(0.05)
+            await engine.pause()
+            await asyncio.sleep(0.15)
+            held = (engine.paused, run.done(), len(double.posts("/generate")), dict(double.running))
+            await engine.resume()
+            return held, await run
+        finally:
+            await engine.shutdown()
+
+    (paused, done, submitted, running), result = asyncio.run(scenario())
+    assert paused and not done
+    assert submitted == 1 and running == {}  # interrupted, not yet resubmitted
+    assert result.output_ids == expected_tokens(PROMPT, 20)
+    assert result.versions == [0] * 20 and result.finish_reason == "length"
+
+
+def test_shutdown_aborts_in_flight_requests(model_dir, double):
+    async def scenario():
+        engine = attached(model_dir, double)
+        await engine.start()
+        run = asyncio.create_task(_generate(engine, PROMPT, SamplingParams(max_new_tokens=100)))
+        await asyncio.sleep(0.05)
+        await engine.shutdown()
+        after = await _generate(engine, PROMPT, SamplingParams(max_new_tokens=5), "late")
+        return await run, after
+
+    result, after = asyncio.run(scenario())
+    assert result.finish_reason == "abort"
+    assert 0 < len(result.output_ids) < 100
+    assert result.output_ids == expected_tokens(PROMPT, len(result.output_ids))
+    assert double.posts("/abort_request") == [{"rid": "", "abort_all": True}]
+    assert (after.output_ids, after.finish_reason) == ([], "abort")
+
+
+def test_cancelling_a_request_aborts_it_in_sglang(model_dir, double):
+    async def scenario():
+        engine = attached(model_dir, double)
+        await engine.start()
+        try:
+            run = asyncio.create_task(_generate(engine, PROMPT, SamplingParams(max_new_tokens=100), "c1"))
+            await asyncio.sleep(0.05)
+            run.cancel()
+            for _ in range(100):
+                await asyncio.sleep(0.01)
+                if not double.running:
+                    break
+            return dict(double.running)
+        finally:
+            await engine.shutdown()
+
+    running = asyncio.run(scenario())
+    assert double.posts("/abort_request") == [{"rid": "c1", "abort_all": False}]
+    assert running == {}
+
+
+def test_attaching_adopts_the_servers_weight_version(model_dir):
+    double = SGLangDouble(vocab_size=VOCAB, weight_version="7").start()
+
+    async def scenario():
+        engine = attached(model_dir, double)
+        await engine.start()
+        try:
+            return engine.version, await _generate(engine, PROMPT, SamplingParams(max_new_tokens=2))
+        finally:
+            await engine.shutdown()
+
+    try:
+        version, result = asyncio.run(scenario())
+    finally:
+        double.stop()
+    assert version == 7 and result.versions == [7, 7]
+
+
+def _fake_sglang(tmp_path: Path, body: str, monkeypatch) -> None:
+    """Put a ``sglang.launch_server`` module running ``body`` first on the child's path."""
+    package = tmp_path / "fake" / "sglang"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "launch_server.py").write_text(body)
+    tests_dir = str(Path(__file__).parent)
+    path = os.pathsep.join([str(package.parent), tests_dir, os.environ.get("PYTHONPATH", "")])
+    monkeypatch.setenv("PYTHONPATH", path)
+
+
+def test_launches_sglang_waits_until_ready_and_stops_it(model_dir, tmp_path, monkeypatch):
+    _fake_sglang(tmp_path, "from _rollout_sglang_double import main\nmain()\n", monkeypatch)
+    monkeypatch.setenv("SGLANG_DOUBLE_STARTUP_S", "0.5")  # /health_generate answers 503 first
+    log_path = tmp_path / "sglang.log"
+    options = {"python": sys.executable, "log_path": str(log_path), "context_length": 128, "tp_size": 2}
+    engine = build_engine(EngineConfig(kind="sglang", model_path=str(model_dir), initial_version=4, options=options))
+
+    async def scenario():
+        await engine.start()
+        try:
+            return await _generate(engine, PROMPT, SamplingParams(max_new_tokens=3))
+        finally:
+            await engine.shutdown()
+
+    result = asyncio.run(scenario())
+    assert result.output_ids == expected_tokens(PROMPT, 3)
+    assert result.versions == [4, 4, 4]  # launched with --weight-version 4
+    assert engine.max_context_len == 128
+    assert engine.process.exit_code() is not None  # stopped with the engine
+
+
+def test_launch_failure_reports_the_exit_code_and_log(model_dir, tmp_path, monkeypatch):
+    body = "import sys\nprint('CUDA driver not found', file=sys.stderr)\nsys.exit(3)\n"
+    _fake_sglang(tmp_path, body, monkeypatch)
+    options = {"python": sys.executable, "log_path": str(tmp_path / "sglang.log")}
+    engine = build_engine(EngineConfig(kind="sglang", model_path=str(model_dir), options=options))
+    with pytest.raises(EngineError, match=r"(?s)exited with code 3.*CUDA driver not found"):
+        asyncio.run(engine.start())
+
+
+def test_launch_command_sets_the_rl_flags():
+    flags = api.LaunchFlags(
+        model_path="/m", host="127.0.0.1", port=31000, weight_version=2, tp_size=2, dp_size=4,
+        dtype="bfloat16", context_length=4096, mem_fraction_static=0.8, random_seed=1,
+    )  # fmt: skip
+    argv = api.launch_command("/py", flags, ["--log-level", "warning"])
+    assert argv == [
+        "/py", "-m", "sglang.launch_server", "--model-path", "/m", "--host", "127.0.0.1",
+        "--port", "31000", "--skip-tokenizer-init", "--tp-size", "2", "--dp-size", "4",
+        "--dtype", "bfloat16", "--weight-version", "2", "--context-length", "4096",
+        "--mem-fraction-static", "0.8", "--random-seed", "1", "--log-level", "warning",
+    ]  # fmt: skip
+
+
+def test_generate_response_parsing():
+    body = {
+        "output_ids": [5],
+        "meta_info": {
+            "finish_reason": {"type": "abort", "message": "Abort in waiting queue"},
+            "weight_version": "default",
+            "output_token_logprobs": [[-0.5, 5, None], [-0.25, 9, None]],
+        },
+    }
+    out = api.parse_generate_response([body])
+    assert (out.token_ids, out.logprobs, out.finish_reason) == ([5, 9], [-0.5, -0.25], "abort")
+    assert out.weight_version is None and out.message == "Abort in waiting queue"
+    with pytest.raises(ValueError, match="no meta_info"):
+        api.parse_generate_response({"output_ids": []})
+    with pytest.raises(ValueError, match="finish_reason"):
+        api.parse_generate_response({"meta_info": {"finish_reason": None}})
+
+
+def test_http_errors_surface_as_engine_errors(model_dir, double):
+    async def scenario():
+        engine = attached(model_dir, double)
+        await engine.start()
+        double.stop()
+        try:
+            await _generate(engine, PROMPT, SamplingParams(max_new_tokens=2))
+        finally:
+            await engine.shutdown()
+
+    with pytest.raises(EngineError, match="POST .*/generate failed"):
+        asyncio.run(scenario())

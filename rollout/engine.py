@@ -7,7 +7,8 @@ Contract
 --------
 * ``start()`` loads the model; afterwards ``version``, ``vocab_size`` and ``max_context_len``
   are valid. ``shutdown()`` ends every in-flight ``generate`` with a final chunk whose
-  ``finish_reason`` is ``"abort"``, then releases the engine's resources.
+  ``finish_reason`` is ``"abort"``, then releases the engine's resources; a ``generate`` after
+  it yields just that final chunk.
 * ``generate(prompt_ids, params, request_id)`` yields ``GenerationChunk``s. Each chunk carries
   the new token ids, the log-prob of each sampled token and the weight version that produced
   each token. The log-prob is ``log_softmax(logits / temperature)`` over the full vocabulary,
@@ -26,7 +27,8 @@ Contract
   keeps serving the previous weights and leaves ``version`` unchanged. The server never runs two
   updates at once.
 * ``pause()`` stops token production (in-flight and new requests wait, nothing is aborted) until
-  ``resume()``; both are idempotent, and an update while paused stays paused.
+  ``resume()``; both are idempotent, ``paused`` tells which, and an update while paused stays
+  paused.
 * ``stats()`` returns engine-specific numbers (e.g. ``{"running_slots": 3}``) for status reports.
 * Engine failures surface from ``generate`` as ``EngineError``.
 

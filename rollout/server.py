@@ -58,9 +58,6 @@ class RolloutServer:
         await self._server.stop(grace)
         await _close_all(self._closers)
 
-    async def wait_for_termination(self) -> None:
-        await self._server.wait_for_termination()
-
 
 async def _close_all(closers: list) -> None:
     for close in reversed(closers):
@@ -105,10 +102,31 @@ def _read_tls(config: ServerConfig) -> grpc.ServerCredentials:
     return grpc.ssl_server_credentials([(pems["tls_key_path"], pems["tls_cert_path"])])
 
 
-def _reward_pool(config: RewardConfig) -> tuple[RewardScorer, list[str]]:
-    from areal_jax.rewards import RewardPool, available_rewards
+class _RegistryRewards(Collection[str]):
+    """The reward registry as a collection: its listed names, and any dotted path it resolves."""
 
-    return RewardPool(config.num_workers, config.timeout_s), list(available_rewards())
+    def __contains__(self, name: object) -> bool:
+        from areal_jax.rewards import RewardNotFoundError, get_reward
+
+        try:
+            get_reward(name)
+        except RewardNotFoundError:
+            return False
+        return True
+
+    def __iter__(self):
+        from areal_jax.rewards import available_rewards
+
+        return iter(available_rewards())
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+def _reward_pool(config: RewardConfig) -> tuple[RewardScorer, Collection[str]]:
+    from areal_jax.rewards import RewardPool
+
+    return RewardPool(config.num_workers, config.timeout_s), _RegistryRewards()
 
 
 def _load_tokenizer(path: str) -> Tokenizer:
@@ -148,7 +166,9 @@ async def start_server(
             closers.append(lambda: shutil.rmtree(push_dir, ignore_errors=True))
         await engine.start()
         try:
-            servicer = RolloutServicer(config, engine, workflow, scorer, reward_names, Path(push_dir))
+            servicer = RolloutServicer(
+                config, engine, workflow, scorer, reward_names, Path(push_dir)
+            )
             server, port, health_servicer = await _start_grpc(config, servicer, token, credentials)
         except BaseException:
             await engine.shutdown()

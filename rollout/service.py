@@ -31,8 +31,8 @@ from rollout.engine import (
     InvalidParamError,
     WeightLoadError,
 )
-from rollout.requests import Limits, generate_args_from_proto, rollout_task_from_proto
 from rollout.timing import ActivityClock, ThroughputMeter, TimedEngine, TimedScorer
+from rollout.validation import Limits, generate_args_from_proto, rollout_task_from_proto
 from rollout.weight_intake import WeightIntake
 from rollout.workflows.base import RewardScorer, RolloutTask, Workflow
 
@@ -96,7 +96,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         self._engine = engine
         self._workflow = workflow
         self._scorer = scorer
-        self._reward_names = frozenset(reward_names)
+        self._reward_names = reward_names
         self._admission = Admission(config.max_queued_requests, config.max_concurrent_groups)
         self._meter = ThroughputMeter()
         self._update_lock = asyncio.Lock()
@@ -176,8 +176,12 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                 TimedScorer(self._scorer, reward_clock),
             )
             _check_group(group, task)
-            timing = {"queue_s": queue_s, "generation_s": gen_clock.total}
-            msg = group_to_proto(group, timing | {"reward_s": reward_clock.total})
+            timing = {
+                "queue_s": queue_s,
+                "generation_s": gen_clock.total,
+                "reward_s": reward_clock.total,
+            }
+            msg = group_to_proto(group, timing)
         except AdmissionClosed:
             msg = _error_group(task.request_id, grpc.StatusCode.ABORTED, "server shut down")
         except Exception as e:  # noqa: BLE001 - reported to the client, the stream goes on
@@ -212,7 +216,8 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         try:
             await self._admission.start()
             started = True
-            async with contextlib.aclosing(self._engine.generate(prompt, params, request_id)) as chunks:
+            chunks = self._engine.generate(prompt, params, request_id)
+            async with contextlib.aclosing(chunks):
                 async for chunk in chunks:
                     self._meter.add(len(chunk.token_ids))
                     yield _chunk_to_proto(chunk)

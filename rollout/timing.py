@@ -11,8 +11,13 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 
-from rollout.engine import GenerationChunk, GenerationEngine, GenerationResult, SamplingParams
-from rollout.engine import collect
+from rollout.engine import (
+    GenerationChunk,
+    GenerationEngine,
+    GenerationResult,
+    SamplingParams,
+    collect,
+)
 from rollout.workflows.base import RewardScorer
 
 
@@ -62,7 +67,9 @@ class ThroughputMeter:
 class TimedEngine:
     """An engine view that times generation on ``clock`` and reports token counts."""
 
-    def __init__(self, engine: GenerationEngine, clock: ActivityClock, on_tokens: Callable[[int], None]):
+    def __init__(
+        self, engine: GenerationEngine, clock: ActivityClock, on_tokens: Callable[[int], None]
+    ):
         self._engine = engine
         self._clock = clock
         self._on_tokens = on_tokens

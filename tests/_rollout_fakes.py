@@ -16,18 +16,29 @@ import zlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+from areal_jax.trajectory import TrajectoryGroup
 from rollout.engine import (
+    EngineError,
     GenerationChunk,
     GenerationEngine,
     SamplingParams,
     WeightLoadError,
 )
+from rollout.workflows import Workflow
 
 CHARS = list("0123456789+= ?") + [chr(c) for c in range(ord("a"), ord("z") + 1)]
 EOS_ID = 0
 UNK_ID = 1
 VOCAB = {"[EOS]": EOS_ID, "[UNK]": UNK_ID, **{c: i + 2 for i, c in enumerate(CHARS)}}
 ID_TO_CHAR = {i: c for c, i in VOCAB.items() if len(c) == 1}
+
+
+async def until(condition, timeout_s: float = 10.0) -> None:
+    """Poll ``condition()`` until it holds; fail after ``timeout_s``."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition never held"
+        await asyncio.sleep(0.005)
 
 
 def encode(text: str) -> list[int]:
@@ -60,8 +71,15 @@ class ArithmeticEngine(GenerationEngine):
 
     kind = "arithmetic"
 
-    def __init__(self, step_s: float = 0.0, max_context_len: int = 64, version: int = 0):
+    def __init__(
+        self,
+        step_s: float = 0.0,
+        max_context_len: int = 64,
+        version: int = 0,
+        fail_on: str | None = None,
+    ):
         self.step_s = step_s
+        self.fail_on = fail_on
         self._context_len = max_context_len
         self._version = version
         self._running = asyncio.Event()
@@ -71,6 +89,7 @@ class ArithmeticEngine(GenerationEngine):
         self.requests: list[tuple[str, list[int], SamplingParams]] = []
         self.loaded: list[tuple[str, int, dict[str, bytes]]] = []
         self.active = 0
+        self.tokens = 0
 
     @property
     def version(self) -> int:
@@ -111,6 +130,8 @@ class ArithmeticEngine(GenerationEngine):
         self, prompt_ids: list[int], params: SamplingParams, request_id: str
     ) -> AsyncIterator[GenerationChunk]:
         self.requests.append((request_id, list(prompt_ids), params))
+        if self.fail_on is not None and encode(self.fail_on) == list(prompt_ids):
+            raise EngineError("backend lost")
         planned = self.answer(list(prompt_ids), params, request_id)
         stops = set(params.stop_token_ids) | {EOS_ID}
         self.active += 1
@@ -126,6 +147,7 @@ class ArithmeticEngine(GenerationEngine):
                 logprob = -(self._version + 1) - position / 100
                 last = token in stops or position + 1 == params.max_new_tokens
                 finish = ("stop" if token in stops else "length") if last else None
+                self.tokens += 1
                 yield GenerationChunk((token,), (logprob,), (self._version,), finish)
                 if last:
                     return
@@ -152,6 +174,11 @@ class ArithmeticEngine(GenerationEngine):
         return {"active_sequences": self.active}
 
 
+def exact_reward(completion: str, metadata: dict) -> float:
+    """A reward function for the reward registry, by dotted path ``_rollout_fakes:exact_reward``."""
+    return 1.0 if completion.strip() == metadata.get("answer") else 0.0
+
+
 class ExactAnswerScorer:
     """Reward 1.0 when the completion equals ``metadata["answer"]``, else 0.0."""
 
@@ -165,4 +192,11 @@ class ExactAnswerScorer:
         self.calls.append((reward_name, completion, metadata))
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
-        return 1.0 if completion.strip() == metadata.get("answer") else 0.0
+        return exact_reward(completion, metadata)
+
+
+class MislabelledWorkflow(Workflow):
+    """Breaks the workflow contract: answers with another group id."""
+
+    async def run(self, task, engine, scorer) -> TrajectoryGroup:
+        return TrajectoryGroup("someone-else", [])

@@ -62,6 +62,7 @@ class SGLangDouble:
         self.cond = threading.Condition()
         self.paused = False
         self.running: dict[str, bool] = {}  # rid -> abort requested
+        self.produced: dict[str, int] = {}  # rid -> tokens generated so far
         self.log: list[tuple[str, dict]] = []  # (path, payload) of every POST, in order
         self.server = ThreadingHTTPServer((host, port), _handler(self))
         self.server.daemon_threads = True
@@ -134,6 +135,7 @@ class SGLangDouble:
             time.sleep(self.token_delay_s)
             token = next_token(context + out, self.vocab_size)
             out.append(token)
+            self.produced[rid] = len(out)
             triples.append([token_logprob(token, version), token, None])
             if token in stops:
                 finish = {"type": "stop", "matched": token}

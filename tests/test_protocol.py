@@ -22,7 +22,9 @@ from areal_jax.trajectory import Trajectory, TrajectoryGroup
 _VERSION_STAMPS = [
     (re.compile(r"# Protobuf Python Version: .*"), "# Protobuf Python Version: X"),
     (
-        re.compile(r"(ValidateProtobufRuntimeVersion\(\s*_runtime_version\.Domain\.PUBLIC,)[\s\d,]*"),
+        re.compile(
+            r"(ValidateProtobufRuntimeVersion\(\s*_runtime_version\.Domain\.PUBLIC,)[\s\d,]*"
+        ),
         r"\1 X,",
     ),
     (re.compile(r"GRPC_GENERATED_VERSION = '[^']*'"), "GRPC_GENERATED_VERSION = 'X'"),

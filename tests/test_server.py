@@ -11,7 +11,15 @@ import time
 import grpc
 import numpy as np
 import pytest
-from _rollout_fakes import EOS_ID, ArithmeticEngine, encode, make_tokenizer_dir, write_checkpoint
+from _rollout_fakes import (
+    EOS_ID,
+    ArithmeticEngine,
+    ExactAnswerScorer,
+    encode,
+    make_tokenizer_dir,
+    until,
+    write_checkpoint,
+)
 from _rollout_harness import rollout, rollout_request, server_config, serving
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -24,7 +32,7 @@ from rollout import engines
 from rollout.admission import Admission, AdmissionClosed
 from rollout.config import EngineConfig
 from rollout.engine import InvalidParamError, SamplingParams
-from rollout.server import serve
+from rollout.server import serve, start_server
 from rollout.timing import ActivityClock
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
@@ -122,6 +130,54 @@ def test_malformed_requests_get_invalid_argument_naming_the_field(tmp_path, tok_
     assert len(by_id["good"].trajectories) == 2
 
 
+def test_reward_pool_scores_registry_names_and_dotted_paths(tmp_path, tok_dir):
+    async def scenario():
+        config = server_config(tmp_path, tok_dir, rewards={"num_workers": 1, "timeout_s": 30})
+        server = await start_server(config, engine=ArithmeticEngine())
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+                stub = pb_stub(channel)
+                requests = [
+                    rollout_request("dotted", reward_name="_rollout_fakes:exact_reward"),
+                    rollout_request("unknown", reward_name="no_such_reward"),
+                ]
+                return await rollout(stub, requests)
+        finally:
+            await server.stop(grace=1.0)
+
+    by_id = {r.request_id: r for r in asyncio.run(scenario())}
+    assert [t.reward for t in by_id["dotted"].trajectories] == [1.0, 0.0]
+    error = by_id["unknown"].error
+    assert (error.code, error.field) == (INVALID, "reward_name")
+    assert "known: code, code_fraction, math" in error.message
+
+
+def test_engine_failures_are_reported_per_request(tmp_path, tok_dir):
+    async def scenario():
+        async with serving(tmp_path, tok_dir, engine=ArithmeticEngine(fail_on="9+9=")) as h:
+            requests = [rollout_request("boom", "9+9=", "18"), rollout_request("fine")]
+            return await rollout(h.stub, requests)
+
+    by_id = {r.request_id: r for r in asyncio.run(scenario())}
+    assert by_id["boom"].error.code == grpc.StatusCode.UNAVAILABLE.value[0]
+    assert by_id["boom"].error.message == "engine: backend lost"
+    assert not by_id["fine"].HasField("error") and len(by_id["fine"].trajectories) == 2
+
+
+def test_a_plug_in_workflow_breaking_its_contract_fails_only_its_request(tmp_path, tok_dir):
+    async def scenario():
+        workflow = {"path": "_rollout_fakes.MislabelledWorkflow"}
+        async with serving(tmp_path, tok_dir, workflow=workflow) as h:
+            first = await rollout(h.stub, [rollout_request("w")])
+            status = await h.stub.GetStatus(pb.GetStatusRequest())
+            return first, status
+
+    (response,), status = asyncio.run(scenario())
+    assert response.error.code == grpc.StatusCode.INTERNAL.value[0]
+    assert "group_id 'someone-else'" in response.error.message
+    assert (status.running_requests, status.queued_requests) == (0, 0)
+
+
 def test_duplicate_request_id_in_flight_is_rejected(tmp_path, tok_dir):
     async def scenario():
         async with serving(tmp_path, tok_dir, engine=ArithmeticEngine(step_s=0.02)) as h:
@@ -137,11 +193,14 @@ def test_generate_streams_tokens_then_the_finish_reason(tmp_path, tok_dir):
     async def scenario():
         async with serving(tmp_path, tok_dir) as h:
             params = pb.SamplingParams(max_new_tokens=8, greedy=True)
-            req = pb.GenerateRequest(request_id="g", prompt_ids=encode("5+5="), sampling_params=params)
+            req = pb.GenerateRequest(
+                request_id="g", prompt_ids=encode("5+5="), sampling_params=params
+            )
             chunks = [c async for c in h.stub.Generate(req)]
             status = await h.stub.GetStatus(pb.GetStatusRequest())
+            bad_params = pb.SamplingParams(max_new_tokens=4, top_k=-5)
             bad = pb.GenerateRequest(
-                request_id="g2", prompt_ids=encode("1"), sampling_params=pb.SamplingParams(max_new_tokens=4, top_k=-5)
+                request_id="g2", prompt_ids=encode("1"), sampling_params=bad_params
             )
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 async for _ in h.stub.Generate(bad):
@@ -173,7 +232,8 @@ def test_auth_token_is_required_except_for_health(tmp_path, tok_dir):
                     outcomes[label] = e.code()
             with pytest.raises(grpc.aio.AioRpcError) as stream_err:
                 await rollout(h.stub, [rollout_request("x")])
-            ok = await rollout(h.stub, [rollout_request("y")], (("authorization", "Bearer s3cret"),))
+            token = (("authorization", "Bearer s3cret"),)
+            ok = await rollout(h.stub, [rollout_request("y")], token)
             health = health_pb2_grpc.HealthStub(h.channel)
             answer = await health.Check(health_pb2.HealthCheckRequest(service=""))
             return outcomes, stream_err.value.code(), ok, answer.status
@@ -191,7 +251,7 @@ def test_token_can_come_from_the_environment(tmp_path, tok_dir, monkeypatch):
     config = server_config(tmp_path, tok_dir, auth_token_env="ROLLOUT_TEST_TOKEN")
     assert config.resolve_auth_token() == "from-env"
     monkeypatch.delenv("ROLLOUT_TEST_TOKEN")
-    with pytest.raises(ConfigError, match="auth_token_env: environment variable ROLLOUT_TEST_TOKEN"):
+    with pytest.raises(ConfigError, match="auth_token_env: .* ROLLOUT_TEST_TOKEN is unset"):
         config.resolve_auth_token()
 
 
@@ -204,7 +264,8 @@ def test_health_and_reflection_answer(tmp_path, tok_dir):
             refl = reflection_pb2_grpc.ServerReflectionStub(h.channel)
             call = refl.ServerReflectionInfo()
             await call.write(reflection_pb2.ServerReflectionRequest(list_services=""))
-            await call.write(reflection_pb2.ServerReflectionRequest(file_containing_symbol=SERVICE_NAME))
+            symbol = reflection_pb2.ServerReflectionRequest(file_containing_symbol=SERVICE_NAME)
+            await call.write(symbol)
             await call.done_writing()
             answers = [a async for a in call]
             return overall.status, ours.status, answers
@@ -224,7 +285,8 @@ def test_pause_holds_generation_until_resume(tmp_path, tok_dir):
             call = h.stub.Rollout()
             await call.write(rollout_request("p", group_size=2))
             await call.done_writing()
-            await asyncio.sleep(0.2)
+            await until(lambda: engine.active == 2)
+            await asyncio.sleep(0.05)
             during = await h.stub.GetStatus(pb.GetStatusRequest())
             resumed = await h.stub.Resume(pb.ResumeRequest())
             responses = [r async for r in call]
@@ -250,7 +312,8 @@ def test_full_queue_stops_reading_until_slots_free(tmp_path, tok_dir):
             call = h.stub.Rollout()
             for i in range(4):
                 await call.write(rollout_request(f"r{i}"))
-            await asyncio.sleep(0.2)
+            await until(lambda: h.engine.active == 2)  # the running group's two samples
+            await asyncio.sleep(0.05)
             status = await h.stub.GetStatus(pb.GetStatusRequest())
             await h.stub.Resume(pb.ResumeRequest())
             await call.done_writing()
@@ -271,7 +334,8 @@ def test_update_weights_reaches_the_engine_and_failures_keep_the_version(tmp_pat
         async with serving(tmp_path, tok_dir) as h:
             ok = await h.stub.UpdateWeights(pb.UpdateWeightsRequest(path=str(good), version=1))
             errors = []
-            for path, version in [(str(broken), 2), (str(tmp_path / "none"), 2), (str(good), 1), ("", 3)]:
+            attempts = [(str(broken), 2), (str(tmp_path / "none"), 2), (str(good), 1), ("", 3)]
+            for path, version in attempts:
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     await h.stub.UpdateWeights(pb.UpdateWeightsRequest(path=path, version=version))
                 errors.append((err.value.code(), err.value.details()))
@@ -282,7 +346,8 @@ def test_update_weights_reaches_the_engine_and_failures_keep_the_version(tmp_pat
     assert ok.version == 1 and ok.load_s >= 0
     assert [(p, v) for p, v, _ in loaded] == [(str(good), 1)]
     failed = grpc.StatusCode.FAILED_PRECONDITION
-    assert [code for code, _ in errors] == [failed, failed, failed, grpc.StatusCode.INVALID_ARGUMENT]
+    invalid = grpc.StatusCode.INVALID_ARGUMENT
+    assert [code for code, _ in errors] == [failed, failed, failed, invalid]
     assert errors[0][1].startswith("path: cannot load")
     assert errors[2][1].startswith("version: 1 is not newer than the serving version 1")
     assert errors[3][1].startswith("path: ")
@@ -363,9 +428,11 @@ def test_tokens_after_an_update_carry_the_new_version(tmp_path, tok_dir):
     async def scenario():
         async with serving(tmp_path, tok_dir, engine=ArithmeticEngine(step_s=0.01)) as h:
             call = h.stub.Rollout()
-            await call.write(rollout_request("long", prompt="no sum", group_size=1, max_new_tokens=30))
+            req = rollout_request("long", prompt="no sum", group_size=1, max_new_tokens=30)
+            await call.write(req)
             await call.done_writing()
-            await asyncio.sleep(0.1)
+            while (await h.stub.GetStatus(pb.GetStatusRequest())).tokens_generated < 5:
+                await asyncio.sleep(0.005)
             await h.stub.UpdateWeights(pb.UpdateWeightsRequest(path=str(ckpt), version=1))
             return [r async for r in call]
 
@@ -383,7 +450,7 @@ def test_stop_returns_in_flight_work_as_aborted(tmp_path, tok_dir):
             call = h.stub.Rollout()
             await call.write(rollout_request("running", prompt="none", max_new_tokens=50))
             await call.write(rollout_request("queued", prompt="none", max_new_tokens=50))
-            await asyncio.sleep(0.1)
+            await until(lambda: engine.tokens >= 4)
             stopping = asyncio.create_task(h.server.stop(grace=5.0))
             responses = [r async for r in call]
             await stopping
@@ -400,9 +467,6 @@ def test_stop_returns_in_flight_work_as_aborted(tmp_path, tok_dir):
 
 def test_sigterm_stops_serve_gracefully(tmp_path, tok_dir):
     engine = ArithmeticEngine()
-    scorer_names = ("exact",)
-    from _rollout_fakes import ExactAnswerScorer
-
     config = server_config(tmp_path, tok_dir)
     original = signal.getsignal(signal.SIGTERM)
 
@@ -413,9 +477,7 @@ def test_sigterm_stops_serve_gracefully(tmp_path, tok_dir):
         os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=send_sigterm_once_handled, daemon=True).start()
-    code = serve(
-        config, engine=engine, scorer=ExactAnswerScorer(), reward_names=scorer_names
-    )
+    code = serve(config, engine=engine, scorer=ExactAnswerScorer(), reward_names=("exact",))
     assert code == 0
     assert engine.started and engine.closed
 
@@ -471,7 +533,8 @@ def test_cli_reports_config_errors(capsys):
 
 def test_engine_factory_explains_a_missing_engine_module(monkeypatch, tmp_path):
     monkeypatch.setitem(engines.ENGINE_MODULES, "jax", "rollout.engines.not_written_yet")
-    with pytest.raises(ConfigError, match="engine.kind: 'jax' needs the module rollout.engines.not_written_yet"):
+    message = "engine.kind: 'jax' needs the module rollout.engines.not_written_yet"
+    with pytest.raises(ConfigError, match=message):
         engines.create_engine(EngineConfig(kind="jax", model_path=str(tmp_path)))
     (tmp_path / "config.json").write_text('{"vocab_size": 10, "max_position_embeddings": 32}')
     with pytest.raises(ConfigError, match="engine.options.tp_size: must be >= 1"):

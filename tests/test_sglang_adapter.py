@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _rollout_fakes import until
 from _rollout_sglang_double import SGLangDouble, next_token, token_logprob
 
 from rollout.config import EngineConfig
@@ -57,7 +58,9 @@ def test_generate_returns_tokens_logprobs_and_versions(model_dir, double):
         engine = attached(model_dir, double)
         await engine.start()
         try:
-            params = SamplingParams(max_new_tokens=20, temperature=0.7, top_p=0.9, stop_token_ids=[stop_at], seed=3)
+            params = SamplingParams(
+                max_new_tokens=20, temperature=0.7, top_p=0.9, stop_token_ids=[stop_at], seed=3
+            )
             stopped = await _generate(engine, PROMPT, params)
             capped = await _generate(engine, PROMPT, SamplingParams(max_new_tokens=4), "r2")
         finally:
@@ -96,7 +99,7 @@ def _interrupted_run(engine, double, update):
         await engine.start()
         try:
             run = asyncio.create_task(_generate(engine, PROMPT, SamplingParams(max_new_tokens=30)))
-            await asyncio.sleep(0.1)
+            await until(lambda: double.produced.get("r1", 0) >= 8)
             outcome = None
             try:
                 await update(engine)
@@ -114,7 +117,8 @@ def test_update_interrupts_and_resubmits_with_per_token_versions(model_dir, doub
     ckpt.mkdir()
     (ckpt / "config.json").write_text("{}")
     engine = attached(model_dir, double)
-    result, error, version = _interrupted_run(engine, double, lambda e: e.update_weights(str(ckpt), 1))
+    update = lambda e: e.update_weights(str(ckpt), 1)  # noqa: E731
+    result, error, version = _interrupted_run(engine, double, update)
 
     assert error is None and version == 1
     # the output is exactly what an uninterrupted run gives: prompt + partial was re-read
@@ -126,7 +130,8 @@ def test_update_interrupts_and_resubmits_with_per_token_versions(model_dir, doub
     assert result.logprobs == pytest.approx(want_logprobs)
     # pause (abort) -> update with the version -> continue -> resubmission of prompt + partial
     assert [p for p, _ in double.log] == [
-        "/generate", "/pause_generation", "/update_weights_from_disk", "/continue_generation", "/generate",
+        "/generate", "/pause_generation", "/update_weights_from_disk", "/continue_generation",
+        "/generate",
     ]  # fmt: skip
     assert double.posts("/pause_generation") == [{"mode": "abort"}]
     update = double.posts("/update_weights_from_disk")[0]
@@ -141,7 +146,8 @@ def test_update_interrupts_and_resubmits_with_per_token_versions(model_dir, doub
 def test_failed_load_keeps_the_old_version(model_dir, double, tmp_path):
     engine = attached(model_dir, double)
     missing = str(tmp_path / "no-such-checkpoint")
-    result, error, version = _interrupted_run(engine, double, lambda e: e.update_weights(missing, 1))
+    update = lambda e: e.update_weights(missing, 1)  # noqa: E731
+    result, error, version = _interrupted_run(engine, double, update)
 
     assert isinstance(error, WeightLoadError) and "not a model directory" in str(error)
     assert version == 0 and double.weight_version == "0"
@@ -156,7 +162,7 @@ def test_pause_holds_requests_until_resume(model_dir, double):
         await engine.start()
         try:
             run = asyncio.create_task(_generate(engine, PROMPT, SamplingParams(max_new_tokens=20)))
-            await asyncio.sleep(0.05)
+            await until(lambda: double.produced.get("r1", 0) >= 3)
             await engine.pause()
             await asyncio.sleep(0.15)
             held = (engine.paused, run.done(), len(double.posts("/generate")), dict(double.running))
@@ -177,7 +183,7 @@ def test_shutdown_aborts_in_flight_requests(model_dir, double):
         engine = attached(model_dir, double)
         await engine.start()
         run = asyncio.create_task(_generate(engine, PROMPT, SamplingParams(max_new_tokens=100)))
-        await asyncio.sleep(0.05)
+        await until(lambda: double.produced.get("r1", 0) >= 3)
         await engine.shutdown()
         after = await _generate(engine, PROMPT, SamplingParams(max_new_tokens=5), "late")
         return await run, after
@@ -195,20 +201,18 @@ def test_cancelling_a_request_aborts_it_in_sglang(model_dir, double):
         engine = attached(model_dir, double)
         await engine.start()
         try:
-            run = asyncio.create_task(_generate(engine, PROMPT, SamplingParams(max_new_tokens=100), "c1"))
-            await asyncio.sleep(0.05)
+            params = SamplingParams(max_new_tokens=100)
+            run = asyncio.create_task(_generate(engine, PROMPT, params, "c1"))
+            await until(lambda: double.produced.get("c1", 0) >= 3)
             run.cancel()
-            for _ in range(100):
-                await asyncio.sleep(0.01)
-                if not double.running:
-                    break
-            return dict(double.running)
+            await until(lambda: not double.running)
+            return double.produced["c1"]
         finally:
             await engine.shutdown()
 
-    running = asyncio.run(scenario())
+    produced = asyncio.run(scenario())
     assert double.posts("/abort_request") == [{"rid": "c1", "abort_all": False}]
-    assert running == {}
+    assert produced < 100  # SGLang stopped generating for it
 
 
 def test_attaching_adopts_the_servers_weight_version(model_dir):
@@ -244,8 +248,16 @@ def test_launches_sglang_waits_until_ready_and_stops_it(model_dir, tmp_path, mon
     _fake_sglang(tmp_path, "from _rollout_sglang_double import main\nmain()\n", monkeypatch)
     monkeypatch.setenv("SGLANG_DOUBLE_STARTUP_S", "0.5")  # /health_generate answers 503 first
     log_path = tmp_path / "sglang.log"
-    options = {"python": sys.executable, "log_path": str(log_path), "context_length": 128, "tp_size": 2}
-    engine = build_engine(EngineConfig(kind="sglang", model_path=str(model_dir), initial_version=4, options=options))
+    options = {
+        "python": sys.executable,
+        "log_path": str(log_path),
+        "context_length": 128,
+        "tp_size": 2,
+    }
+    config = EngineConfig(
+        kind="sglang", model_path=str(model_dir), initial_version=4, options=options
+    )
+    engine = build_engine(config)
 
     async def scenario():
         await engine.start()

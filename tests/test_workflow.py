@@ -10,6 +10,7 @@ from _rollout_fakes import (
     ExactAnswerScorer,
     encode,
     make_tokenizer_dir,
+    until,
 )
 
 from areal_jax.config import ConfigError
@@ -78,7 +79,7 @@ def test_single_turn_aborted_answers_are_not_scored(tokenizer):
 
     async def scenario():
         run = asyncio.create_task(SingleTurnWorkflow(tokenizer).run(task, engine, scorer))
-        await asyncio.sleep(0.05)
+        await until(lambda: engine.tokens >= 4)
         await engine.shutdown()
         return await run
 
@@ -134,7 +135,8 @@ def test_load_workflow_builds_the_named_class_with_its_options(tokenizer):
     assert isinstance(workflow, CheckYourAnswerWorkflow)
     assert workflow.check_ids == encode("?")
     assert isinstance(load_workflow(WorkflowConfig(), tokenizer), SingleTurnWorkflow)
-    colon = load_workflow(WorkflowConfig(path="rollout.workflows.single_turn:SingleTurnWorkflow"), tokenizer)
+    colon_path = "rollout.workflows.single_turn:SingleTurnWorkflow"
+    colon = load_workflow(WorkflowConfig(path=colon_path), tokenizer)
     assert isinstance(colon, SingleTurnWorkflow)
 
 

@@ -23,7 +23,9 @@ def run(args: argparse.Namespace) -> int:
     from rollout.config import ServerConfig
     from rollout.server import serve
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     try:
         config = load_config(ServerConfig, args.config, args.overrides)
         return serve(config)

@@ -26,7 +26,7 @@ async def evaluate(pool: RolloutPool, items: list[PromptItem], reward: str, *,
     groups = await asyncio.gather(*futures)
     rewards, lengths, failed = [], [], 0
     for group in groups:
-        if group.error.code:
+        if group.HasField("error"):
             failed += 1
             continue
         for t in group.trajectories:

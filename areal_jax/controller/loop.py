@@ -18,11 +18,12 @@ from collections.abc import Callable
 import numpy as np
 
 from areal_jax.controller.gate import StalenessGate
-from areal_jax.controller.requests import rollout_request, trajectory_group
+from areal_jax.controller.requests import rollout_request
 from areal_jax.controller.rollout_pool import RolloutPool
 from areal_jax.data.dataset import PromptItem
 from areal_jax.data.sampler import PromptIterator
 from areal_jax.experiment import ExperimentConfig
+from areal_jax.protocol import group_from_proto
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +100,7 @@ class RLLoop:
         if error is not None:
             self.gate.on_failed()
             self._fatal = error
-        elif future.result().error.code:
+        elif future.result().HasField("error"):
             err = future.result().error
             log.warning("prompt %s rejected by the rollout server: %s (%s)", item.id,
                         err.message, err.field)
@@ -132,7 +133,7 @@ class RLLoop:
             if sync:
                 self._paused = True
                 await self.pool.pause()
-            groups = [trajectory_group(f.group) for f in batch]
+            groups = [group_from_proto(f.group) for f in batch]
             t0 = time.monotonic()
             metrics = await asyncio.to_thread(self.trainer.train_on_batch, groups)
             t1 = time.monotonic()

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import grpc
 
+from areal_jax.protocol import push_weight_requests
 from areal_jax.protocol.v1 import rollout_pb2 as pb
 from areal_jax.protocol.v1 import rollout_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
-_CHUNK_BYTES = 1 << 20
 
 
 class NoLiveServerError(RuntimeError):
@@ -77,8 +77,8 @@ class RolloutPool:
         self._route(request)
         return future
 
-    def _route(self, request: pb.RolloutRequest) -> None:
-        live = [s for s in self._servers if s.alive]
+    def _route(self, request: pb.RolloutRequest, avoid: _Server | None = None) -> None:
+        live = [s for s in self._servers if s.alive and s is not avoid]
         if not live:
             error = NoLiveServerError("every rollout server has failed")
             for rid, future in list(self._futures.items()):
@@ -89,6 +89,9 @@ class RolloutPool:
         server = min(live, key=lambda s: len(s.in_flight))
         server.in_flight[request.request_id] = request
         server.outbox.put_nowait(request)
+
+    def _has_other_live(self, server: _Server) -> bool:
+        return any(s.alive and s is not server for s in self._servers)
 
     async def _requests_of(self, server: _Server):
         while True:
@@ -101,7 +104,12 @@ class RolloutPool:
         call = server.stub.Rollout(self._requests_of(server), metadata=self._metadata)
         try:
             async for group in call:
-                server.in_flight.pop(group.request_id, None)
+                request = server.in_flight.pop(group.request_id, None)
+                aborted = any(t.finish_reason == pb.FINISH_REASON_ABORT for t in group.trajectories)
+                if aborted and request is not None and self._has_other_live(server):
+                    # A server shutting down returns partial samples: generate them again.
+                    self._route(request, avoid=server)
+                    continue
                 future = self._futures.pop(group.request_id, None)
                 if future is not None and not future.done():
                     future.set_result(group)
@@ -118,15 +126,31 @@ class RolloutPool:
                 self._route(request)
 
     async def _each(self, fn):
+        """``fn(server)`` on every live server; a server found unreachable is marked dead (its
+        stream reader resubmits its groups) and left out of the results."""
+
+        async def guarded(server: _Server):
+            try:
+                return await fn(server)
+            except grpc.aio.AioRpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise
+                log.warning("rollout server %s is unreachable: %s", server.address, e.details())
+                server.alive = False
+                return None
+
         servers = [s for s in self._servers if s.alive]
-        return await asyncio.gather(*(fn(s) for s in servers))
+        results = await asyncio.gather(*(guarded(s) for s in servers))
+        if not any(s.alive for s in self._servers):
+            raise NoLiveServerError("every rollout server has failed")
+        return [r for r in results if r is not None]
 
     async def update_weights(self, path: str | Path, version: int, push: bool = False) -> None:
         """Every live server loads the HF directory ``path`` as ``version`` (``push``: the files
         are streamed to the server instead of read from a shared filesystem)."""
         async def one(server: _Server):
             if push:
-                await server.stub.PushWeights(_push_messages(Path(path), version),
+                await server.stub.PushWeights(push_weight_requests(path, version),
                                               metadata=self._metadata)
             else:
                 await server.stub.UpdateWeights(
@@ -159,14 +183,3 @@ class RolloutPool:
                 future.cancel()
         self._futures.clear()
 
-
-def _push_messages(directory: Path, version: int):
-    files = sorted(p for p in directory.iterdir() if p.is_file())
-    yield pb.PushWeightsRequest(header=pb.WeightsHeader(
-        version=version, files=[pb.WeightFile(name=p.name, size=p.stat().st_size) for p in files]))
-    for p in files:
-        with open(p, "rb") as f:
-            offset = 0
-            while data := f.read(_CHUNK_BYTES):
-                yield pb.PushWeightsRequest(chunk=pb.FileChunk(name=p.name, offset=offset, data=data))
-                offset += len(data)

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from areal_jax.parallel import DEFAULT_RULES, logical_to_spec
 from areal_jax.rl import MicroBatchConfig, PackedBatch, pack_micro_batches, split_minibatches
@@ -73,5 +73,5 @@ def pack_all(trajs: Sequence[Trajectory], cfg: MicroBatchConfig) -> list[PackedB
 
 def put_batch(batch: PackedBatch, mesh: Mesh, rules=None) -> dict[str, jax.Array]:
     """The [R, T] arrays of ``batch`` on ``mesh``, rows split over the "batch" axes."""
-    spec = logical_to_spec(("batch", None), batch.shape, mesh, rules)
-    return jax.device_put(batch.arrays(), NamedSharding(mesh, spec))
+    rows = logical_to_spec(("batch",), batch.shape[:1], mesh, rules)
+    return jax.device_put(batch.arrays(), NamedSharding(mesh, PartitionSpec(*rows, None)))

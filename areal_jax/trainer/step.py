@@ -79,11 +79,9 @@ def ppo_loss(
 def sft_loss(
     params: nnx.State, batch: Batch, normalizer: jax.Array, *, graphdef: nnx.GraphDef, chunk_size: int
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Cross-entropy summed over loss-mask tokens / ``normalizer``; stats: n_tokens, nll sums."""
+    """Cross-entropy summed over loss-mask tokens / ``normalizer`` (no stats: the loss says it)."""
     logp, _ = logprobs(graphdef, params, batch, temperature=1.0, chunk_size=chunk_size)
-    mask = batch["loss_mask"]
-    nll = -jnp.sum(mask * logp)
-    return nll / normalizer, {"n_tokens": mask.sum(), "nll": jax.lax.stop_gradient(nll)}
+    return -jnp.sum(batch["loss_mask"] * logp) / normalizer, {}
 
 
 def accumulate(loss_fn: Callable, grads: nnx.State, params: nnx.State, *args):
@@ -109,7 +107,7 @@ class StepFunctions:
     logprobs(params, batch) -> (logp, entropy); ppo_accumulate(grads, params, batch, prox_logp,
     normalizer, next_version) -> (grads, loss, stats); sft_accumulate(grads, params, batch,
     normalizer) -> (grads, loss, stats); zero_grads(params) -> grads; update(state, grads) ->
-    (state, metrics). Gradients and state are donated.
+    (state, metrics). The accumulators donate the gradient sums, the update donates the state.
     """
 
     logprobs: Callable
@@ -152,6 +150,6 @@ def compile_steps(
         update=jax.jit(
             functools.partial(apply_update, tx, schedule),
             out_shardings=(state_shardings, replicated),
-            donate_argnums=(0, 1),
+            donate_argnums=0,
         ),
     )

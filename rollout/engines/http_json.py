@@ -17,7 +17,7 @@ from rollout.engine import EngineError
 
 
 class JsonHttpClient:
-    """``await client.request("POST", "/generate", payload)`` → ``(status, decoded JSON body)``."""
+    """``await client.request("POST", "/generate", payload)`` gives ``(status, JSON body)``."""
 
     def __init__(self, base_url: str, max_connections: int = 256, timeout_s: float = 3600.0):
         url = urllib.parse.urlsplit(base_url)
@@ -40,7 +40,8 @@ class JsonHttpClient:
         return await loop.run_in_executor(self._pool, call)
 
     def _request(self, method: str, path: str, payload: Any, timeout: float) -> tuple[int, Any]:
-        conn_cls = http.client.HTTPSConnection if self._url.scheme == "https" else http.client.HTTPConnection
+        https = self._url.scheme == "https"
+        conn_cls = http.client.HTTPSConnection if https else http.client.HTTPConnection
         conn = conn_cls(self._url.hostname, self._url.port, timeout=timeout)
         body = None if payload is None else json.dumps(payload).encode()
         headers = {"Content-Type": "application/json"} if body is not None else {}

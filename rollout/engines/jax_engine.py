@@ -76,7 +76,7 @@ class JaxEngineOptions:
             )
         buckets = self.prefill_buckets
         if buckets is None:
-            buckets = [b for b in _powers_of_two(SMALLEST_BUCKET) if b < max_len]
+            buckets = _powers_of_two(SMALLEST_BUCKET, below=max_len)
         for i, b in enumerate(buckets):
             if b > max_len:
                 raise ConfigError(
@@ -90,11 +90,12 @@ class JaxEngineOptions:
         )
 
 
-def _powers_of_two(start: int):
-    b = start
-    while True:
-        yield b
-        b *= 2
+def _powers_of_two(start: int, below: int) -> list[int]:
+    out = []
+    while start < below:
+        out.append(start)
+        start *= 2
+    return out
 
 
 class JaxEngine(GenerationEngine):

@@ -4,8 +4,10 @@ Weight updates follow the interrupt-and-resubmit pattern: pause generation in ab
 running request returns its partial output), load the checkpoint from disk with the new
 ``weight_version``, continue; each interrupted request is resubmitted with
 ``input_ids = prompt + output so far`` and ``max_new_tokens`` reduced by what was produced. A
-token's version is the ``weight_version`` SGLang reports with the answer that produced it. Pause
-works the same way: interrupted requests wait and are resubmitted after resume.
+token's version is the ``weight_version`` SGLang reports with the answer that produced it
+(reliable because an abort-mode pause returns only once every running request has answered,
+before the load). Pause works the same way: interrupted requests wait and are resubmitted after
+resume.
 
 Needs a GPU machine with SGLang installed (the ``sglang`` extra); it is tested here against a
 protocol double of the HTTP API.
@@ -16,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -34,6 +37,8 @@ from rollout.engine import (
 from rollout.engines import sglang_api as api
 from rollout.engines.http_json import JsonHttpClient
 from rollout.engines.sglang_launch import SGLangProcess, free_port, wait_ready
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -67,7 +72,9 @@ class SGLangOptions:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"engine.options.{name}: must be > 0, got {getattr(self, name)}")
         if self.context_length is not None and self.context_length < 1:
-            raise ConfigError(f"engine.options.context_length: must be >= 1, got {self.context_length}")
+            raise ConfigError(
+                f"engine.options.context_length: must be >= 1, got {self.context_length}"
+            )
 
 
 def _model_dims(model_path: str, context_length: int | None) -> tuple[int, int]:
@@ -230,9 +237,15 @@ class SGLangEngine(GenerationEngine):
             raise EngineError(f"SGLang /generate answer not understood: {e}") from e
 
     def _spawn(self, coro) -> None:
+        """Run ``coro`` in the background, logging its failure."""
         task = asyncio.ensure_future(coro)
         self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        task.add_done_callback(self._background_done)
+
+    def _background_done(self, task: asyncio.Task) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("SGLang background call failed: %s", task.exception())
 
     async def _post_ok(self, path: str, payload: dict) -> None:
         status, body = await self._client.request("POST", path, payload)

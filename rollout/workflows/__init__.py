@@ -6,9 +6,16 @@ import importlib
 
 from areal_jax.config import ConfigError
 from rollout.config import WorkflowConfig
-from rollout.workflows.base import RewardScorer, RolloutTask, Tokenizer, Workflow
+from rollout.workflows.base import RewardScorer, RolloutTask, Tokenizer, Workflow, sample_group
 
-__all__ = ["RewardScorer", "RolloutTask", "Tokenizer", "Workflow", "load_workflow"]
+__all__ = [
+    "RewardScorer",
+    "RolloutTask",
+    "Tokenizer",
+    "Workflow",
+    "load_workflow",
+    "sample_group",
+]
 
 
 def load_workflow(config: WorkflowConfig, tokenizer: Tokenizer) -> Workflow:

@@ -12,11 +12,12 @@ user turn) go into ``output_ids`` with ``output_mask`` 0.
 from __future__ import annotations
 
 import abc
+import asyncio
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Protocol
 
-from areal_jax.trajectory import TrajectoryGroup
+from areal_jax.trajectory import Trajectory, TrajectoryGroup
 from rollout.engine import GenerationEngine, SamplingParams
 
 INSERTED_TOKEN_VERSION = -1  # version recorded for tokens a workflow inserted (mask 0)
@@ -70,3 +71,12 @@ class Workflow(abc.ABC):
         self, task: RolloutTask, engine: GenerationEngine, scorer: RewardScorer
     ) -> TrajectoryGroup:
         """Produce the trajectory group of one request."""
+
+
+async def sample_group(
+    task: RolloutTask, sample: Callable[[int], Awaitable[Trajectory]]
+) -> TrajectoryGroup:
+    """Run ``sample(i)`` for every sample of ``task`` at once; one failure cancels the others."""
+    async with asyncio.TaskGroup() as tg:
+        jobs = [tg.create_task(sample(i)) for i in range(task.group_size)]
+    return TrajectoryGroup(task.request_id, [job.result() for job in jobs])

@@ -8,7 +8,6 @@ answers share the request's ``max_new_tokens`` budget, inserted tokens included.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 
 from areal_jax.trajectory import Trajectory, TrajectoryGroup
@@ -19,6 +18,7 @@ from rollout.workflows.base import (
     RolloutTask,
     Tokenizer,
     Workflow,
+    sample_group,
 )
 from rollout.workflows.single_turn import score
 
@@ -37,12 +37,7 @@ class CheckYourAnswerWorkflow(Workflow):
     async def run(
         self, task: RolloutTask, engine: GenerationEngine, scorer: RewardScorer
     ) -> TrajectoryGroup:
-        async with asyncio.TaskGroup() as tg:
-            samples = [
-                tg.create_task(self._sample(task, i, engine, scorer))
-                for i in range(task.group_size)
-            ]
-        return TrajectoryGroup(task.request_id, [s.result() for s in samples])
+        return await sample_group(task, lambda i: self._sample(task, i, engine, scorer))
 
     async def _sample(
         self, task: RolloutTask, index: int, engine: GenerationEngine, scorer: RewardScorer

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
-
 from areal_jax.trajectory import Trajectory, TrajectoryGroup
 from rollout.engine import GenerationEngine, GenerationResult
-from rollout.workflows.base import RewardScorer, RolloutTask, Tokenizer, Workflow
+from rollout.workflows.base import RewardScorer, RolloutTask, Tokenizer, Workflow, sample_group
 
 
 class SingleTurnWorkflow(Workflow):
@@ -23,11 +21,7 @@ class SingleTurnWorkflow(Workflow):
     async def run(
         self, task: RolloutTask, engine: GenerationEngine, scorer: RewardScorer
     ) -> TrajectoryGroup:
-        async with asyncio.TaskGroup() as tg:
-            samples = [
-                tg.create_task(self._sample(task, i, engine, scorer)) for i in range(task.group_size)
-            ]
-        return TrajectoryGroup(task.request_id, [s.result() for s in samples])
+        return await sample_group(task, lambda i: self._sample(task, i, engine, scorer))
 
     async def _sample(
         self, task: RolloutTask, index: int, engine: GenerationEngine, scorer: RewardScorer

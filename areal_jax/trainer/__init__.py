@@ -1,0 +1,20 @@
+"""The trainer: jitted, sharded PPO/SFT steps, Orbax checkpoints and versioned HF exports."""
+
+from areal_jax.trainer.checkpoint import Checkpointer
+from areal_jax.trainer.config import TrainerConfig
+from areal_jax.trainer.optimizer import lr_schedule, make_optimizer
+from areal_jax.trainer.publish import export_path, prune_exports, publish_version
+from areal_jax.trainer.step import TrainState
+from areal_jax.trainer.trainer import Trainer
+
+__all__ = [
+    "Checkpointer",
+    "TrainState",
+    "Trainer",
+    "TrainerConfig",
+    "export_path",
+    "lr_schedule",
+    "make_optimizer",
+    "prune_exports",
+    "publish_version",
+]

@@ -1,0 +1,53 @@
+"""Publishing a policy version: an atomic Hugging Face export per version, old ones pruned.
+
+Exports live in ``<exports_dir>/v{version:06d}``; rollout servers load them by path. A
+directory only appears once complete (``export_hf`` writes a temporary sibling and renames).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+from areal_jax.models import Transformer, export_hf
+
+_EXPORT_NAME = re.compile(r"v(\d{6,})")
+
+
+def export_path(exports_dir: str | Path, version: int) -> Path:
+    """Where version ``version`` is exported."""
+    if version < 0:
+        raise ValueError(f"version must be >= 0, got {version}")
+    return Path(exports_dir) / f"v{version:06d}"
+
+
+def publish_version(
+    model: Transformer,
+    exports_dir: str | Path,
+    version: int,
+    *,
+    keep: int,
+    dtype="float32",
+    tokenizer_dir: str | Path | None = None,
+) -> Path:
+    """Export ``model`` as ``version`` (with tokenizer files if ``tokenizer_dir``), then prune
+    all but the ``keep`` highest versions; the export just written is never pruned."""
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    out = export_hf(model, export_path(exports_dir, version), dtype=dtype, tokenizer_dir=tokenizer_dir)
+    prune_exports(exports_dir, keep, protect=out)
+    return out
+
+
+def prune_exports(exports_dir: str | Path, keep: int, protect: Path | None = None) -> list[Path]:
+    """Delete version exports beyond the ``keep`` highest (never ``protect``); returns them."""
+    exports = []
+    for path in Path(exports_dir).iterdir():
+        match = _EXPORT_NAME.fullmatch(path.name)
+        if match and path.is_dir():
+            exports.append((int(match.group(1)), path))
+    doomed = [p for _, p in sorted(exports)[:-keep] if p != protect]
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    return doomed

@@ -1,0 +1,285 @@
+"""The trainer: decoupled-PPO and SFT updates on a sharded model, checkpoints, HF exports.
+
+``train_on_batch`` runs one training step of the AReaL loop: advantages -> minibatch split ->
+packing -> proximal log-probs with the current parameters -> one accumulated optimiser update
+per minibatch -> version + 1. Parameters and optimiser state stay on the mesh between calls;
+only packed int/float arrays go in and scalar metrics come out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from areal_jax.config import ConfigError
+from areal_jax.models import Transformer, abstract_model, load_hf_model
+from areal_jax.parallel import make_mesh, model_shardings
+from areal_jax.rl import kl_penalty, loss_normalizer, trajectory_advantages, unpack_outputs
+from areal_jax.trainer import batches
+from areal_jax.trainer.checkpoint import Checkpointer, abstract_like
+from areal_jax.trainer.config import TrainerConfig
+from areal_jax.trainer.optimizer import lr_schedule, make_optimizer
+from areal_jax.trainer.publish import publish_version
+from areal_jax.trainer.stats import batch_metrics, loss_metrics
+from areal_jax.trainer.step import TrainState, compile_steps
+from areal_jax.trajectory import Trajectory, TrajectoryGroup
+
+
+class Trainer:
+    """Owns the policy's parameters and optimiser state on a device mesh.
+
+    Built from ``config.model_path`` (a Hugging Face directory) or from ``model``; the trainer
+    takes its own copy of the parameters. ``mesh`` defaults to ``make_mesh(config.mesh)``.
+    """
+
+    def __init__(self, config: TrainerConfig, mesh: Mesh | None = None, model: Transformer | None = None):
+        self.config = config
+        self.mesh = mesh if mesh is not None else make_mesh(config.mesh)
+        graphdef, params, self._source_dtypes = self._load_policy(model)
+        self._graphdef = graphdef
+        tx, schedule = make_optimizer(config), lr_schedule(config)
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        opt_shardings = model_shardings(jax.eval_shape(tx.init, params), self.mesh)
+        self._shardings = TrainState(model_shardings(params, self.mesh), opt_shardings, replicated)
+        opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
+        self._state = TrainState(params, opt_state, jax.device_put(jnp.int32(0), replicated))
+        self._steps = compile_steps(
+            graphdef, self._shardings, self.mesh, tx, schedule,
+            loss_cfg=config.loss, temperature=config.temperature,
+            chunk_size=config.logprob_chunk_size,
+        )  # fmt: skip
+        self._ref_params = self._load_reference() if config.uses_reference else None
+        multiple = math.lcm(config.micro_batch.row_multiple, batches.batch_axis_size(self.mesh))
+        self._mb_cfg = dataclasses.replace(config.micro_batch, row_multiple=multiple)
+        self._rng = jax.random.key(config.seed)
+        self._version = 0
+        self._checkpoints = (
+            Checkpointer(Path(config.run_dir) / "checkpoints", config.checkpoint_keep,
+                         config.checkpoint_async)
+            if config.run_dir else None
+        )  # fmt: skip
+
+    @property
+    def version(self) -> int:
+        """Completed updates (``train_on_batch`` / ``sft_on_batch`` calls) of the policy."""
+        return self._version
+
+    @property
+    def model(self) -> Transformer:
+        """A view of the current parameters; the next update replaces (donates) its arrays."""
+        return nnx.merge(self._graphdef, self._state.params)
+
+    def train_on_batch(self, groups: Sequence[TrajectoryGroup]) -> dict[str, float]:
+        """One decoupled-PPO training step on ``groups``; returns the step's metrics."""
+        start = time.perf_counter()
+        cfg = self.config
+        trajs = batches.flatten_groups(groups)
+        kl, metrics = None, {}
+        if cfg.uses_reference:
+            kl = self._reference_kl(trajs)
+            metrics["kl_ref/mean"] = _masked_mean(kl, trajs)
+        advantages = trajectory_advantages(
+            groups, cfg.advantage, max_new_tokens=cfg.max_new_tokens, kl=kl
+        )
+        metrics.update(batch_metrics(trajs, advantages, self._version))
+        self._rng, key = jax.random.split(self._rng)
+        order = np.asarray(jax.random.permutation(key, len(trajs)))
+        plan = batches.minibatch_plan(trajs, advantages, cfg.ppo_n_minibatches, self._mb_cfg, order)
+        device = [[batches.put_batch(b, self.mesh) for b in mb] for mb in plan]
+        recompute = cfg.loss.needs_proximal and cfg.loss.prox_logp == "recompute"
+        # Proximal log-probs: every micro-batch under the parameters before this step.
+        prox = [[self._steps.logprobs(self._state.params, b)[0] if recompute else None
+                 for b in mb] for mb in device]  # fmt: skip
+        next_version = self._version + 1
+        losses, stats, updates = [], [], []
+        for packed, arrays, mb_prox in zip(plan, device, prox):
+            normalizer = loss_normalizer(
+                cfg.loss, sum(b.n_valid_tokens for b in packed), sum(b.n_sequences for b in packed)
+            )
+            grads = self._steps.zero_grads(self._state.params)
+            losses.append([])
+            for batch, prox_logp in zip(arrays, mb_prox):
+                grads, loss, s = self._steps.ppo_accumulate(
+                    grads, self._state.params, batch, prox_logp, normalizer, next_version
+                )
+                losses[-1].append(loss)
+                stats.append(s)
+            self._state, update = self._steps.update(self._state, grads)
+            updates.append(update)
+        losses, stats, updates = jax.device_get((losses, stats, updates))
+        self._version = next_version
+        metrics.update(loss_metrics(stats, [sum(mb) for mb in losses], updates))
+        metrics["version"] = float(self._version)
+        metrics["throughput/tokens_per_s"] = metrics["tokens"] / (time.perf_counter() - start)
+        return metrics
+
+    def sft_on_batch(self, examples: Sequence[tuple[Sequence[int], Sequence[int]]]) -> dict[str, float]:
+        """One supervised update: token-mean cross-entropy of each response given its prompt.
+
+        ``examples``: (prompt_ids, response_ids) pairs, both non-empty. All examples form one
+        minibatch (micro-batched by the token budget); the version goes up by one.
+        """
+        start = time.perf_counter()
+        trajs = _sft_trajectories(examples, self._version)
+        packed = batches.pack_all(trajs, self._mb_cfg)
+        n_tokens = sum(b.n_valid_tokens for b in packed)
+        grads = self._steps.zero_grads(self._state.params)
+        losses = []
+        for b in packed:
+            grads, loss, _ = self._steps.sft_accumulate(
+                grads, self._state.params, batches.put_batch(b, self.mesh), float(n_tokens)
+            )
+            losses.append(loss)
+        self._state, update = self._steps.update(self._state, grads)
+        losses, update = jax.device_get((losses, update))
+        self._version += 1
+        tokens = sum(t.length for t in trajs)
+        return {
+            "loss": float(sum(losses)),
+            "grad_norm": float(update["grad_norm"]),
+            "lr": float(update["lr"]),
+            "tokens": float(tokens),
+            "sft/loss_tokens": float(n_tokens),
+            "version": float(self._version),
+            "throughput/tokens_per_s": tokens / (time.perf_counter() - start),
+        }
+
+    def compute_logprobs(self, trajectories: Sequence[Trajectory]) -> list[np.ndarray]:
+        """Log-prob [O_i] of every output token under the current parameters, at the sampling
+        temperature, in the order of ``trajectories``."""
+        return self._logprobs(list(trajectories), self._state.params)
+
+    def save(self, extra: dict | None = None) -> None:
+        """Checkpoint the train state and ``extra`` (JSON-able) as the current version."""
+        meta = {"version": self._version, "extra": extra or {}}
+        self._require_checkpoints().save(self._version, self._checkpoint_tree(), meta)
+
+    def restore(self, version: int | None = None) -> dict | None:
+        """Load the latest checkpoint (or ``version``) onto this trainer's mesh.
+
+        Returns the ``extra`` dict it was saved with, or None when there is no checkpoint.
+        """
+        found = self._require_checkpoints().restore(abstract_like(self._checkpoint_tree()), version)
+        if found is None:
+            return None
+        tree, meta = found
+        self._state = TrainState(tree["params"], tree["opt_state"], tree["step"])
+        self._rng = jax.random.wrap_key_data(jax.device_get(tree["rng"]))
+        self._version = int(meta["version"])
+        return meta["extra"]
+
+    def latest_checkpoint(self) -> int | None:
+        """Version of the newest checkpoint, or None."""
+        return self._require_checkpoints().latest_step()
+
+    def publish(self, version: int | None = None) -> Path:
+        """Export the current parameters as ``<run_dir>/exports/v{version:06d}`` (HF format).
+
+        ``version`` defaults to, and must equal, the current version.
+        """
+        version = self._version if version is None else version
+        if version != self._version:
+            raise ValueError(f"cannot publish version {version}: the parameters are version {self._version}")
+        if self.config.run_dir is None:
+            raise ConfigError("run_dir is not set: publishing needs <run_dir>/exports")
+        if self.config.export_dtype == "source":
+            dtype = self._source_dtypes or "float32"
+        else:
+            dtype = self.config.export_dtype
+        return publish_version(
+            self.model, Path(self.config.run_dir) / "exports", version,
+            keep=self.config.export_keep, dtype=dtype,
+            tokenizer_dir=self.config.tokenizer_path or self.config.model_path,
+        )  # fmt: skip
+
+    def close(self) -> None:
+        """Finish pending checkpoint writes."""
+        if self._checkpoints is not None:
+            self._checkpoints.close()
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _load_policy(self, model: Transformer | None):
+        """(graphdef, params on the mesh, HF source dtypes) from the config or ``model``."""
+        cfg = self.config
+        dtype = jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
+        if model is not None and cfg.model_path is not None:
+            raise ConfigError("model_path is set and a model was passed: give one of them")
+        if model is None:
+            if cfg.model_path is None:
+                raise ConfigError("model_path is required when no model is passed")
+            loaded, source_dtypes = load_hf_model(cfg.model_path, self.mesh, dtype=dtype, remat=cfg.remat)
+            graphdef, params = nnx.split(loaded)
+            return graphdef, params, source_dtypes
+        graphdef, abstract = nnx.split(abstract_model(model.cfg, dtype, cfg.remat))
+        shardings = model_shardings(abstract, self.mesh)
+        params = jax.device_put(nnx.state(model, nnx.Param), shardings, may_alias=False)
+        return graphdef, params, {}
+
+    def _load_reference(self) -> nnx.State:
+        """Frozen reference parameters: ``ref_model_path``, else a copy of the initial policy."""
+        shardings = self._shardings.params
+        if self.config.ref_model_path is None:
+            return jax.device_put(self._state.params, shardings, may_alias=False)
+        ref, _ = load_hf_model(self.config.ref_model_path, self.mesh, dtype=self.model.dtype)
+        if ref.cfg != self.model.cfg:
+            raise ConfigError(
+                f"ref_model_path {self.config.ref_model_path} has another architecture than the policy"
+            )
+        return nnx.state(ref, nnx.Param)
+
+    def _logprobs(self, trajs: list[Trajectory], params: nnx.State) -> list[np.ndarray]:
+        packed = batches.pack_all(trajs, self._mb_cfg)
+        outs = [self._steps.logprobs(params, batches.put_batch(b, self.mesh))[0] for b in packed]
+        result: list[np.ndarray] = [np.empty(0)] * len(trajs)
+        for b, logp in zip(packed, jax.device_get(outs)):
+            for i, values in zip(b.traj_index, unpack_outputs(logp, b.placements)):
+                result[i] = values
+        return result
+
+    def _reference_kl(self, trajs: list[Trajectory]) -> list[np.ndarray]:
+        """Per-token KL(behaviour || reference) [O_i], estimated on the sampled tokens."""
+        ref = self._logprobs(trajs, self._ref_params)
+        est = self.config.advantage.kl_estimator
+        return [np.asarray(kl_penalty(t.behav_logprobs, r, est)) for t, r in zip(trajs, ref)]
+
+    def _checkpoint_tree(self) -> dict:
+        replicated = self._shardings.step
+        rng = jax.device_put(jax.random.key_data(self._rng), replicated)
+        s = self._state
+        return {"params": s.params, "opt_state": s.opt_state, "step": s.step, "rng": rng}
+
+    def _require_checkpoints(self) -> Checkpointer:
+        if self._checkpoints is None:
+            raise ConfigError("run_dir is not set: checkpoints live in <run_dir>/checkpoints")
+        return self._checkpoints
+
+
+def _masked_mean(values: list[np.ndarray], trajs: list[Trajectory]) -> float:
+    """Mean of per-token ``values`` over output_mask tokens."""
+    return float(np.concatenate([v[t.output_mask == 1] for v, t in zip(values, trajs)]).mean())
+
+
+def _sft_trajectories(examples, version: int) -> list[Trajectory]:
+    """SFT examples as trajectories (zero behaviour log-probs: the SFT loss ignores them)."""
+    if not examples:
+        raise ValueError("examples is empty: an SFT batch needs at least one example")
+    trajs = []
+    for i, example in enumerate(examples):
+        if len(example) != 2:
+            raise ValueError(f"examples[{i}] must be a (prompt_ids, response_ids) pair")
+        prompt, response = example
+        if len(prompt) == 0 or len(response) == 0:
+            raise ValueError(f"examples[{i}] has an empty {'prompt' if len(prompt) == 0 else 'response'}")
+        n = len(response)
+        trajs.append(Trajectory(prompt, response, np.zeros(n, np.float32), np.full(n, version)))
+    return trajs

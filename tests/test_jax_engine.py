@@ -1,0 +1,306 @@
+"""The JAX generation engine against transformers and the trainer's log-prob recompute."""
+
+import asyncio
+import contextlib
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from _hf_models import hf_model, save_hf_model
+from areal_jax.config import ConfigError
+from areal_jax.models import load_hf_model
+from areal_jax.rl.logprobs import token_logprobs
+from rollout.config import EngineConfig
+from rollout.engine import EngineError, InvalidParamError, SamplingParams
+from rollout.engines import create_engine
+
+OPTIONS = dict(num_slots=4, max_seq_len=64, decode_steps_per_call=4)
+PROMPTS = [[5, 17, 3, 88, 41], list(range(20, 31)), [int(x) for x in np.arange(19) * 7 % 97]]
+GREEDY = SamplingParams(max_new_tokens=16, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def ref_model():
+    return hf_model("qwen2", seed=11)
+
+
+@pytest.fixture(scope="module")
+def model_dir(ref_model, tmp_path_factory):
+    return str(save_hf_model(ref_model, tmp_path_factory.mktemp("qwen2")))
+
+
+def make_engine(path, **options):
+    return create_engine(EngineConfig(kind="jax", model_path=path, options={**OPTIONS, **options}))
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def started(path, **options):
+    engine = make_engine(path, **options)
+    await engine.start()
+    return engine
+
+
+def hf_greedy(model, prompt, n):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                             pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    return out[0, len(prompt):].tolist()
+
+
+def recompute_logprobs(path, prompt, output, temperature):
+    """The trainer's recompute: one packed forward over prompt + output, then token_logprobs."""
+    model, _ = load_hf_model(path)
+    seq = jnp.asarray([prompt + output], jnp.int32)
+    hidden, _ = model(seq, jnp.ones_like(seq), jnp.arange(seq.shape[1])[None])
+    logp, _ = token_logprobs(hidden[:, len(prompt) - 1 : -1], model.head_kernel(),
+                             jnp.asarray([output]), temperature)
+    return np.asarray(logp[0])
+
+
+def test_greedy_matches_transformers_alone_and_amid_other_requests(ref_model, model_dir):
+    lengths = [16, 23, 9]
+    expected = [hf_greedy(ref_model, p, n) for p, n in zip(PROMPTS, lengths)]
+
+    async def main():
+        engine = await started(model_dir)
+        alone = [await engine.generate_full(p, SamplingParams(n, temperature=0.0), f"a{i}")
+                 for i, (p, n) in enumerate(zip(PROMPTS, lengths))]
+        company = [engine.generate_full([7] * (3 + 4 * i), SamplingParams(5 + 6 * i, seed=i), f"c{i}")
+                   for i in range(3)]
+        mine = [engine.generate_full(p, SamplingParams(n, temperature=0.0), f"b{i}")
+                for i, (p, n) in enumerate(zip(PROMPTS, lengths))]
+        together = await asyncio.gather(*company[:2], *mine, company[2])
+        await engine.shutdown()
+        return alone, together[2:5]
+
+    alone, together = run(main())
+    for exp, a, t, n in zip(expected, alone, together, lengths):
+        assert a.output_ids == exp and t.output_ids == exp
+        assert a.logprobs == t.logprobs
+        assert a.finish_reason == t.finish_reason == "length" and len(a.output_ids) == n
+        assert a.versions == [0] * n
+
+
+@pytest.mark.parametrize("temperature,top_p,top_k", [(0.7, 0.8, -1), (1.3, 1.0, 12), (0.0, 1.0, -1)])
+def test_logprobs_equal_trainer_recompute(model_dir, temperature, top_p, top_k):
+    params = SamplingParams(24, temperature=temperature, top_p=top_p, top_k=top_k, seed=5)
+
+    async def main():
+        engine = await started(model_dir)
+        result = await engine.generate_full(PROMPTS[1], params, "r")
+        await engine.shutdown()
+        return result
+
+    result = run(main())
+    expected = recompute_logprobs(model_dir, PROMPTS[1], result.output_ids, temperature or 1.0)
+    np.testing.assert_allclose(result.logprobs, expected, atol=1e-5, rtol=0)
+    assert max(result.logprobs) <= 0
+
+
+def test_top_k_one_is_greedy_and_filters_change_samples(model_dir):
+    async def main():
+        engine = await started(model_dir)
+        greedy = await engine.generate_full(PROMPTS[0], SamplingParams(20, temperature=0.0), "g")
+        top1 = await engine.generate_full(PROMPTS[0], SamplingParams(20, temperature=1.5, top_k=1, seed=3), "k")
+        tight = await engine.generate_full(PROMPTS[0], SamplingParams(20, temperature=1.5, top_p=1e-6, seed=4), "p")
+        free = await engine.generate_full(PROMPTS[0], SamplingParams(20, temperature=1.5, seed=3), "f")
+        await engine.shutdown()
+        return greedy, top1, tight, free
+
+    greedy, top1, tight, free = run(main())
+    assert top1.output_ids == greedy.output_ids == tight.output_ids
+    assert free.output_ids != greedy.output_ids
+    # The log-prob is that of the temperature-scaled distribution, not of the filtered one.
+    np.testing.assert_allclose(
+        top1.logprobs, recompute_logprobs(model_dir, PROMPTS[0], top1.output_ids, 1.5), atol=1e-5
+    )
+    assert all(lp < -1e-3 for lp in top1.logprobs)
+
+
+def test_stop_ids_and_max_new_tokens(model_dir, tmp_path):
+    async def generate(path, params):
+        engine = await started(path)
+        result = await engine.generate_full(PROMPTS[2], params, "r")
+        await engine.shutdown()
+        return result
+
+    full = run(generate(model_dir, SamplingParams(30, temperature=0.0)))
+    assert full.finish_reason == "length" and len(full.output_ids) == 30
+    stop = full.output_ids[6]
+    cut = full.output_ids.index(stop) + 1
+    stopped = run(generate(model_dir, SamplingParams(30, temperature=0.0, stop_token_ids=(stop,))))
+    assert stopped.finish_reason == "stop"
+    assert stopped.output_ids == full.output_ids[:cut] and stopped.output_ids[-1] == stop
+    one = run(generate(model_dir, SamplingParams(1, temperature=0.0)))
+    assert one.output_ids == full.output_ids[:1] and one.finish_reason == "length"
+
+    # The model's end-of-sequence id stops generation too.
+    eos = full.output_ids[9]
+    eos_dir = tmp_path / "with_eos"
+    eos_dir.mkdir()
+    for f in ("model.safetensors", "config.json"):
+        (eos_dir / f).write_bytes((Path(model_dir) / f).read_bytes())
+    cfg = json.loads((eos_dir / "config.json").read_text())
+    (eos_dir / "config.json").write_text(json.dumps({**cfg, "eos_token_id": [96, eos]}))
+    ended = run(generate(str(eos_dir), SamplingParams(30, temperature=0.0)))
+    assert ended.finish_reason == "stop"
+    assert ended.output_ids == full.output_ids[: full.output_ids.index(eos) + 1]
+
+
+def test_seeded_sampling_does_not_depend_on_batch_company(model_dir):
+    params = SamplingParams(20, temperature=0.9, top_p=0.95, seed=1234)
+
+    async def main():
+        engine = await started(model_dir)
+        alone = await engine.generate_full(PROMPTS[1], params, "alone")
+        others = [engine.generate_full(p, SamplingParams(12, temperature=1.0), f"o{i}")
+                  for i, p in enumerate(PROMPTS)]
+        results = await asyncio.gather(*others[:2], engine.generate_full(PROMPTS[1], params, "busy"),
+                                       others[2])
+        reseeded = await engine.generate_full(
+            PROMPTS[1], SamplingParams(20, temperature=0.9, top_p=0.95, seed=99), "other")
+        await engine.shutdown()
+        return alone, results[2], reseeded
+
+    alone, busy, reseeded = run(main())
+    assert alone.output_ids == busy.output_ids and alone.logprobs == busy.logprobs
+    assert reseeded.output_ids != alone.output_ids
+
+
+def test_no_recompiles_as_requests_come_and_go(model_dir):
+    compiles = []
+
+    def on_event(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    async def wave(engine, lengths, tag):
+        await asyncio.gather(*[
+            engine.generate_full(list(range(1, n + 1)), SamplingParams(3 + n % 7, temperature=0.5 * (i % 3), top_k=(i % 4) * 5 - 1, seed=i), f"{tag}{i}")
+            for i, n in enumerate(lengths)])
+
+    async def main():
+        engine = await started(model_dir)
+        await wave(engine, [3, 20, 50], "warm")  # one prompt per bucket (16, 32, 64)
+        jax.monitoring.register_event_duration_secs_listener(on_event)
+        try:
+            await wave(engine, [1, 9, 15, 17, 31, 33, 40, 56, 2, 12], "w")
+            await wave(engine, [5, 25, 45], "x")
+        finally:
+            jax.monitoring.unregister_event_duration_listener(on_event)
+        stats = engine.stats()
+        await engine.shutdown()
+        return stats
+
+    stats = run(main())
+    assert compiles == []
+    assert stats["prefill_calls"] == 16 and stats["running_slots"] == 0
+
+
+def test_pause_holds_tokens_until_resume(model_dir):
+    async def main():
+        engine = await started(model_dir)
+        await engine.pause()
+        await engine.pause()
+        assert engine.paused
+        chunks = engine.generate(PROMPTS[0], GREEDY, "r")
+        first = asyncio.ensure_future(chunks.__anext__())
+        await asyncio.sleep(0.5)
+        waited = not first.done()
+        await engine.resume()
+        await engine.resume()
+        ids = list((await first).token_ids)
+        async for chunk in chunks:
+            ids += chunk.token_ids
+        await engine.shutdown()
+        return waited, ids
+
+    waited, ids = run(main())
+    assert waited
+    assert len(ids) == 16
+
+
+def test_shutdown_aborts_in_flight_requests(model_dir):
+    async def main():
+        engine = await started(model_dir, max_seq_len=256, decode_steps_per_call=1)
+        reference = await engine.generate_full(PROMPTS[0], SamplingParams(240, temperature=0.0), "ref")
+        chunks = engine.generate(PROMPTS[0], SamplingParams(240, temperature=0.0), "r")
+        got = [await chunks.__anext__()]
+        await engine.pause()
+        queued = asyncio.ensure_future(engine.generate_full(PROMPTS[1], GREEDY, "q"))
+        await asyncio.sleep(0.05)
+        await engine.shutdown()
+        got += [c async for c in chunks]
+        late = await engine.generate_full(PROMPTS[1], GREEDY, "late")
+        return reference, got, await queued, late
+
+    reference, got, queued, late = run(main())
+    ids = [t for c in got for t in c.token_ids]
+    assert got[-1].finish_reason == "abort" and all(c.finish_reason is None for c in got[:-1])
+    assert 0 < len(ids) < 240 and ids == reference.output_ids[: len(ids)]
+    assert queued.finish_reason == "abort" and queued.output_ids == []
+    assert late.finish_reason == "abort"
+
+
+def test_closing_the_stream_frees_the_slot(model_dir):
+    async def main():
+        engine = await started(model_dir, num_slots=1, decode_steps_per_call=1)
+        async with contextlib.aclosing(engine.generate(PROMPTS[0], SamplingParams(50, temperature=0.0), "a")) as chunks:
+            await chunks.__anext__()
+        done = await asyncio.wait_for(engine.generate_full(PROMPTS[1], GREEDY, "b"), timeout=60)
+        stats = engine.stats()
+        await engine.shutdown()
+        return done, stats
+
+    done, stats = run(main())
+    assert done.finish_reason == "length" and len(done.output_ids) == 16
+    assert stats["running_slots"] == 0 and stats["queued_requests"] == 0
+    assert stats["tokens_generated"] >= 17
+
+
+def test_invalid_requests_name_the_field(model_dir):
+    async def first_error(prompt, params):
+        engine = await started(model_dir)
+        try:
+            await engine.generate_full(prompt, params, "bad")
+        except InvalidParamError as e:
+            return e.field
+        finally:
+            await engine.shutdown()
+
+    assert run(first_error([1, 200], GREEDY)) == "prompt_ids[1]"
+    assert run(first_error([], GREEDY)) == "prompt_ids"
+    assert run(first_error([1] * 50, GREEDY)) == "max_new_tokens"
+    assert run(first_error([1], SamplingParams(4, stop_token_ids=(97,)))) == "stop_token_ids[0]"
+    with pytest.raises(EngineError, match="not been started"):
+        run(make_engine(model_dir).generate_full([1], GREEDY, "x"))
+
+
+@pytest.mark.parametrize("options,key", [
+    ({"num_slot": 4}, "engine.options.num_slot"),
+    ({"num_slots": 0}, "engine.options.num_slots"),
+    ({"max_seq_len": 1024}, "engine.options.max_seq_len"),
+    ({"prefill_buckets": [16, 128]}, "engine.options.prefill_buckets[1]"),
+    ({"swap_mode": "later"}, "engine.options.swap_mode"),
+    ({"dtype": "float8"}, "engine.options.dtype"),
+])
+def test_bad_options_name_the_key(model_dir, options, key):
+    with pytest.raises(ConfigError, match=key.replace("[", r"\[").replace("]", r"\]")):
+        make_engine(model_dir, **options)
+
+
+def test_option_defaults(model_dir):
+    engine = create_engine(EngineConfig(kind="jax", model_path=model_dir))
+    o = engine.options
+    assert (o.num_slots, o.decode_steps_per_call, o.swap_mode, o.dtype) == (8, 8, "interrupt", "float32")
+    assert o.max_seq_len == engine.max_context_len == 256  # the model's max positions
+    assert o.prefill_buckets == [16, 32, 64, 128, 256]
+    assert engine.vocab_size == 97

@@ -1,0 +1,178 @@
+"""The public Trainer: learning signal, SFT, proximal modes, KL reference, exports, errors."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from areal_jax.config import ConfigError, from_dict
+from areal_jax.rl import AdvantageConfig, LossConfig, MicroBatchConfig
+from areal_jax.trainer import Trainer, TrainerConfig
+from areal_jax.trajectory import Trajectory, TrajectoryGroup
+
+from _hf_models import hf_logits, hf_model, save_hf_model
+from _trainer_kit import (
+    assert_params_close, host_params, one_device_mesh, set_on_policy, tiny_model, toy_groups,
+)  # fmt: skip
+
+MICRO = MicroBatchConfig(token_budget=64, row_buckets=(64,))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(seed=7)
+
+
+def _trainer(model, **kw):
+    kw = {"lr": 1e-2, "ppo_n_minibatches": 1, "micro_batch": MICRO, **kw}
+    return Trainer(TrainerConfig(**kw), mesh=one_device_mesh(), model=model)
+
+
+def test_ppo_raises_logprob_of_rewarded_responses_and_lowers_the_others(model):
+    trainer = _trainer(model, ppo_n_minibatches=2)
+    prompt = [3, 14, 15, 92]
+    good = [[65, 35, 89], [79, 32, 38, 46]]
+    bad = [[26, 43, 38], [83, 27, 95, 2]]
+
+    def batch():
+        outs = [(o, 1.0) for o in good] + [(o, -1.0) for o in bad]
+        trajs = [Trajectory(prompt, o, np.zeros(len(o)), np.full(len(o), trainer.version), reward=r)
+                 for o, r in outs]
+        groups = [TrajectoryGroup("p", trajs)]
+        set_on_policy(trainer, groups)
+        return groups
+
+    def seq_logp(groups):
+        return [float(t.behav_logprobs.sum()) for t in groups[0].trajectories]
+
+    first = batch()
+    start = seq_logp(first)
+    trainer.train_on_batch(first)
+    for _ in range(3):
+        trainer.train_on_batch(batch())
+    end = seq_logp(batch())
+    assert trainer.version == 4
+    for i in range(2):
+        assert end[i] > start[i] + 1.0, (start, end)  # rewarded: more likely
+        assert end[2 + i] < start[2 + i] - 1.0, (start, end)  # penalised: less likely
+
+
+def test_sft_lowers_the_loss(model):
+    trainer = _trainer(model, lr=3e-3)
+    examples = [([5, 6, 7], [8, 9, 10, 11]), ([20, 21], [22, 23, 24]), ([1], [2, 3, 4, 5, 6])]
+    losses = [trainer.sft_on_batch(examples)["loss"] for _ in range(6)]
+    assert losses[0] == pytest.approx(_nll(model, examples), rel=1e-5)
+    assert all(b < a for a, b in zip(losses, losses[1:])), losses
+    assert losses[-1] < 0.7 * losses[0]
+    assert trainer.version == 6
+
+
+def _nll(model, examples):
+    """Token-mean cross-entropy of the responses, computed by an unpacked forward."""
+    import jax
+    import jax.numpy as jnp
+
+    total, count = 0.0, 0
+    for prompt, response in examples:
+        tokens = jnp.asarray([prompt + response])
+        logits = model.forward_logits(tokens, jnp.ones_like(tokens), jnp.arange(tokens.shape[1])[None])
+        logp = np.asarray(jax.nn.log_softmax(logits[0]))
+        for k, tok in enumerate(response):
+            total -= logp[len(prompt) - 1 + k, tok]
+            count += 1
+    return total / count
+
+
+def test_loglinear_proximal_equals_recompute_on_fresh_data(model):
+    # Fresh tokens (version = trainer version) give alpha = 0: both modes use pi_behav.
+    results = []
+    for mode in ("recompute", "loglinear"):
+        trainer = _trainer(model, ppo_n_minibatches=2, loss=LossConfig(prox_logp=mode))
+        groups = toy_groups(seed=11, n_groups=2, group_size=3)
+        set_on_policy(trainer, groups)
+        m = trainer.train_on_batch(groups)
+        results.append((m, host_params(trainer)))
+    (m_rec, p_rec), (m_lin, p_lin) = results
+    assert m_lin["loss"] == pytest.approx(m_rec["loss"], abs=1e-6)
+    assert m_lin["ppo/approx_kl"] == pytest.approx(m_rec["ppo/approx_kl"], abs=1e-7)
+    assert m_rec["ppo/approx_kl"] > 0  # the second minibatch ran on moved parameters
+    assert_params_close(p_lin, p_rec, atol=1e-5)
+
+
+def test_kl_to_the_frozen_initial_policy(model):
+    adv = AdvantageConfig(kl_beta=0.5, kl_estimator="k1")
+    trainer = _trainer(model, advantage=adv)
+    groups = toy_groups(seed=12, n_groups=2, group_size=2)
+    trajs = [t for g in groups for t in g.trajectories]
+    set_on_policy(trainer, groups)
+    initial = [t.behav_logprobs.copy() for t in trajs]
+    assert trainer.train_on_batch(groups)["kl_ref/mean"] == pytest.approx(0.0, abs=1e-6)
+    set_on_policy(trainer, groups)
+    m = trainer.train_on_batch(groups)
+    expected = np.mean(np.concatenate([t.behav_logprobs - ref for t, ref in zip(trajs, initial)]))
+    assert abs(expected) > 1e-3
+    assert m["kl_ref/mean"] == pytest.approx(expected, rel=1e-4)
+
+
+def test_publish_exports_what_transformers_loads_and_prunes_old_versions(tmp_path):
+    ref = hf_model("qwen2", seed=5)
+    src = save_hf_model(ref, tmp_path / "src")
+    (src / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 64}))
+    cfg = TrainerConfig(model_path=str(src), run_dir=str(tmp_path / "run"), lr=1e-2,
+                        export_keep=2, micro_batch=MICRO)
+    trainer = Trainer(cfg, mesh=one_device_mesh())
+    paths = []
+    for _ in range(3):
+        trainer.sft_on_batch([([1, 2, 3], [4, 5, 6, 7])])
+        paths.append(trainer.publish(trainer.version))
+    exports = tmp_path / "run" / "exports"
+    assert paths[-1] == exports / "v000003"
+    assert sorted(p.name for p in exports.iterdir()) == ["v000002", "v000003"]
+    assert (paths[-1] / "tokenizer_config.json").read_text() == json.dumps({"model_max_length": 64})
+
+    loaded = AutoModelForCausalLM.from_pretrained(paths[-1], dtype=torch.float32).eval()
+    tokens = np.random.RandomState(0).randint(0, 97, size=(2, 12))
+    ours = trainer.model.forward_logits(tokens, np.ones_like(tokens), np.tile(np.arange(12), (2, 1)))
+    np.testing.assert_allclose(hf_logits(loaded, tokens), np.asarray(ours), atol=1e-5, rtol=0)
+    assert not np.allclose(hf_logits(loaded, tokens), hf_logits(ref, tokens), atol=1e-3)  # trained
+
+    with pytest.raises(ValueError, match="cannot publish version 7: the parameters are version 3"):
+        trainer.publish(7)
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ConfigError, match="lr must be > 0"):
+        TrainerConfig(lr=0.0)
+    with pytest.raises(ConfigError, match="total_steps .* must exceed warmup_steps"):
+        TrainerConfig(lr_schedule="cosine", warmup_steps=10, total_steps=5)
+    with pytest.raises(ConfigError, match="grad_clip must be > 0 or null"):
+        TrainerConfig(grad_clip=-1.0)
+    with pytest.raises(ConfigError, match="overlong_window > 0 needs max_new_tokens"):
+        TrainerConfig(advantage=AdvantageConfig(overlong_window=16))
+    with pytest.raises(ConfigError, match="unknown config key loss.eps_clip"):
+        from_dict(TrainerConfig, {"loss": {"eps_clip": 0.2}})
+    with pytest.raises(ConfigError, match="ppo_n_minibatches must be >= 1"):
+        from_dict(TrainerConfig, {"ppo_n_minibatches": 0})
+    cfg = from_dict(TrainerConfig, {"lr": "1e-5", "mesh": {"fsdp": 2},
+                                    "micro_batch": {"token_budget": 4096, "row_buckets": [2048, 4096]}})
+    assert cfg.lr == 1e-5 and cfg.mesh.fsdp == 2 and cfg.micro_batch.row_buckets == (2048, 4096)
+    with pytest.raises(ConfigError, match="model_path is required"):
+        Trainer(TrainerConfig(), mesh=one_device_mesh())
+
+
+def test_bad_batches_are_rejected_before_any_update(model):
+    trainer = _trainer(model, ppo_n_minibatches=4)
+    with pytest.raises(ValueError, match="groups is empty"):
+        trainer.train_on_batch([])
+    silent = Trajectory([1, 2], [3, 4], np.zeros(2), np.zeros(2), output_mask=[0, 0])
+    with pytest.raises(ValueError, match="no trained token"):
+        trainer.train_on_batch([TrajectoryGroup("g", [silent])])
+    with pytest.raises(ValueError, match="ppo_n_minibatches=4 is more than the 2 trajectories"):
+        trainer.train_on_batch(toy_groups(seed=1, n_groups=1, group_size=2))
+    with pytest.raises(ValueError, match=r"examples\[1\] has an empty response"):
+        trainer.sft_on_batch([([1], [2]), ([3], [])])
+    with pytest.raises(ConfigError, match="run_dir is not set"):
+        trainer.save({})
+    assert trainer.version == 0

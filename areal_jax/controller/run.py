@@ -60,6 +60,11 @@ def prepare_data(cfg: ExperimentConfig) -> None:
         write_synthetic_splits(out, cfg.synthetic)
 
 
+def starting_model(cfg: ExperimentConfig) -> Path:
+    """The HF directory RL starts from: the SFT warm start when configured, else the base."""
+    return Path(cfg.run_dir) / "sft_model" if cfg.sft.steps > 0 else prepare_base_model(cfg)
+
+
 def make_trainer(cfg: ExperimentConfig, model_path: Path, overrides: dict | None = None,
                  run_dir: Path | None = None):
     """A Trainer for ``model_path`` with the experiment's trainer config (plus overrides)."""
@@ -257,16 +262,16 @@ def train(cfg: ExperimentConfig) -> dict:
         prepare_data(cfg)
         base = prepare_base_model(cfg)
         tokenizer = AutoTokenizer.from_pretrained(base)
-        trainer = make_trainer(cfg, base)
+        start = run_sft(cfg, base, tokenizer, progress) if cfg.sft.steps > 0 else base
+        trainer = make_trainer(cfg, start)
         extra = trainer.restore()
-        if extra is None and cfg.sft.steps > 0:
-            del trainer
-            start = run_sft(cfg, base, tokenizer, progress)
-            trainer = make_trainer(cfg, start)
-        elif extra is not None:
+        if extra is not None:
             print(f"resumed from checkpoint at version {trainer.version}", flush=True)
         t0 = time.monotonic()
-        results = asyncio.run(_train_async(cfg, trainer, tokenizer, progress, extra))
+        try:
+            results = asyncio.run(_train_async(cfg, trainer, tokenizer, progress, extra))
+        finally:
+            trainer.close()
     results["wall_s"] = time.monotonic() - t0
     (run_dir / "results.json").write_text(json.dumps(results, indent=2))
     return results

@@ -106,4 +106,5 @@ class ExperimentConfig:
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     checkpoint_every: int = 10  # trainer steps
     trainer_cpus: list[int] | None = None  # pin the trainer process to these CPUs
+    distributed: bool = False  # multi-host trainer: call jax.distributed.initialize() first
     seed: int = 0

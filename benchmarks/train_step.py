@@ -140,10 +140,11 @@ def main() -> None:
     groups = make_batch(args.rows, args.seq, cfg.vocab_size)
     with tempfile.TemporaryDirectory() as model_dir:
         export_hf(init_model(cfg, seed=0), model_dir)
+        shape = (args.rows, args.seq, args.steps)
         results = {
-            "jax, PPO (this repo)": time_ours(model_dir, groups, args.rows, args.seq, args.steps, False),
+            "jax, PPO (this repo)": time_ours(model_dir, groups, *shape, decoupled=False),
             "jax, decoupled PPO + proximal forward": time_ours(
-                model_dir, groups, args.rows, args.seq, args.steps, True),
+                model_dir, groups, *shape, decoupled=True),
             f"torch {args.torch_threads} threads, PPO": time_torch(
                 model_dir, groups, args.steps, args.torch_threads),
         }  # fmt: skip

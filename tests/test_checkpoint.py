@@ -61,7 +61,8 @@ def test_checkpointer_keeps_the_newest_n_and_replaces_a_step(tmp_path):
     assert ckpt.latest_step() == 3
     assert sorted(int(p.name) for p in (tmp_path / "ckpt").iterdir() if p.name.isdigit()) == [2, 3]
 
-    target = {"w": jax.ShapeDtypeStruct((8,), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec()))}
+    replicated = NamedSharding(mesh, PartitionSpec())
+    target = {"w": jax.ShapeDtypeStruct((8,), jnp.float32, sharding=replicated)}
     state, meta = ckpt.restore(target)
     np.testing.assert_array_equal(np.asarray(state["w"]), np.arange(8.0))
     assert meta == {"step": 3, "again": True}

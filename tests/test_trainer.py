@@ -155,8 +155,8 @@ def test_config_errors_name_the_field():
         from_dict(TrainerConfig, {"loss": {"eps_clip": 0.2}})
     with pytest.raises(ConfigError, match="ppo_n_minibatches must be >= 1"):
         from_dict(TrainerConfig, {"ppo_n_minibatches": 0})
-    cfg = from_dict(TrainerConfig, {"lr": "1e-5", "mesh": {"fsdp": 2},
-                                    "micro_batch": {"token_budget": 4096, "row_buckets": [2048, 4096]}})
+    micro = {"token_budget": 4096, "row_buckets": [2048, 4096]}
+    cfg = from_dict(TrainerConfig, {"lr": "1e-5", "mesh": {"fsdp": 2}, "micro_batch": micro})
     assert cfg.lr == 1e-5 and cfg.mesh.fsdp == 2 and cfg.micro_batch.row_buckets == (2048, 4096)
     with pytest.raises(ConfigError, match="model_path is required"):
         Trainer(TrainerConfig(), mesh=one_device_mesh())

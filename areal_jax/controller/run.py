@@ -257,6 +257,10 @@ def train(cfg: ExperimentConfig) -> dict:
     (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
     if cfg.trainer_cpus:
         os.sched_setaffinity(0, cfg.trainer_cpus)
+    if cfg.distributed:
+        import jax
+
+        jax.distributed.initialize()  # coordinator, process count and id from the environment
     progress = TrainingProgress()
     with progress:
         prepare_data(cfg)

@@ -41,7 +41,9 @@ class Trainer:
     takes its own copy of the parameters. ``mesh`` defaults to ``make_mesh(config.mesh)``.
     """
 
-    def __init__(self, config: TrainerConfig, mesh: Mesh | None = None, model: Transformer | None = None):
+    def __init__(
+        self, config: TrainerConfig, mesh: Mesh | None = None, model: Transformer | None = None
+    ):
         self.config = config
         self.mesh = mesh if mesh is not None else make_mesh(config.mesh)
         graphdef, params, self._source_dtypes = self._load_policy(model)
@@ -91,38 +93,29 @@ class Trainer:
             groups, cfg.advantage, max_new_tokens=cfg.max_new_tokens, kl=kl
         )
         metrics.update(batch_metrics(trajs, advantages, self._version))
-        self._rng, key = jax.random.split(self._rng)
+        rng, key = jax.random.split(self._rng)
         order = np.asarray(jax.random.permutation(key, len(trajs)))
         plan = batches.minibatch_plan(trajs, advantages, cfg.ppo_n_minibatches, self._mb_cfg, order)
+        self._rng = rng  # the batch is valid: from here on the step goes through
         device = [[batches.put_batch(b, self.mesh) for b in mb] for mb in plan]
         recompute = cfg.loss.needs_proximal and cfg.loss.prox_logp == "recompute"
         # Proximal log-probs: every micro-batch under the parameters before this step.
         prox = [[self._steps.logprobs(self._state.params, b)[0] if recompute else None
                  for b in mb] for mb in device]  # fmt: skip
         next_version = self._version + 1
-        losses, stats, updates = [], [], []
-        for packed, arrays, mb_prox in zip(plan, device, prox):
-            normalizer = loss_normalizer(
-                cfg.loss, sum(b.n_valid_tokens for b in packed), sum(b.n_sequences for b in packed)
-            )
-            grads = self._steps.zero_grads(self._state.params)
-            losses.append([])
-            for batch, prox_logp in zip(arrays, mb_prox):
-                grads, loss, s = self._steps.ppo_accumulate(
-                    grads, self._state.params, batch, prox_logp, normalizer, next_version
-                )
-                losses[-1].append(loss)
-                stats.append(s)
-            self._state, update = self._steps.update(self._state, grads)
-            updates.append(update)
-        losses, stats, updates = jax.device_get((losses, stats, updates))
+        results = [self._update_minibatch(packed, arrays, mb_prox, next_version)
+                   for packed, arrays, mb_prox in zip(plan, device, prox)]  # fmt: skip
+        losses, stats, updates = zip(*jax.device_get(results))
         self._version = next_version
+        stats = [s for mb in stats for s in mb]
         metrics.update(loss_metrics(stats, [sum(mb) for mb in losses], updates))
         metrics["version"] = float(self._version)
         metrics["throughput/tokens_per_s"] = metrics["tokens"] / (time.perf_counter() - start)
         return metrics
 
-    def sft_on_batch(self, examples: Sequence[tuple[Sequence[int], Sequence[int]]]) -> dict[str, float]:
+    def sft_on_batch(
+        self, examples: Sequence[tuple[Sequence[int], Sequence[int]]]
+    ) -> dict[str, float]:
         """One supervised update: token-mean cross-entropy of each response given its prompt.
 
         ``examples``: (prompt_ids, response_ids) pairs, both non-empty. All examples form one
@@ -188,7 +181,9 @@ class Trainer:
         """
         version = self._version if version is None else version
         if version != self._version:
-            raise ValueError(f"cannot publish version {version}: the parameters are version {self._version}")
+            raise ValueError(
+                f"cannot publish version {version}: the parameters are version {self._version}"
+            )
         if self.config.run_dir is None:
             raise ConfigError("run_dir is not set: publishing needs <run_dir>/exports")
         if self.config.export_dtype == "source":
@@ -208,6 +203,26 @@ class Trainer:
 
     # -- internals ---------------------------------------------------------------------------
 
+    def _update_minibatch(self, packed, arrays, prox, next_version):
+        """Accumulate the minibatch's micro-batch gradients, then one optimiser update.
+
+        Returns device values: (micro-batch losses, micro-batch stats, update metrics).
+        """
+        cfg = self.config.loss
+        normalizer = loss_normalizer(
+            cfg, sum(b.n_valid_tokens for b in packed), sum(b.n_sequences for b in packed)
+        )
+        grads = self._steps.zero_grads(self._state.params)
+        losses, stats = [], []
+        for batch, prox_logp in zip(arrays, prox):
+            grads, loss, s = self._steps.ppo_accumulate(
+                grads, self._state.params, batch, prox_logp, normalizer, next_version
+            )
+            losses.append(loss)
+            stats.append(s)
+        self._state, update = self._steps.update(self._state, grads)
+        return losses, stats, update
+
     def _load_policy(self, model: Transformer | None):
         """(graphdef, params on the mesh, HF source dtypes) from the config or ``model``."""
         cfg = self.config
@@ -217,7 +232,9 @@ class Trainer:
         if model is None:
             if cfg.model_path is None:
                 raise ConfigError("model_path is required when no model is passed")
-            loaded, source_dtypes = load_hf_model(cfg.model_path, self.mesh, dtype=dtype, remat=cfg.remat)
+            loaded, source_dtypes = load_hf_model(
+                cfg.model_path, self.mesh, dtype=dtype, remat=cfg.remat
+            )
             graphdef, params = nnx.split(loaded)
             return graphdef, params, source_dtypes
         graphdef, abstract = nnx.split(abstract_model(model.cfg, dtype, cfg.remat))
@@ -233,7 +250,8 @@ class Trainer:
         ref, _ = load_hf_model(self.config.ref_model_path, self.mesh, dtype=self.model.dtype)
         if ref.cfg != self.model.cfg:
             raise ConfigError(
-                f"ref_model_path {self.config.ref_model_path} has another architecture than the policy"
+                f"ref_model_path {self.config.ref_model_path} has another architecture "
+                "than the policy"
             )
         return nnx.state(ref, nnx.Param)
 
@@ -279,7 +297,8 @@ def _sft_trajectories(examples, version: int) -> list[Trajectory]:
             raise ValueError(f"examples[{i}] must be a (prompt_ids, response_ids) pair")
         prompt, response = example
         if len(prompt) == 0 or len(response) == 0:
-            raise ValueError(f"examples[{i}] has an empty {'prompt' if len(prompt) == 0 else 'response'}")
+            empty = "prompt" if len(prompt) == 0 else "response"
+            raise ValueError(f"examples[{i}] has an empty {empty}")
         n = len(response)
         trajs.append(Trajectory(prompt, response, np.zeros(n, np.float32), np.full(n, version)))
     return trajs

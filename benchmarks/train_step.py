@@ -5,7 +5,9 @@ by transformers) on the same [rows, T] token batch: one sequence of T tokens per
 followed by trained response tokens, standard PPO clipped loss at temperature 1 with the token
 mean over response tokens, global-norm clipping and AdamW. Ours runs the whole
 ``Trainer.train_on_batch`` (advantages, packing, device transfer, one optimiser update); the
-decoupled-PPO line adds the proximal log-prob forward pass. MFU counts model FLOPs
+decoupled-PPO line adds the proximal log-prob forward pass. Steps are timed round-robin
+(median of ``--steps`` rounds) so that load from other processes hits every side alike. MFU
+counts model FLOPs
 (6 x matmul params + 12 x layers x T x q-dim per token, i.e. full non-causal attention
 scores, as our kernel computes them) against a measured large fp32 matmul.
 
@@ -74,8 +76,8 @@ def make_batch(rows: int, seq: int, vocab: int, seed: int = 0) -> list[Trajector
     return groups
 
 
-def time_ours(model_dir: str, groups, rows: int, seq: int, steps: int, decoupled: bool) -> float:
-    """Median seconds of ``Trainer.train_on_batch`` after compilation."""
+def ours_step(model_dir: str, groups, rows: int, seq: int, decoupled: bool):
+    """A compiled ``Trainer.train_on_batch`` on ``groups`` as a no-argument callable."""
     loss = LossConfig() if decoupled else LossConfig(policy_loss="ppo")
     cfg = TrainerConfig(
         model_path=model_dir, lr=1e-5, ppo_n_minibatches=1, grad_clip=CLIP, loss=loss,
@@ -84,16 +86,11 @@ def time_ours(model_dir: str, groups, rows: int, seq: int, steps: int, decoupled
     )  # fmt: skip
     trainer = Trainer(cfg)
     trainer.train_on_batch(groups)
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        trainer.train_on_batch(groups)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return lambda: trainer.train_on_batch(groups)
 
 
-def time_torch(model_dir: str, groups, steps: int, threads: int) -> float:
-    """Median seconds of a PyTorch forward + PPO loss + backward + clip + AdamW step."""
+def torch_step(model_dir: str, groups, threads: int):
+    """A PyTorch forward + PPO loss + backward + clip + AdamW step as a callable."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -121,7 +118,45 @@ def time_torch(model_dir: str, groups, steps: int, threads: int) -> float:
         opt.zero_grad(set_to_none=True)
 
     step()
-    return statistics.median(_timed(step) for _ in range(steps))
+    return step
+
+
+def interleaved_medians(steps: dict, rounds: int) -> dict[str, float]:
+    """Median seconds of each callable, timed round-robin so machine load hits all alike."""
+    times = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, fn in steps.items():
+            times[name].append(_timed(fn))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def time_attention(cfg: ModelConfig, rows: int, seq: int, steps: int, threads: int) -> dict:
+    """Seconds of attention forward + backward over all layers: our kernel and torch SDPA."""
+    import torch
+
+    from areal_jax.models.attention import attend, packed_causal_mask
+
+    rng = np.random.RandomState(0)
+    q = jnp.asarray(rng.randn(rows, seq, cfg.num_heads, cfg.head_dim), jnp.float32)
+    kv = jnp.asarray(rng.randn(rows, seq, cfg.num_kv_heads, cfg.head_dim), jnp.float32)
+    mask = packed_causal_mask(jnp.ones((rows, seq), jnp.int32))
+    grad = jax.jit(jax.grad(lambda q, k, v: attend(q, k, v, mask).sum(), argnums=(0, 1, 2)))
+    jax.block_until_ready(grad(q, kv, kv))
+    ours = statistics.median(_timed(lambda: jax.block_until_ready(grad(q, kv, kv)))
+                             for _ in range(steps))  # fmt: skip
+
+    torch.set_num_threads(threads)
+    group = cfg.num_heads // cfg.num_kv_heads
+    qt = torch.tensor(np.asarray(q)).transpose(1, 2).requires_grad_()
+    kt = torch.tensor(np.asarray(kv)).transpose(1, 2).repeat_interleave(group, 1).requires_grad_()
+
+    def sdpa_step():
+        out = torch.nn.functional.scaled_dot_product_attention(qt, kt, kt, is_causal=True)
+        out.sum().backward()
+
+    sdpa_step()
+    theirs = statistics.median(_timed(sdpa_step) for _ in range(steps))
+    return {"jax": ours * cfg.num_layers, "torch": theirs * cfg.num_layers}
 
 
 def main() -> None:
@@ -136,18 +171,18 @@ def main() -> None:
     cfg = ModelConfig.from_hf_dict(MODEL)
     tokens = args.rows * args.seq
     flops = step_flops(cfg, args.rows, args.seq)
-    peak = matmul_peak_flops()
     groups = make_batch(args.rows, args.seq, cfg.vocab_size)
     with tempfile.TemporaryDirectory() as model_dir:
         export_hf(init_model(cfg, seed=0), model_dir)
-        shape = (args.rows, args.seq, args.steps)
-        results = {
-            "jax, PPO (this repo)": time_ours(model_dir, groups, *shape, decoupled=False),
-            "jax, decoupled PPO + proximal forward": time_ours(
-                model_dir, groups, *shape, decoupled=True),
-            f"torch {args.torch_threads} threads, PPO": time_torch(
-                model_dir, groups, args.steps, args.torch_threads),
+        steps = {
+            "jax, PPO (this repo)": ours_step(model_dir, groups, args.rows, args.seq, False),
+            "jax, decoupled PPO + proximal forward": ours_step(
+                model_dir, groups, args.rows, args.seq, True),
+            f"torch {args.torch_threads} threads, PPO": torch_step(
+                model_dir, groups, args.torch_threads),
         }  # fmt: skip
+        results = interleaved_medians(steps, args.steps)
+    peak = matmul_peak_flops()
     print(f"model: {MODEL}")
     print(f"batch: {args.rows} rows x {args.seq} tokens = {tokens} tokens/step; "
           f"devices: {jax.devices()}")
@@ -156,6 +191,9 @@ def main() -> None:
     print(f"{'step':42s} {'s/step':>8s} {'tokens/s':>9s} {'MFU':>6s}")
     for name, sec in results.items():
         print(f"{name:42s} {sec:8.3f} {tokens / sec:9.0f} {flops / sec / peak:6.1%}")
+    attention = time_attention(cfg, args.rows, args.seq, args.steps, args.torch_threads)
+    print(f"of which attention fwd+bwd, all layers: jax {attention['jax']:.3f} s, "
+          f"torch SDPA (causal) {attention['torch']:.3f} s")
 
 
 if __name__ == "__main__":

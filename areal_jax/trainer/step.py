@@ -104,7 +104,7 @@ def apply_update(
 class StepFunctions:
     """The jitted steps of one model on one mesh (argument shapes in the docstrings above).
 
-    logprobs(params, batch) -> (logp, entropy); ppo_accumulate(grads, params, batch, prox_logp,
+    logprobs(params, batch) -> logp; ppo_accumulate(grads, params, batch, prox_logp,
     normalizer, next_version) -> (grads, loss, stats); sft_accumulate(grads, params, batch,
     normalizer) -> (grads, loss, stats); zero_grads(params) -> grads; update(state, grads) ->
     (state, metrics). The accumulators donate the gradient sums, the update donates the state.
@@ -138,7 +138,9 @@ def compile_steps(
     acc_shardings = (param_sh, replicated, replicated)
     return StepFunctions(
         logprobs=jax.jit(
-            functools.partial(logprobs, graphdef, temperature=temperature, chunk_size=chunk_size)
+            lambda params, batch: logprobs(
+                graphdef, params, batch, temperature=temperature, chunk_size=chunk_size
+            )[0]
         ),
         ppo_accumulate=jax.jit(
             functools.partial(accumulate, ppo), out_shardings=acc_shardings, donate_argnums=0

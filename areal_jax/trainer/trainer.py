@@ -100,7 +100,7 @@ class Trainer:
         device = [[batches.put_batch(b, self.mesh) for b in mb] for mb in plan]
         recompute = cfg.loss.needs_proximal and cfg.loss.prox_logp == "recompute"
         # Proximal log-probs: every micro-batch under the parameters before this step.
-        prox = [[self._steps.logprobs(self._state.params, b)[0] if recompute else None
+        prox = [[self._steps.logprobs(self._state.params, b) if recompute else None
                  for b in mb] for mb in device]  # fmt: skip
         next_version = self._version + 1
         results = [self._update_minibatch(packed, arrays, mb_prox, next_version)
@@ -257,7 +257,7 @@ class Trainer:
 
     def _logprobs(self, trajs: list[Trajectory], params: nnx.State) -> list[np.ndarray]:
         packed = batches.pack_all(trajs, self._mb_cfg)
-        outs = [self._steps.logprobs(params, batches.put_batch(b, self.mesh))[0] for b in packed]
+        outs = [self._steps.logprobs(params, batches.put_batch(b, self.mesh)) for b in packed]
         result: list[np.ndarray] = [np.empty(0)] * len(trajs)
         for b, logp in zip(packed, jax.device_get(outs)):
             for i, values in zip(b.traj_index, unpack_outputs(logp, b.placements)):

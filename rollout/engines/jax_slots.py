@@ -50,7 +50,7 @@ class SlotTable:
 
     def __init__(self, num_slots: int):
         self.seqs: list[Sequence | None] = [None] * num_slots
-        self.stale = np.zeros(num_slots, bool)  # cache row invalid (weights swapped): re-prefill
+        self.unfilled = np.zeros(num_slots, bool)  # cache row not (or no longer) valid: prefill
         self.arrays = SlotArrays(
             tokens=np.zeros(num_slots, np.int32),
             positions=np.zeros(num_slots, np.int32),
@@ -72,9 +72,19 @@ class SlotTable:
     def running(self) -> int:
         return len(self.occupied())
 
+    def assign(self, slot: int, seq: Sequence) -> None:
+        """Give ``slot`` to ``seq``; it decodes once prefilled."""
+        self.seqs[slot] = seq
+        self.invalidate(slot)
+
+    def invalidate(self, slot: int) -> None:
+        """Mark ``slot``'s cache row unusable (new weights): it must be prefilled again."""
+        self.unfilled[slot] = True
+        self.arrays.active[slot] = False
+
     def release(self, slot: int) -> None:
         self.seqs[slot] = None
-        self.stale[slot] = False
+        self.unfilled[slot] = False
         self.arrays.active[slot] = False
 
     def request_row(self, seq: Sequence) -> SlotArrays:
@@ -91,9 +101,10 @@ class SlotTable:
             seeds=np.array([seed_words(seq.seed)], np.uint32),
         )
 
-    def place(self, slot: int, seq: Sequence, token: int, logprob: float, status: int,
-              version: int) -> GenerationChunk:
-        """Record a prefill of ``seq`` into ``slot`` that sampled ``token``; its chunk."""
+    def filled(self, slot: int, token: int, logprob: float, status: int,
+               version: int) -> GenerationChunk:
+        """Record that prefilling ``slot`` sampled ``token``; the chunk to deliver."""
+        seq = self.seqs[slot]
         row = self.request_row(seq)
         for field in ("temperature", "top_k", "top_p", "seeds"):
             getattr(self.arrays, field)[slot] = getattr(row, field)[0]
@@ -102,8 +113,7 @@ class SlotTable:
         a.positions[slot] = len(seq.context)
         a.remaining[slot] = row.remaining[0] - 1
         a.active[slot] = status == RUNNING
-        self.seqs[slot] = seq
-        self.stale[slot] = False
+        self.unfilled[slot] = False
         return self._record(slot, [token], [logprob], status, version)
 
     def absorb(self, new: SlotArrays, tokens: np.ndarray, logprobs: np.ndarray,

@@ -159,7 +159,7 @@ class DecodeWorker:
             return False
         if self._slots.running or self._swap is not None or any(s.cancelled for s in self._pending):
             return True
-        return bool(self._pending) and self._swap is None and bool(self._slots.free())
+        return bool(self._pending) and bool(self._slots.free())
 
     def _next_round(self) -> bool:
         """Wait for work or commands, run the commands; False once closing."""
@@ -179,9 +179,8 @@ class DecodeWorker:
         self._maybe_swap()
         if self._swap is None:
             self._admit()
-        for slot in np.flatnonzero(self._slots.stale):
-            self.reprefills += 1
-            self._prefill(int(slot), self._slots.seqs[slot])
+        for slot in np.flatnonzero(self._slots.unfilled):
+            self._prefill(int(slot))
         if self._slots.arrays.active.any():
             self._decode()
 
@@ -203,21 +202,21 @@ class DecodeWorker:
         self._params, self.version = params, version
         self.swaps += 1
         for slot in self._slots.occupied():
-            self._slots.stale[slot] = True
-            self._slots.arrays.active[slot] = False
+            self._slots.invalidate(slot)
         fut.set_result(None)
 
     def _admit(self) -> None:
-        free = self._slots.free()
-        while free:
-            with self._cond:
+        """Move queued sequences into free slots (prefilled next)."""
+        with self._cond:
+            for slot in self._slots.free():
                 if not self._pending:
                     return
-                seq = self._pending.popleft()
-            self._prefill(free.pop(0), seq)
+                self._slots.assign(slot, self._pending.popleft())
 
-    def _prefill(self, slot: int, seq: Sequence) -> None:
-        """Prefill ``seq``'s context into ``slot`` and deliver the token sampled after it."""
+    def _prefill(self, slot: int) -> None:
+        """Prefill ``slot``'s context (prompt + output so far), deliver the token sampled next."""
+        seq = self._slots.seqs[slot]
+        self.reprefills += bool(seq.output)
         context = seq.context
         bucket = next(b for b in self._buckets if b >= len(context))
         tokens = np.zeros((1, bucket), np.int32)
@@ -228,9 +227,8 @@ class DecodeWorker:
         )
         token, logprob, status = jax.device_get((token, logprob, status))
         self.prefill_calls += 1
-        chunk = self._slots.place(
-            slot, seq, int(token[0]), float(logprob[0]), int(status[0]), self.version
-        )
+        chunk = self._slots.filled(slot, int(token[0]), float(logprob[0]), int(status[0]),
+                                   self.version)
         self._send(seq, chunk)
 
     def _decode(self) -> None:

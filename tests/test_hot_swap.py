@@ -1,0 +1,188 @@
+"""Weight swaps in the JAX engine: interrupt and re-prefill, drain, and failed loads."""
+
+import asyncio
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from _hf_models import hf_model, save_hf_model
+from rollout.config import EngineConfig
+from rollout.engine import SamplingParams, WeightLoadError
+from rollout.engines import create_engine
+
+OPTIONS = dict(num_slots=4, max_seq_len=256, decode_steps_per_call=2)
+PROMPTS = [[5, 17, 3, 88, 41], list(range(20, 31)), [int(x) for x in np.arange(19) * 7 % 97]]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """Two weight sets of one architecture, as transformers models and checkpoint dirs."""
+    old, new = hf_model("qwen2", seed=21), hf_model("qwen2", seed=22)
+    root = tmp_path_factory.mktemp("swap")
+    return {"old": (old, str(save_hf_model(old, root / "old"))),
+            "new": (new, str(save_hf_model(new, root / "new")))}
+
+
+def hf_greedy(model, prompt, n):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                             pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    return out[0, len(prompt):].tolist()
+
+
+async def started(path, version, **options):
+    engine = create_engine(EngineConfig(kind="jax", model_path=path, initial_version=version,
+                                        options={**OPTIONS, **options}))
+    await engine.start()
+    return engine
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def greedy(n):
+    return SamplingParams(n, temperature=0.0)
+
+
+async def collect_chunks(chunks):
+    ids, versions = [], []
+    async for chunk in chunks:
+        ids += chunk.token_ids
+        versions += chunk.versions
+    return ids, versions
+
+
+def split_by_version(ids, versions, old_version):
+    """(tokens of the old version, tokens after it); versions must not go back."""
+    assert versions == sorted(versions)
+    cut = versions.count(old_version)
+    return ids[:cut], ids[cut:]
+
+
+def test_swap_while_paused_continues_with_new_weights(models):
+    (old_model, old_dir), (new_model, new_dir) = models["old"], models["new"]
+
+    async def main():
+        engine = await started(old_dir, 3)
+        chunks = engine.generate(PROMPTS[0], greedy(40), "r")
+        first = await chunks.__anext__()
+        await engine.pause()
+        await engine.update_weights(new_dir, 4)
+        state = (engine.version, engine.paused)
+        await engine.resume()
+        ids, versions = await collect_chunks(chunks)
+        after = await engine.generate_full(PROMPTS[1], greedy(12), "after")
+        stats = engine.stats()
+        await engine.shutdown()
+        return first, ids, versions, state, after, stats
+
+    first, ids, versions, state, after, stats = run(main())
+    assert state == (4, True)
+    ids, versions = list(first.token_ids) + ids, list(first.versions) + versions
+    before, cont = split_by_version(ids, versions, 3)
+    assert len(ids) == 40 and set(versions) == {3, 4} and before and cont
+    assert before == hf_greedy(old_model, PROMPTS[0], len(before))
+    assert cont == hf_greedy(new_model, PROMPTS[0] + before, len(cont))
+    assert after.output_ids == hf_greedy(new_model, PROMPTS[1], 12) and set(after.versions) == {4}
+    assert stats["swaps"] == 1 and stats["reprefills"] == 1
+
+
+def test_interrupting_swap_mid_generation(models):
+    """The swap lands while several sequences decode; each continues on the new weights."""
+    (old_model, old_dir), (new_model, new_dir) = models["old"], models["new"]
+    lengths = [240, 200, 150]
+
+    async def main():
+        engine = await started(old_dir, 0, decode_steps_per_call=1)
+        streams = [engine.generate(p, greedy(n), f"r{i}") for i, (p, n) in enumerate(zip(PROMPTS, lengths))]
+        firsts = [await s.__anext__() for s in streams]
+        update = asyncio.ensure_future(engine.update_weights(new_dir, 1))
+        rest = await asyncio.gather(*[collect_chunks(s) for s in streams])
+        await update
+        await engine.shutdown()
+        return [(list(f.token_ids) + ids, list(f.versions) + vs) for f, (ids, vs) in zip(firsts, rest)]
+
+    results = run(main())
+    assert any(set(versions) == {0, 1} for _, versions in results)
+    for prompt, n, (ids, versions) in zip(PROMPTS, lengths, results):
+        before, cont = split_by_version(ids, versions, 0)
+        assert len(ids) == n and before
+        assert before == hf_greedy(old_model, prompt, len(before))
+        assert cont == hf_greedy(new_model, prompt + before, len(cont))
+
+
+def test_drain_swap_waits_for_running_sequences(models):
+    (old_model, old_dir), (new_model, new_dir) = models["old"], models["new"]
+
+    async def main():
+        engine = await started(old_dir, 0, decode_steps_per_call=1, swap_mode="drain")
+        running = asyncio.ensure_future(engine.generate_full(PROMPTS[0], greedy(200), "long"))
+        while engine.stats()["running_slots"] == 0:
+            await asyncio.sleep(0.001)
+        await engine.update_weights(new_dir, 1)
+        finished_first = running.done()
+        after = await engine.generate_full(PROMPTS[1], greedy(10), "after")
+        await engine.shutdown()
+        return await running, finished_first, after
+
+    long, finished_first, after = run(main())
+    assert finished_first
+    assert set(long.versions) == {0} and long.output_ids == hf_greedy(old_model, PROMPTS[0], 200)
+    assert set(after.versions) == {1} and after.output_ids == hf_greedy(new_model, PROMPTS[1], 10)
+
+
+def _truncated(src, dst):
+    shutil.copytree(src, dst)
+    weights = dst / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    return dst
+
+
+def _bad_config(src, dst):
+    shutil.copytree(src, dst)
+    (dst / "config.json").write_text("{not json")
+    return dst
+
+
+def test_failed_loads_keep_serving_the_old_weights(models, tmp_path):
+    (old_model, old_dir), (_, new_dir) = models["old"], models["new"]
+    bad = {
+        "truncated": (str(_truncated(new_dir, tmp_path / "truncated")), "truncated"),
+        "layers": (str(save_hf_model(hf_model("qwen2", seed=5, num_hidden_layers=3), tmp_path / "l3")),
+                   "num_layers is 3, the served model has 2"),
+        "family": (str(save_hf_model(hf_model("qwen3", seed=5), tmp_path / "qwen3")),
+                   "model_type is 'qwen3'"),
+        "missing": (str(tmp_path / "nowhere"), "no config.json"),
+        "config": (str(_bad_config(new_dir, tmp_path / "badcfg")), "not valid JSON"),
+    }
+    # A config that matches but weights of the wrong shape.
+    shutil.copytree(save_hf_model(hf_model("qwen2", seed=5, intermediate_size=64), tmp_path / "wide"),
+                    tmp_path / "wide_cfg_ok")
+    cfg = json.loads((tmp_path / "wide_cfg_ok" / "config.json").read_text())
+    (tmp_path / "wide_cfg_ok" / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 48}))
+    bad["shapes"] = (str(tmp_path / "wide_cfg_ok"), "has shape")
+
+    async def main():
+        engine = await started(old_dir, 2)
+        errors = {}
+        running = asyncio.ensure_future(engine.generate_full(PROMPTS[2], greedy(120), "during"))
+        for name, (path, _) in bad.items():
+            try:
+                await engine.update_weights(path, 3)
+            except WeightLoadError as e:
+                errors[name] = (str(e), engine.version)
+        during = await running
+        after = await engine.generate_full(PROMPTS[0], greedy(30), "after")
+        await engine.shutdown()
+        return errors, during, after
+
+    errors, during, after = run(main())
+    for name, (_, expected) in bad.items():
+        message, version = errors[name]
+        assert expected in message and version == 2, (name, message)
+    assert set(during.versions) == {2} and during.output_ids == hf_greedy(old_model, PROMPTS[2], 120)
+    assert set(after.versions) == {2} and after.output_ids == hf_greedy(old_model, PROMPTS[0], 30)

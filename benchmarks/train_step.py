@@ -5,21 +5,23 @@ by transformers) on the same [rows, T] token batch: one sequence of T tokens per
 followed by trained response tokens, standard PPO clipped loss at temperature 1 with the token
 mean over response tokens, global-norm clipping and AdamW. Ours runs the whole
 ``Trainer.train_on_batch`` (advantages, packing, device transfer, one optimiser update); the
-decoupled-PPO line adds the proximal log-prob forward pass. Steps are timed round-robin
-(median of ``--steps`` rounds) so that load from other processes hits every side alike. MFU
-counts model FLOPs
-(6 x matmul params + 12 x layers x T x q-dim per token, i.e. full non-causal attention
-scores, as our kernel computes them) against a measured large fp32 matmul.
+decoupled-PPO line adds the proximal log-prob forward pass. Each measurement runs in a fresh
+process (XLA's and PyTorch's idle worker threads would otherwise compete), and the sequence of
+measurements is repeated ``--repeats`` times; the table shows medians. MFU counts model FLOPs
+(6 x matmul params + 6 x layers x T x q-dim per token: causal attention, half the full score
+matrix, the usual convention) against a measured large fp32 matmul.
 
-Usage: python benchmarks/train_step.py [--rows 8 --seq 512 --steps 5]
+Usage: python benchmarks/train_step.py [--rows 8 --seq 512 --steps 5 --repeats 2]
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import statistics
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -57,7 +59,7 @@ def step_flops(cfg: ModelConfig, rows: int, seq: int) -> float:
     d, f, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     matmul_params = L * (d * (q + 2 * kv) + q * d + 3 * d * f) + d * cfg.vocab_size
-    per_token = 6 * matmul_params + 12 * L * seq * q
+    per_token = 6 * matmul_params + 6 * L * seq * q  # causal: half of 12 * L * seq * q
     return per_token * rows * seq
 
 
@@ -76,11 +78,12 @@ def make_batch(rows: int, seq: int, vocab: int, seed: int = 0) -> list[Trajector
     return groups
 
 
-def ours_step(model_dir: str, groups, rows: int, seq: int, decoupled: bool):
+def ours_step(model_dir: str, groups, rows: int, seq: int, decoupled: bool, scan_layers: bool):
     """A compiled ``Trainer.train_on_batch`` on ``groups`` as a no-argument callable."""
     loss = LossConfig() if decoupled else LossConfig(policy_loss="ppo")
     cfg = TrainerConfig(
         model_path=model_dir, lr=1e-5, ppo_n_minibatches=1, grad_clip=CLIP, loss=loss,
+        scan_layers=scan_layers,
         micro_batch=MicroBatchConfig(token_budget=rows * seq, row_buckets=(seq, rows * seq)),
         advantage=AdvantageConfig(estimator="grpo"),
     )  # fmt: skip
@@ -121,42 +124,63 @@ def torch_step(model_dir: str, groups, threads: int):
     return step
 
 
-def interleaved_medians(steps: dict, rounds: int) -> dict[str, float]:
-    """Median seconds of each callable, timed round-robin so machine load hits all alike."""
-    times = {name: [] for name in steps}
-    for _ in range(rounds):
-        for name, fn in steps.items():
-            times[name].append(_timed(fn))
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
-def time_attention(cfg: ModelConfig, rows: int, seq: int, steps: int, threads: int) -> dict:
-    """Seconds of attention forward + backward over all layers: our kernel and torch SDPA."""
-    import torch
-
-    from areal_jax.models.attention import attend, packed_causal_mask
+def jax_attention_step(cfg: ModelConfig, rows: int, seq: int):
+    """Our attention kernel's forward + backward over one layer as a callable."""
+    from areal_jax.models.attention import packed_attention
 
     rng = np.random.RandomState(0)
     q = jnp.asarray(rng.randn(rows, seq, cfg.num_heads, cfg.head_dim), jnp.float32)
     kv = jnp.asarray(rng.randn(rows, seq, cfg.num_kv_heads, cfg.head_dim), jnp.float32)
-    mask = packed_causal_mask(jnp.ones((rows, seq), jnp.int32))
-    grad = jax.jit(jax.grad(lambda q, k, v: attend(q, k, v, mask).sum(), argnums=(0, 1, 2)))
+    segments = jnp.ones((rows, seq), jnp.int32)
+    grad = jax.jit(jax.grad(lambda q, k, v: packed_attention(q, k, v, segments).sum(),
+                            argnums=(0, 1, 2)))
     jax.block_until_ready(grad(q, kv, kv))
-    ours = statistics.median(_timed(lambda: jax.block_until_ready(grad(q, kv, kv)))
-                             for _ in range(steps))  # fmt: skip
+    return lambda: jax.block_until_ready(grad(q, kv, kv))
+
+
+def torch_attention_step(cfg: ModelConfig, rows: int, seq: int, threads: int):
+    """PyTorch causal SDPA forward + backward over one layer as a callable."""
+    import torch
 
     torch.set_num_threads(threads)
-    group = cfg.num_heads // cfg.num_kv_heads
-    qt = torch.tensor(np.asarray(q)).transpose(1, 2).requires_grad_()
-    kt = torch.tensor(np.asarray(kv)).transpose(1, 2).repeat_interleave(group, 1).requires_grad_()
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(rows, cfg.num_heads, seq, cfg.head_dim, generator=gen, requires_grad=True)
+    kv = torch.randn(rows, cfg.num_heads, seq, cfg.head_dim, generator=gen, requires_grad=True)
 
-    def sdpa_step():
-        out = torch.nn.functional.scaled_dot_product_attention(qt, kt, kt, is_causal=True)
+    def step():
+        out = torch.nn.functional.scaled_dot_product_attention(q, kv, kv, is_causal=True)
         out.sum().backward()
 
-    sdpa_step()
-    theirs = statistics.median(_timed(sdpa_step) for _ in range(steps))
-    return {"jax": ours * cfg.num_layers, "torch": theirs * cfg.num_layers}
+    step()
+    return step
+
+
+def measure(kind: str, args: argparse.Namespace) -> list[float]:
+    """Seconds of ``args.steps`` steps of one kind after warm-up (FLOP/s for "peak")."""
+    if kind == "peak":
+        return [matmul_peak_flops()]
+    cfg = ModelConfig.from_hf_dict(MODEL)
+    if kind == "jax_attention":
+        step = jax_attention_step(cfg, args.rows, args.seq)
+    elif kind == "torch_attention":
+        step = torch_attention_step(cfg, args.rows, args.seq, args.torch_threads)
+    else:
+        groups = make_batch(args.rows, args.seq, cfg.vocab_size)
+        with tempfile.TemporaryDirectory() as model_dir:
+            export_hf(init_model(cfg, seed=0), model_dir)
+            if kind == "torch_ppo":
+                step = torch_step(model_dir, groups, args.torch_threads)
+            else:
+                step = ours_step(model_dir, groups, args.rows, args.seq,
+                                 decoupled=kind.startswith("jax_decoupled"),
+                                 scan_layers=not kind.endswith("_unrolled"))
+    return [_timed(step) for _ in range(args.steps)]
+
+
+def in_fresh_process(kind: str, args: argparse.Namespace) -> list[float]:
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
+        return pool.submit(measure, kind, args).result()
 
 
 def main() -> None:
@@ -164,36 +188,40 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=8)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--torch-threads", type=int, default=2)
     args = parser.parse_args()
     if args.rows % 4:
         parser.error("--rows must be a multiple of 4 (groups of 4)")
+    kinds = ("peak", "jax_ppo", "jax_ppo_unrolled", "torch_ppo", "jax_decoupled",
+             "jax_decoupled_unrolled", "jax_attention", "torch_attention")
+    samples: dict[str, list[float]] = {k: [] for k in kinds}
+    for _ in range(args.repeats):
+        for kind in kinds:
+            samples[kind] += in_fresh_process(kind, args)
+    sec = {k: statistics.median(v) for k, v in samples.items()}
+
     cfg = ModelConfig.from_hf_dict(MODEL)
-    tokens = args.rows * args.seq
-    flops = step_flops(cfg, args.rows, args.seq)
-    groups = make_batch(args.rows, args.seq, cfg.vocab_size)
-    with tempfile.TemporaryDirectory() as model_dir:
-        export_hf(init_model(cfg, seed=0), model_dir)
-        steps = {
-            "jax, PPO (this repo)": ours_step(model_dir, groups, args.rows, args.seq, False),
-            "jax, decoupled PPO + proximal forward": ours_step(
-                model_dir, groups, args.rows, args.seq, True),
-            f"torch {args.torch_threads} threads, PPO": torch_step(
-                model_dir, groups, args.torch_threads),
-        }  # fmt: skip
-        results = interleaved_medians(steps, args.steps)
-    peak = matmul_peak_flops()
+    tokens, flops = args.rows * args.seq, step_flops(cfg, args.rows, args.seq)
+    peak = max(samples["peak"])
     print(f"model: {MODEL}")
     print(f"batch: {args.rows} rows x {args.seq} tokens = {tokens} tokens/step; "
-          f"devices: {jax.devices()}")
+          f"{args.repeats} x {args.steps} timed steps per line, median")
     print(f"measured fp32 matmul peak: {peak / 1e9:.1f} GFLOP/s; "
           f"model FLOPs per step (fwd+bwd): {flops / 1e9:.1f} GFLOP")
-    print(f"{'step':42s} {'s/step':>8s} {'tokens/s':>9s} {'MFU':>6s}")
-    for name, sec in results.items():
-        print(f"{name:42s} {sec:8.3f} {tokens / sec:9.0f} {flops / sec / peak:6.1%}")
-    attention = time_attention(cfg, args.rows, args.seq, args.steps, args.torch_threads)
-    print(f"of which attention fwd+bwd, all layers: jax {attention['jax']:.3f} s, "
-          f"torch SDPA (causal) {attention['torch']:.3f} s")
+    print(f"{'step':42s} {'s/step':>8s} {'tokens/s':>9s} {'MFU':>6s} {'vs torch':>8s}")
+    names = {"jax_ppo": "jax, PPO (scan_layers: true, default)",
+             "jax_ppo_unrolled": "jax, PPO (scan_layers: false)",
+             "jax_decoupled": "jax, decoupled PPO + proximal forward",
+             "jax_decoupled_unrolled": "jax, decoupled PPO (scan_layers: false)",
+             "torch_ppo": f"torch {args.torch_threads} threads, PPO"}  # fmt: skip
+    for kind, name in names.items():
+        t = sec[kind]
+        print(f"{name:42s} {t:8.3f} {tokens / t:9.0f} {flops / t / peak:6.1%} "
+              f"{sec['torch_ppo'] / t:7.2f}x")
+    print(f"attention fwd+bwd, all {cfg.num_layers} layers: "
+          f"jax {sec['jax_attention'] * cfg.num_layers:.3f} s, "
+          f"torch SDPA (causal) {sec['torch_attention'] * cfg.num_layers:.3f} s")
 
 
 if __name__ == "__main__":

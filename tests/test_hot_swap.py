@@ -4,6 +4,7 @@ import asyncio
 import json
 import shutil
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -13,7 +14,7 @@ from rollout.config import EngineConfig
 from rollout.engine import SamplingParams, WeightLoadError
 from rollout.engines import create_engine
 
-OPTIONS = dict(num_slots=4, max_seq_len=256, decode_steps_per_call=2)
+OPTIONS = dict(num_slots=4, max_seq_len=256, prefill_buckets=[64], decode_steps_per_call=1)
 PROMPTS = [[5, 17, 3, 88, 41], list(range(20, 31)), [int(x) for x in np.arange(19) * 7 % 97]]
 
 
@@ -28,8 +29,9 @@ def models(tmp_path_factory):
 
 def hf_greedy(model, prompt, n):
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
-                             pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+        ids = torch.tensor([prompt])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                             do_sample=False, pad_token_id=0)
     return out[0, len(prompt):].tolist()
 
 
@@ -66,15 +68,26 @@ def split_by_version(ids, versions, old_version):
 def test_swap_while_paused_continues_with_new_weights(models):
     (old_model, old_dir), (new_model, new_dir) = models["old"], models["new"]
 
+    compiles = []
+
+    def on_event(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
     async def main():
         engine = await started(old_dir, 3)
-        chunks = engine.generate(PROMPTS[0], greedy(40), "r")
-        first = await chunks.__anext__()
-        await engine.pause()
-        await engine.update_weights(new_dir, 4)
-        state = (engine.version, engine.paused)
-        await engine.resume()
-        ids, versions = await collect_chunks(chunks)
+        await engine.generate_full(PROMPTS[0], greedy(40), "warm-up")  # compiles what follows
+        jax.monitoring.register_event_duration_secs_listener(on_event)
+        try:
+            chunks = engine.generate(PROMPTS[0], greedy(40), "r")
+            first = await chunks.__anext__()
+            await engine.pause()
+            await engine.update_weights(new_dir, 4)
+            state = (engine.version, engine.paused)
+            await engine.resume()
+            ids, versions = await collect_chunks(chunks)
+        finally:
+            jax.monitoring.unregister_event_duration_listener(on_event)
         after = await engine.generate_full(PROMPTS[1], greedy(12), "after")
         stats = engine.stats()
         await engine.shutdown()
@@ -82,6 +95,7 @@ def test_swap_while_paused_continues_with_new_weights(models):
 
     first, ids, versions, state, after, stats = run(main())
     assert state == (4, True)
+    assert compiles == []  # new weights reuse the compiled programs
     ids, versions = list(first.token_ids) + ids, list(first.versions) + versions
     before, cont = split_by_version(ids, versions, 3)
     assert len(ids) == 40 and set(versions) == {3, 4} and before and cont
@@ -97,14 +111,16 @@ def test_interrupting_swap_mid_generation(models):
     lengths = [240, 200, 150]
 
     async def main():
-        engine = await started(old_dir, 0, decode_steps_per_call=1)
-        streams = [engine.generate(p, greedy(n), f"r{i}") for i, (p, n) in enumerate(zip(PROMPTS, lengths))]
+        engine = await started(old_dir, 0)
+        streams = [engine.generate(p, greedy(n), f"r{i}")
+                   for i, (p, n) in enumerate(zip(PROMPTS, lengths))]
         firsts = [await s.__anext__() for s in streams]
         update = asyncio.ensure_future(engine.update_weights(new_dir, 1))
         rest = await asyncio.gather(*[collect_chunks(s) for s in streams])
         await update
         await engine.shutdown()
-        return [(list(f.token_ids) + ids, list(f.versions) + vs) for f, (ids, vs) in zip(firsts, rest)]
+        return [(list(f.token_ids) + ids, list(f.versions) + vs)
+                for f, (ids, vs) in zip(firsts, rest)]
 
     results = run(main())
     assert any(set(versions) == {0, 1} for _, versions in results)
@@ -119,7 +135,7 @@ def test_drain_swap_waits_for_running_sequences(models):
     (old_model, old_dir), (new_model, new_dir) = models["old"], models["new"]
 
     async def main():
-        engine = await started(old_dir, 0, decode_steps_per_call=1, swap_mode="drain")
+        engine = await started(old_dir, 0, swap_mode="drain")
         running = asyncio.ensure_future(engine.generate_full(PROMPTS[0], greedy(200), "long"))
         while engine.stats()["running_slots"] == 0:
             await asyncio.sleep(0.001)
@@ -152,7 +168,8 @@ def test_failed_loads_keep_serving_the_old_weights(models, tmp_path):
     (old_model, old_dir), (_, new_dir) = models["old"], models["new"]
     bad = {
         "truncated": (str(_truncated(new_dir, tmp_path / "truncated")), "truncated"),
-        "layers": (str(save_hf_model(hf_model("qwen2", seed=5, num_hidden_layers=3), tmp_path / "l3")),
+        "layers": (str(save_hf_model(hf_model("qwen2", seed=5, num_hidden_layers=3),
+                                     tmp_path / "l3")),
                    "num_layers is 3, the served model has 2"),
         "family": (str(save_hf_model(hf_model("qwen3", seed=5), tmp_path / "qwen3")),
                    "model_type is 'qwen3'"),
@@ -160,11 +177,10 @@ def test_failed_loads_keep_serving_the_old_weights(models, tmp_path):
         "config": (str(_bad_config(new_dir, tmp_path / "badcfg")), "not valid JSON"),
     }
     # A config that matches but weights of the wrong shape.
-    shutil.copytree(save_hf_model(hf_model("qwen2", seed=5, intermediate_size=64), tmp_path / "wide"),
-                    tmp_path / "wide_cfg_ok")
-    cfg = json.loads((tmp_path / "wide_cfg_ok" / "config.json").read_text())
-    (tmp_path / "wide_cfg_ok" / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 48}))
-    bad["shapes"] = (str(tmp_path / "wide_cfg_ok"), "has shape")
+    wide = save_hf_model(hf_model("qwen2", seed=5, intermediate_size=64), tmp_path / "wide")
+    cfg = json.loads((wide / "config.json").read_text())
+    (wide / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 48}))
+    bad["shapes"] = (str(wide), "has shape")
 
     async def main():
         engine = await started(old_dir, 2)
@@ -184,5 +200,6 @@ def test_failed_loads_keep_serving_the_old_weights(models, tmp_path):
     for name, (_, expected) in bad.items():
         message, version = errors[name]
         assert expected in message and version == 2, (name, message)
-    assert set(during.versions) == {2} and during.output_ids == hf_greedy(old_model, PROMPTS[2], 120)
+    assert set(during.versions) == {2}
+    assert during.output_ids == hf_greedy(old_model, PROMPTS[2], 120)
     assert set(after.versions) == {2} and after.output_ids == hf_greedy(old_model, PROMPTS[0], 30)

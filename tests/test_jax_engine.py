@@ -18,6 +18,7 @@ from areal_jax.rl.logprobs import token_logprobs
 from rollout.config import EngineConfig
 from rollout.engine import EngineError, InvalidParamError, SamplingParams
 from rollout.engines import create_engine
+from rollout.engines.jax_sampling import filter_top_k_top_p, sample, token_keys
 
 OPTIONS = dict(num_slots=4, max_seq_len=64, decode_steps_per_call=4)
 PROMPTS = [[5, 17, 3, 88, 41], list(range(20, 31)), [int(x) for x in np.arange(19) * 7 % 97]]
@@ -50,8 +51,9 @@ async def started(path, **options):
 
 def hf_greedy(model, prompt, n):
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
-                             pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+        ids = torch.tensor([prompt])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                             do_sample=False, pad_token_id=0)
     return out[0, len(prompt):].tolist()
 
 
@@ -65,6 +67,53 @@ def recompute_logprobs(path, prompt, output, temperature):
     return np.asarray(logp[0])
 
 
+def kept_by_definition(logits, top_k, top_p):
+    """Sort-based reference: top-k, then the smallest top-p nucleus of the renormalised rest."""
+    order = np.argsort(-logits)
+    k = top_k if 1 <= top_k < len(logits) else len(logits)
+    top = logits[order[:k]]
+    probs = np.exp(top - top.max()) / np.exp(top - top.max()).sum()
+    before = np.cumsum(probs) - probs
+    keep = order[:k][(before < top_p) | (top_p >= 1)]
+    return set(keep.tolist())
+
+
+def test_top_k_top_p_filter_keeps_the_defined_set():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(8, 50)).astype(np.float32) * 3
+    top_k = np.array([-1, 1, 5, 50, -1, 20, 7, 3], np.int32)
+    top_p = np.array([0.9, 1.0, 0.5, 0.99, 1e-6, 0.3, 1.0, 0.95], np.float32)
+    out = np.asarray(filter_top_k_top_p(*map(jnp.asarray, (logits, top_k, top_p))))
+    for row in range(8):
+        kept = set(np.flatnonzero(np.isfinite(out[row])).tolist())
+        assert kept == kept_by_definition(logits[row], top_k[row], top_p[row]), row
+        np.testing.assert_array_equal(out[row][list(kept)], logits[row][list(kept)])
+
+
+def test_sampled_frequencies_follow_the_filtered_distribution():
+    logits = np.array([2.0, 1.5, 1.4, 0.3, -0.5, -1.0, 0.9, 0.0], np.float32)
+    n, temperature = 10000, 0.7
+    draw = jax.jit(sample)
+    rows = lambda x, dtype: jnp.full((n,), x, dtype)  # noqa: E731
+    keys = token_keys(jnp.zeros((n, 2), jnp.uint32), jnp.arange(n, dtype=jnp.int32))
+    for top_k, top_p in [(-1, 1.0), (3, 1.0), (-1, 0.8), (4, 0.9)]:
+        tokens, logprobs = draw(jnp.tile(logits, (n, 1)), rows(temperature, jnp.float32),
+                                  rows(top_k, jnp.int32), rows(top_p, jnp.float32), keys)
+        scaled = logits / temperature
+        full = np.exp(scaled - scaled.max()) / np.exp(scaled - scaled.max()).sum()
+        kept = sorted(kept_by_definition(scaled, top_k, top_p))
+        expected = np.zeros_like(full)
+        expected[kept] = full[kept] / full[kept].sum()
+        freq = np.bincount(np.asarray(tokens), minlength=len(logits)) / n
+        np.testing.assert_allclose(freq, expected, atol=0.02)
+        np.testing.assert_allclose(logprobs, np.log(full)[np.asarray(tokens)], atol=1e-6)
+    greedy, logp = sample(jnp.asarray(logits)[None], jnp.zeros(1), jnp.full(1, -1, jnp.int32),
+                          jnp.ones(1), keys[:1])
+    assert int(greedy[0]) == 0
+    expected = float(jax.nn.log_softmax(jnp.asarray(logits))[0])
+    assert float(logp[0]) == pytest.approx(expected, abs=1e-6)
+
+
 def test_greedy_matches_transformers_alone_and_amid_other_requests(ref_model, model_dir):
     lengths = [16, 23, 9]
     expected = [hf_greedy(ref_model, p, n) for p, n in zip(PROMPTS, lengths)]
@@ -73,8 +122,8 @@ def test_greedy_matches_transformers_alone_and_amid_other_requests(ref_model, mo
         engine = await started(model_dir)
         alone = [await engine.generate_full(p, SamplingParams(n, temperature=0.0), f"a{i}")
                  for i, (p, n) in enumerate(zip(PROMPTS, lengths))]
-        company = [engine.generate_full([7] * (3 + 4 * i), SamplingParams(5 + 6 * i, seed=i), f"c{i}")
-                   for i in range(3)]
+        company = [engine.generate_full([7] * (3 + 4 * i), SamplingParams(5 + 6 * i, seed=i),
+                                        f"c{i}") for i in range(3)]
         mine = [engine.generate_full(p, SamplingParams(n, temperature=0.0), f"b{i}")
                 for i, (p, n) in enumerate(zip(PROMPTS, lengths))]
         together = await asyncio.gather(*company[:2], *mine, company[2])
@@ -89,7 +138,8 @@ def test_greedy_matches_transformers_alone_and_amid_other_requests(ref_model, mo
         assert a.versions == [0] * n
 
 
-@pytest.mark.parametrize("temperature,top_p,top_k", [(0.7, 0.8, -1), (1.3, 1.0, 12), (0.0, 1.0, -1)])
+@pytest.mark.parametrize("temperature,top_p,top_k",
+                         [(0.7, 0.8, -1), (1.3, 1.0, 12), (0.0, 1.0, -1)])
 def test_logprobs_equal_trainer_recompute(model_dir, temperature, top_p, top_k):
     params = SamplingParams(24, temperature=temperature, top_p=top_p, top_k=top_k, seed=5)
 
@@ -108,10 +158,14 @@ def test_logprobs_equal_trainer_recompute(model_dir, temperature, top_p, top_k):
 def test_top_k_one_is_greedy_and_filters_change_samples(model_dir):
     async def main():
         engine = await started(model_dir)
-        greedy = await engine.generate_full(PROMPTS[0], SamplingParams(20, temperature=0.0), "g")
-        top1 = await engine.generate_full(PROMPTS[0], SamplingParams(20, temperature=1.5, top_k=1, seed=3), "k")
-        tight = await engine.generate_full(PROMPTS[0], SamplingParams(20, temperature=1.5, top_p=1e-6, seed=4), "p")
-        free = await engine.generate_full(PROMPTS[0], SamplingParams(20, temperature=1.5, seed=3), "f")
+
+        def run_one(**kw):
+            return engine.generate_full(PROMPTS[0], SamplingParams(20, **kw), "r")
+
+        greedy = await run_one(temperature=0.0)
+        top1 = await run_one(temperature=1.5, top_k=1, seed=3)
+        tight = await run_one(temperature=1.5, top_p=1e-6, seed=4)
+        free = await run_one(temperature=1.5, seed=3)
         await engine.shutdown()
         return greedy, top1, tight, free
 
@@ -163,8 +217,8 @@ def test_seeded_sampling_does_not_depend_on_batch_company(model_dir):
         alone = await engine.generate_full(PROMPTS[1], params, "alone")
         others = [engine.generate_full(p, SamplingParams(12, temperature=1.0), f"o{i}")
                   for i, p in enumerate(PROMPTS)]
-        results = await asyncio.gather(*others[:2], engine.generate_full(PROMPTS[1], params, "busy"),
-                                       others[2])
+        busy = engine.generate_full(PROMPTS[1], params, "busy")
+        results = await asyncio.gather(*others[:2], busy, others[2])
         reseeded = await engine.generate_full(
             PROMPTS[1], SamplingParams(20, temperature=0.9, top_p=0.95, seed=99), "other")
         await engine.shutdown()
@@ -183,13 +237,15 @@ def test_no_recompiles_as_requests_come_and_go(model_dir):
             compiles.append(event)
 
     async def wave(engine, lengths, tag):
-        await asyncio.gather(*[
-            engine.generate_full(list(range(1, n + 1)), SamplingParams(3 + n % 7, temperature=0.5 * (i % 3), top_k=(i % 4) * 5 - 1, seed=i), f"{tag}{i}")
-            for i, n in enumerate(lengths)])
+        params = [SamplingParams(3 + n % 7, temperature=0.5 * (i % 3), top_k=(i % 4) * 5 - 1,
+                                 seed=i) for i, n in enumerate(lengths)]
+        await asyncio.gather(*[engine.generate_full(list(range(1, n + 1)), p, f"{tag}{i}")
+                               for i, (n, p) in enumerate(zip(lengths, params))])
 
     async def main():
         engine = await started(model_dir)
-        await wave(engine, [3, 20, 50], "warm")  # one prompt per bucket (16, 32, 64)
+        for n in (3, 20, 50):  # alone, so each bucket (16, 32, 64) is used by prefill and decode
+            await wave(engine, [n], f"warm{n}")
         jax.monitoring.register_event_duration_secs_listener(on_event)
         try:
             await wave(engine, [1, 9, 15, 17, 31, 33, 40, 56, 2, 12], "w")
@@ -230,9 +286,11 @@ def test_pause_holds_tokens_until_resume(model_dir):
 
 def test_shutdown_aborts_in_flight_requests(model_dir):
     async def main():
-        engine = await started(model_dir, max_seq_len=256, decode_steps_per_call=1)
-        reference = await engine.generate_full(PROMPTS[0], SamplingParams(240, temperature=0.0), "ref")
-        chunks = engine.generate(PROMPTS[0], SamplingParams(240, temperature=0.0), "r")
+        engine = await started(model_dir, max_seq_len=256, prefill_buckets=[256],
+                               decode_steps_per_call=1)
+        long = SamplingParams(240, temperature=0.0)
+        reference = await engine.generate_full(PROMPTS[0], long, "ref")
+        chunks = engine.generate(PROMPTS[0], long, "r")
         got = [await chunks.__anext__()]
         await engine.pause()
         queued = asyncio.ensure_future(engine.generate_full(PROMPTS[1], GREEDY, "q"))
@@ -252,8 +310,10 @@ def test_shutdown_aborts_in_flight_requests(model_dir):
 
 def test_closing_the_stream_frees_the_slot(model_dir):
     async def main():
-        engine = await started(model_dir, num_slots=1, decode_steps_per_call=1)
-        async with contextlib.aclosing(engine.generate(PROMPTS[0], SamplingParams(50, temperature=0.0), "a")) as chunks:
+        engine = await started(model_dir, num_slots=1, prefill_buckets=[64],
+                               decode_steps_per_call=1)
+        stream = engine.generate(PROMPTS[0], SamplingParams(50, temperature=0.0), "a")
+        async with contextlib.aclosing(stream) as chunks:
             await chunks.__anext__()
         done = await asyncio.wait_for(engine.generate_full(PROMPTS[1], GREEDY, "b"), timeout=60)
         stats = engine.stats()
@@ -300,7 +360,8 @@ def test_bad_options_name_the_key(model_dir, options, key):
 def test_option_defaults(model_dir):
     engine = create_engine(EngineConfig(kind="jax", model_path=model_dir))
     o = engine.options
-    assert (o.num_slots, o.decode_steps_per_call, o.swap_mode, o.dtype) == (8, 8, "interrupt", "float32")
+    assert (o.num_slots, o.decode_steps_per_call) == (8, 8)
+    assert (o.swap_mode, o.dtype, o.seed) == ("interrupt", "float32", 0)
     assert o.max_seq_len == engine.max_context_len == 256  # the model's max positions
     assert o.prefill_buckets == [16, 32, 64, 128, 256]
     assert engine.vocab_size == 97

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from areal_jax.models import KVCache, load_hf_model
+from areal_jax.models.attention import cached_attention, packed_attention
 
 from _hf_models import hf_logits, hf_model, save_hf_model
 
@@ -73,3 +74,59 @@ def test_cached_decoding_matches_full_forward(tmp_path):
         step = np.asarray(model.logits(hidden))[:, 0]
         np.testing.assert_allclose(step, full[np.arange(2), cur], atol=1e-5, rtol=0)
         cur += 1
+
+
+def _reference_attention(q, k, v, mask):
+    """NumPy GQA softmax attention: q [B, T, Hq, D], k/v [B, S, Hkv, D], mask [B, T, S]."""
+    group = q.shape[2] // k.shape[2]
+    k, v = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
+    scores = np.einsum("bthd,bshd->bhts", q, k) / np.sqrt(q.shape[-1])
+    scores = np.where(mask[:, None], scores, -1e30)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    return np.einsum("bhts,bshd->bthd", probs, v)
+
+
+def test_block_packed_attention_equals_dense_reference():
+    """Blocks of 8 over rows of 40 (not a multiple), segments crossing block boundaries."""
+    rng = np.random.RandomState(3)
+    q = rng.normal(size=(2, 40, 4, 8)).astype(np.float32)
+    k, v = (rng.normal(size=(2, 40, 2, 8)).astype(np.float32) for _ in range(2))
+    seg = np.zeros((2, 40), np.int32)
+    seg[0, :13], seg[0, 13:30], seg[0, 30:37] = 1, 2, 3  # 37..39 padding
+    seg[1, :40] = 1
+    idx = np.arange(40)
+    mask = (seg[:, :, None] == seg[:, None, :]) & (seg != 0)[:, :, None] & (idx[:, None] >= idx)
+    expected = _reference_attention(q, k, v, mask)
+    for block in (8, 40, None):
+        got = np.asarray(packed_attention(*map(jnp.asarray, (q, k, v, seg)), block=block))
+        np.testing.assert_allclose(got[seg != 0], expected[seg != 0], atol=1e-5, rtol=0)
+        assert np.isfinite(got).all()
+
+
+def test_cached_attention_ignores_stale_entries_from_first_write_on():
+    """Row 0 decodes at position 5 over 5 valid entries; row 1 re-prefills positions 0..2 over
+    a cache full of stale entries, which must all be ignored."""
+    rng = np.random.RandomState(4)
+    q = rng.normal(size=(2, 3, 4, 8)).astype(np.float32)
+    k, v = (rng.normal(size=(2, 3, 2, 8)).astype(np.float32) for _ in range(2))
+    ck, cv = (rng.normal(size=(2, 2, 16, 8)).astype(np.float32) for _ in range(2))
+    seg = np.array([[1, 0, 0], [1, 1, 1]], np.int32)
+    pos = np.array([[5, 6, 7], [0, 1, 2]], np.int32)
+    got = np.asarray(cached_attention(*map(jnp.asarray, (q, k, v, ck, cv, seg, pos))))
+    old_k, old_v = np.swapaxes(ck, 1, 2), np.swapaxes(cv, 1, 2)
+    row0 = _reference_attention(q[:1, :1], np.concatenate([old_k[:1, :5], k[:1, :1]], 1),
+                                np.concatenate([old_v[:1, :5], v[:1, :1]], 1),
+                                np.ones((1, 1, 6), bool))
+    np.testing.assert_allclose(got[0, 0], row0[0, 0], atol=1e-5, rtol=0)
+    row1 = _reference_attention(q[1:], k[1:], v[1:], np.tril(np.ones((3, 3), bool))[None])
+    np.testing.assert_allclose(got[1], row1[0], atol=1e-5, rtol=0)
+
+
+def test_unrolled_layers_equal_scanned_layers(tmp_path):
+    path = save_hf_model(hf_model("llama", seed=6), tmp_path)
+    scanned, _ = load_hf_model(path)
+    unrolled, _ = load_hf_model(path, scan_layers=False)
+    tokens = np.random.RandomState(5).randint(0, 97, size=(2, 24))
+    np.testing.assert_allclose(_forward(unrolled, tokens), _forward(scanned, tokens),
+                               atol=1e-5, rtol=0)

@@ -153,6 +153,7 @@ def load_hf_model(
     *,
     dtype=jnp.float32,
     remat: RematPolicy = "none",
+    scan_layers: bool = True,
     rules=None,
     cfg: ModelConfig | None = None,
 ) -> tuple[Transformer, dict[str, np.dtype]]:
@@ -164,7 +165,7 @@ def load_hf_model(
     """
     cfg = cfg or ModelConfig.from_pretrained(path)
     files = WeightFiles(path)
-    abstract = abstract_model(cfg, dtype, remat)
+    abstract = abstract_model(cfg, dtype, remat, scan_layers)
     graphdef, abstract_state = nnx.split(abstract)
     if mesh is None:
         mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))

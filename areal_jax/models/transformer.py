@@ -1,14 +1,19 @@
 """Decoder-only transformer (Qwen2 / Qwen3 / Llama 3) in Flax NNX, used by trainer and engine.
 
 Layer weights are stacked along a leading ``layers`` axis and applied with ``jax.lax.scan``,
-so compile time does not grow with depth. Every parameter carries ``logical_axes`` metadata
-that ``areal_jax.parallel.sharding`` maps to mesh axes.
+so compile time does not grow with depth. ``scan_layers=False`` unrolls that loop in the packed
+forward: XLA then runs training steps faster (no stacked per-layer residual buffers to fill),
+but compile time grows with depth. Cached decoding always scans (unrolled, XLA copies each
+layer's weight and cache slices and a step ran twice as slow). Every parameter carries
+``logical_axes`` metadata that ``areal_jax.parallel.sharding`` maps to mesh axes.
 
 Two call modes share one definition:
 - packed training: ``model(tokens, segment_ids, positions)``; attention stays inside segments;
-- cached decoding: ``model(tokens, segment_ids, positions, cache=KVCache)``; new keys/values
-  are written at ``positions`` of each row's cache and queries attend to cache entries
-  ``0..position``. Tokens with segment id 0 are padding and write nothing.
+- cached decoding: ``model(tokens, segment_ids, positions, cache=KVCache)``; queries attend to
+  the cache entries before the call's first position plus the call's own keys, and the new
+  keys/values are then written at ``positions`` of each row's cache in one scatter after all
+  layers (the layer scan only reads the cache and never re-stacks it). Tokens with
+  segment id 0 are padding and write nothing.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from areal_jax.models.attention import attend, cache_mask, packed_causal_mask
+from areal_jax.models.attention import cached_attention, packed_attention
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.rope import apply_rope, inverse_frequencies
 
@@ -30,14 +35,16 @@ RematPolicy = Literal["none", "full", "dots"]
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
-    """Per-layer keys and values, [L, B, S, Hkv, Dh] each; B is the number of decode slots."""
+    """Per-layer keys and values, [L, B, Hkv, S, Dh] each; B is the number of decode slots.
+
+    Heads before positions, so attention reads each head's keys contiguously."""
 
     k: jax.Array
     v: jax.Array
 
     @classmethod
     def zeros(cls, cfg: ModelConfig, batch: int, length: int, dtype=jnp.float32) -> "KVCache":
-        shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.head_dim)
+        shape = (cfg.num_layers, batch, cfg.num_kv_heads, length, cfg.head_dim)
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
 
@@ -86,6 +93,18 @@ class LayerStack(nnx.Module):
         return {k: v[...] for k, v in vars(self).items() if isinstance(v, nnx.Param)}
 
 
+def _write(cache: KVCache, ks, vs, segment_ids, positions) -> KVCache:
+    """The cache with new keys/values ks/vs [L, B, T, Hkv, Dh] stored at ``positions`` [B, T]."""
+    # Padding tokens write to an out-of-range index, which the scatter drops.
+    where = jnp.where(segment_ids != 0, positions, cache.k.shape[3])
+    rows = jnp.arange(where.shape[0])[:, None]
+
+    def put(c, new):  # indexed as [B, T, L, Hkv, Dh]
+        return c.at[:, rows, :, where].set(jnp.moveaxis(new, 0, 2).astype(c.dtype), mode="drop")
+
+    return KVCache(put(cache.k, ks), put(cache.v, vs))
+
+
 class Transformer(nnx.Module):
     """Causal language model; see the module docstring for the two call modes."""
 
@@ -96,10 +115,12 @@ class Transformer(nnx.Module):
         rngs: nnx.Rngs,
         dtype: jnp.dtype = jnp.float32,
         remat: RematPolicy = "none",
+        scan_layers: bool = True,
     ):
         self.cfg = cfg
         self.dtype = dtype
         self.remat = remat
+        self.scan_layers = scan_layers
         self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), "normal")
         self.layers = LayerStack(cfg, rngs)
         self.final_norm = _param(rngs, (cfg.hidden_size,), ("norm",), "ones")
@@ -126,12 +147,6 @@ class Transformer(nnx.Module):
         """tokens/segment_ids/positions [B, T] -> (final-normed hidden [B, T, D], updated cache)."""
         cfg, dtype = self.cfg, self.dtype
         x = self.embed[...].astype(dtype)[tokens]
-        if cache is None:
-            mask = packed_causal_mask(segment_ids)
-        else:
-            mask = cache_mask(positions, cache.k.shape[2])
-            # Padding tokens write to an out-of-range index, which scatter drops.
-            write_pos = jnp.where(segment_ids != 0, positions, cache.k.shape[2])
         inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
 
         def layer(x, w, cache_k=None, cache_v=None):
@@ -148,18 +163,15 @@ class Transformer(nnx.Module):
             q = apply_rope(q, positions, inv_freq)
             k = apply_rope(k, positions, inv_freq)
             if cache_k is None:
-                attn = attend(q, k, v, mask)
+                attn = packed_attention(q, k, v, segment_ids)
             else:
-                rows = jnp.arange(tokens.shape[0])[:, None]
-                cache_k = cache_k.at[rows, write_pos].set(k.astype(cache_k.dtype), mode="drop")
-                cache_v = cache_v.at[rows, write_pos].set(v.astype(cache_v.dtype), mode="drop")
-                attn = attend(q, cache_k.astype(dtype), cache_v.astype(dtype), mask)
+                attn = cached_attention(q, k, v, cache_k, cache_v, segment_ids, positions)
             x = x + jnp.einsum("bthk,hkd->btd", attn, cast(w["o_kernel"]))
             h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
             gate = jnp.einsum("btd,df->btf", h, cast(w["gate_kernel"]))
             up = jnp.einsum("btd,df->btf", h, cast(w["up_kernel"]))
             x = x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, cast(w["down_kernel"]))
-            return x, cache_k, cache_v
+            return x, k, v
 
         if self.remat == "full":
             layer = jax.checkpoint(layer)
@@ -174,16 +186,16 @@ class Transformer(nnx.Module):
                 x, _, _ = layer(x, w)
                 return x, None
 
-            x, _ = jax.lax.scan(step, x, weights)
+            x, _ = jax.lax.scan(step, x, weights, unroll=not self.scan_layers)
             new_cache = None
         else:
             def step(x, xs):
                 w, ck, cv = xs
-                x, ck, cv = layer(x, w, ck, cv)
-                return x, (ck, cv)
+                x, k, v = layer(x, w, ck, cv)
+                return x, (k, v)
 
             x, (ks, vs) = jax.lax.scan(step, x, (weights, cache.k, cache.v))
-            new_cache = KVCache(ks, vs)
+            new_cache = _write(cache, ks, vs, segment_ids, positions)
         return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), new_cache
 
     def forward_logits(self, tokens, segment_ids, positions) -> jax.Array:

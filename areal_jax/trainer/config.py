@@ -25,6 +25,7 @@ class TrainerConfig:
     run_dir: str | None = None
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype; parameters stay fp32
     remat: Literal["none", "full", "dots"] = "none"
+    scan_layers: bool = True  # False unrolls the layer loop: faster steps, longer compiles
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     seed: int = 0
 

@@ -233,11 +233,12 @@ class Trainer:
             if cfg.model_path is None:
                 raise ConfigError("model_path is required when no model is passed")
             loaded, source_dtypes = load_hf_model(
-                cfg.model_path, self.mesh, dtype=dtype, remat=cfg.remat
+                cfg.model_path, self.mesh, dtype=dtype, remat=cfg.remat,
+                scan_layers=cfg.scan_layers,
             )
             graphdef, params = nnx.split(loaded)
             return graphdef, params, source_dtypes
-        graphdef, abstract = nnx.split(abstract_model(model.cfg, dtype, cfg.remat))
+        graphdef, abstract = nnx.split(abstract_model(model.cfg, dtype, cfg.remat, cfg.scan_layers))
         shardings = model_shardings(abstract, self.mesh)
         params = jax.device_put(nnx.state(model, nnx.Param), shardings, may_alias=False)
         return graphdef, params, {}

@@ -1,8 +1,9 @@
 """The engine's two device programs: prefill one slot, and run several decode steps for all.
 
 Both are pure jitted functions of (params, KV cache, per-slot arrays) with static shapes, so
-requests coming and going never recompile anything: ``prefill`` compiles once per prompt bucket,
-``decode`` once. The cache is donated to both and updated in place.
+requests coming and going never recompile anything: ``prefill`` compiles once per prompt bucket
+and ``decode`` once per attention window (the same buckets), since both read only as much of the
+cache as the longest sequence needs. The cache is donated to both and updated in place.
 
 Each emitted token comes with a status code: ``RUNNING`` (the sequence goes on), ``STOP`` (a
 stop id was sampled), ``LENGTH`` (its last allowed token) or ``IDLE`` (the slot produced
@@ -63,22 +64,25 @@ def prefill(
 ):
     """Write a context into one slot's cache and sample the token after it.
 
-    tokens [1, T] (the context padded to a bucket T); length: real context length; slot: which
-    row of the cache [L, B, S, Hkv, Dh] and of stop_mask [B, V] to fill; request: that slot's
-    sampling fields with leading dim 1 (``tokens``/``positions``/``active`` unused);
-    stop_row [V] bool. Returns (cache, stop_mask, token [1], logprob [1], status [1]).
+    tokens [1, T] (the context padded to a bucket T <= S); length: real context length; slot:
+    which row of the cache [L, B, Hkv, S, Dh] and of stop_mask [B, V] to fill; request: that
+    slot's sampling fields with leading dim 1 (``tokens``/``positions``/``active`` unused);
+    stop_row [V] bool. Only the first T cache entries of the row are read or written.
+    Returns (cache, stop_mask, token [1], logprob [1], status [1]).
     """
     model = nnx.merge(graphdef, params)
-    row = KVCache(
-        jax.lax.dynamic_slice_in_dim(cache.k, slot, 1, axis=1),
-        jax.lax.dynamic_slice_in_dim(cache.v, slot, 1, axis=1),
-    )
-    positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+    t = tokens.shape[1]
+    corner = (0, slot, 0, 0, 0)
+
+    def window(c):  # [L, 1, Hkv, T, Dh]: the slot's first T entries
+        return jax.lax.dynamic_slice(c, corner, (c.shape[0], 1, c.shape[2], t, c.shape[4]))
+
+    positions = jnp.arange(t, dtype=jnp.int32)[None]
     segments = (positions < length).astype(jnp.int32)
-    hidden, row = model(tokens, segments, positions, row)
+    hidden, row = model(tokens, segments, positions, KVCache(window(cache.k), window(cache.v)))
     cache = KVCache(
-        jax.lax.dynamic_update_slice_in_dim(cache.k, row.k, slot, axis=1),
-        jax.lax.dynamic_update_slice_in_dim(cache.v, row.v, slot, axis=1),
+        jax.lax.dynamic_update_slice(cache.k, row.k, corner),
+        jax.lax.dynamic_update_slice(cache.v, row.v, corner),
     )
     logits = model.logits(jax.lax.dynamic_index_in_dim(hidden[0], length - 1, keepdims=True))
     keys = token_keys(request.seeds, jnp.reshape(length, (1,)))
@@ -87,10 +91,13 @@ def prefill(
     return cache, stop_mask, token, logprob, _status(token, request.remaining, stop_row[None])
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "steps"), donate_argnames="cache")
+@functools.partial(
+    jax.jit, static_argnames=("graphdef", "steps", "window"), donate_argnames="cache"
+)
 def decode(
     graphdef: nnx.GraphDef,
     steps: int,
+    window: int,
     params: nnx.State,
     cache: KVCache,
     stop_mask: jax.Array,
@@ -98,10 +105,14 @@ def decode(
 ):
     """Run ``steps`` decode steps for every active slot; finished slots stop writing.
 
-    Returns (cache, slots after the last step, tokens [steps, B] int32, logprobs [steps, B]
-    float32, status [steps, B] int8). Steps after every slot finished are skipped.
+    Attention reads only the first ``window`` cache entries, so every position this call
+    writes must be below it: ``window >= max(active positions) + steps`` (or = S). Returns
+    (cache, slots after the last step, tokens [steps, B] int32, logprobs [steps, B] float32,
+    status [steps, B] int8). Steps after every slot finished are skipped.
     """
     model = nnx.merge(graphdef, params)
+    full = cache
+    cache = KVCache(full.k[:, :, :, :window], full.v[:, :, :, :window])
 
     def step(cache, s: SlotArrays):
         hidden, cache = model(
@@ -130,4 +141,7 @@ def decode(
         return (cache, s), (token, logprob, status)
 
     (cache, slots), (tokens, logprobs, status) = jax.lax.scan(body, (cache, slots), length=steps)
+    cache = KVCache(
+        full.k.at[:, :, :, :window].set(cache.k), full.v.at[:, :, :, :window].set(cache.v)
+    )
     return cache, slots, tokens, logprobs, status

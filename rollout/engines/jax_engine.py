@@ -107,7 +107,9 @@ class JaxEngine(GenerationEngine):
         self.options = options.resolved(cfg)
         # Token ids play no part in the computation; without them the compiled programs are
         # shared by checkpoints that differ only there (and the config stays hashable).
-        self._cfg = dataclasses.replace(cfg, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+        self._cfg = dataclasses.replace(
+            cfg, bos_token_id=None, eos_token_id=None, pad_token_id=None
+        )
         self._model_path = model_path
         self._initial_version = version
         self._dtype = jnp.dtype(self.options.dtype)

@@ -8,7 +8,7 @@ Conventions:
   full vocabulary, taken before top-k/top-p filtering; greedy rows (temperature 0) report
   ``log_softmax(logits)``. The trainer recomputes exactly this.
 - Top-k is applied first, then top-p on the top-k distribution renormalised (as SGLang and
-  vLLM do). Tokens tied with the last kept logit are kept too.
+  vLLM do). Tokens tied with the last kept one are kept too.
 - The random key of a token depends only on the request's seed and the token's position in
   the sequence, so a seeded request samples the same tokens whatever else shares the batch.
 """
@@ -28,7 +28,7 @@ def seed_words(seed: int) -> tuple[int, int]:
 
 
 def token_keys(seeds: jax.Array, positions: jax.Array) -> jax.Array:
-    """Random keys [B] for the tokens at ``positions`` [B] of requests seeded by ``seeds`` [B, 2]."""
+    """Random keys [B] for the tokens at ``positions`` [B] of requests seeded ``seeds`` [B, 2]."""
 
     def one(words, position):
         key = jax.random.fold_in(jax.random.key(0), words[0])
@@ -38,23 +38,52 @@ def token_keys(seeds: jax.Array, positions: jax.Array) -> jax.Array:
     return jax.vmap(one)(seeds, positions)
 
 
+def _float_order(x: jax.Array) -> jax.Array:
+    """int32 keys ordered as the float32 values ``x`` are (so floats can be bisected as ints)."""
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+    return jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+def _lowest_passing(passes, lo: jax.Array, hi: jax.Array) -> jax.Array:
+    """Per row, the smallest int32 ``t`` in [lo, hi] with ``passes(t)`` [B] true.
+
+    ``passes`` must be monotone in ``t`` and true at ``hi``; 32 halvings cover any int32 range.
+    """
+
+    def halve(_, bounds):
+        lo, hi = bounds
+        mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # floor((lo + hi) / 2) without overflow
+        ok = passes(mid)
+        return jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
+
+    return jax.lax.fori_loop(0, 32, halve, (lo, hi))[1]
+
+
 def filter_top_k_top_p(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     """Set logits outside each row's top-k / top-p set to -inf.
 
     scaled [B, V] temperature-scaled logits; top_k [B] int (< 1 or >= V keeps all);
-    top_p [B] float in (0, 1]. Returns [B, V].
+    top_p [B] float in (0, 1]. Returns [B, V]. A token is in the top-k if fewer than k tokens
+    have a larger logit; it is in the top-p set if the tokens more likely than it hold less
+    than ``top_p`` of the top-k distribution. Both thresholds are found by bisection over the
+    float bit patterns (64 passes over the row, no sort).
     """
     vocab = scaled.shape[-1]
-    ranks = jnp.arange(vocab)
     k = jnp.where((top_k >= 1) & (top_k < vocab), top_k, vocab)
-    descending = jnp.flip(jnp.sort(scaled, axis=-1), axis=-1)
-    in_top_k = ranks[None, :] < k[:, None]
-    probs = jax.nn.softmax(jnp.where(in_top_k, descending, _MASKED), axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep = in_top_k & (mass_before < top_p[:, None])  # a prefix of the ranks; rank 0 always
-    last_kept = jnp.sum(keep, axis=-1) - 1
-    threshold = jnp.take_along_axis(descending, last_kept[:, None], axis=-1)
-    return jnp.where(scaled >= threshold, scaled, _MASKED)
+    order = _float_order(scaled)
+    kth = _lowest_passing(
+        lambda t: jnp.sum(order > t[:, None], axis=-1) < k, order.min(-1), order.max(-1)
+    )
+    in_top_k = order >= kth[:, None]
+    probs = jax.nn.softmax(jnp.where(in_top_k, scaled, _MASKED), axis=-1)
+    p_order = jax.lax.bitcast_convert_type(probs, jnp.int32)  # probs >= 0: bits are ordered
+    cut = _lowest_passing(
+        lambda t: jnp.sum(jnp.where(p_order > t[:, None], probs, 0.0), axis=-1) < top_p,
+        jnp.zeros_like(kth),
+        p_order.max(-1),
+    )
+    keep = in_top_k & ((top_p >= 1)[:, None] | (p_order >= cut[:, None]))
+    return jnp.where(keep, scaled, _MASKED)
 
 
 def sample(
@@ -75,12 +104,16 @@ def sample(
     logp_all = jax.nn.log_softmax(scaled, axis=-1)
     vocab = logits.shape[-1]
     filtering = ~greedy & (((top_k >= 1) & (top_k < vocab)) | (top_p < 1))
-    candidates = jax.lax.cond(
-        jnp.any(filtering),
-        lambda: filter_top_k_top_p(scaled, top_k, top_p),
-        lambda: scaled,
-    )
-    drawn = jax.vmap(jax.random.categorical)(keys, candidates)
-    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
+
+    def draw():
+        candidates = jax.lax.cond(
+            jnp.any(filtering), lambda: filter_top_k_top_p(scaled, top_k, top_p), lambda: scaled
+        )
+        return jax.vmap(jax.random.categorical)(keys, candidates).astype(jnp.int32)
+
+    # Filtering and drawing cost several passes over the vocabulary: skipped when no row needs
+    # them.
+    drawn = jax.lax.cond(jnp.all(greedy), lambda: jnp.zeros_like(temperature, jnp.int32), draw)
+    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1).astype(jnp.int32), drawn)
     logprobs = jnp.take_along_axis(logp_all, tokens[:, None], axis=-1)[:, 0]
     return tokens, logprobs

@@ -4,8 +4,9 @@ The worker owns everything on the device (parameters, KV cache, stop masks) and 
 thread that calls the device programs, so the event loop never blocks on device work. It loops:
 run control commands, drop cancelled requests, swap weights when due, prefill queued requests
 into free slots (one call each, padded to a bucket), re-prefill slots whose cache a swap
-invalidated, then run one decode call of several steps for all slots. Chunks go back to each
-request through its ``deliver`` callback.
+invalidated, then run one decode call of several steps for all slots, attending over the
+smallest bucket of cache entries that holds every sequence. Chunks go back to each request
+through its ``deliver`` callback.
 
 Weight swap: new parameters arrive already loaded on the device. In ``interrupt`` mode they
 replace the old ones at once; every running sequence is then re-prefilled (prompt + tokens so
@@ -26,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from areal_jax.models import KVCache, ModelConfig
 from rollout.engine import EngineError, GenerationChunk
@@ -60,8 +62,11 @@ class DecodeWorker:
         self._graphdef, self._params = graphdef, params
         self._buckets = sorted(prefill_buckets)
         self._steps, self._swap_mode = decode_steps, swap_mode
-        self._cache = KVCache.zeros(cfg, num_slots, max_seq_len, dtype)
-        self._stop_mask = jnp.zeros((num_slots, cfg.vocab_size), bool)
+        # Placed like the parameters, as the programs' outputs are: inputs keep one sharding
+        # from the first call on, so nothing compiles twice.
+        placement = NamedSharding(jax.tree.leaves(params)[0].sharding.mesh, PartitionSpec())
+        self._cache = jax.device_put(KVCache.zeros(cfg, num_slots, max_seq_len, dtype), placement)
+        self._stop_mask = jax.device_put(jnp.zeros((num_slots, cfg.vocab_size), bool), placement)
         self._slots = SlotTable(num_slots)
         self._pending: collections.deque[Sequence] = collections.deque()
         self._commands: collections.deque[tuple[Callable[[Future], None], Future]] = (
@@ -232,9 +237,11 @@ class DecodeWorker:
         self._send(seq, chunk)
 
     def _decode(self) -> None:
+        a = self._slots.arrays
+        reach = int(a.positions[a.active].max()) + self._steps
+        window = next((b for b in self._buckets if b >= reach), self._buckets[-1])
         self._cache, new, tokens, logprobs, status = jax_decode.decode(
-            self._graphdef, self._steps, self._params, self._cache, self._stop_mask,
-            self._slots.arrays,
+            self._graphdef, self._steps, window, self._params, self._cache, self._stop_mask, a
         )
         new, tokens, logprobs, status = jax.device_get((new, tokens, logprobs, status))
         self.decode_calls += 1

@@ -108,3 +108,20 @@ class ExperimentConfig:
     trainer_cpus: list[int] | None = None  # pin the trainer process to these CPUs
     distributed: bool = False  # multi-host trainer: call jax.distributed.initialize() first
     seed: int = 0
+
+    def __post_init__(self):
+        # The trainer recomputes log-probs at its temperature; a mismatch would silently train
+        # against a different policy than the one that sampled.
+        # Greedy sampling (temperature 0) reports log-probs at temperature 1.
+        sampled_at = self.sampling.temperature or 1.0
+        if self.trainer.temperature != sampled_at:
+            raise ConfigError(
+                f"trainer.temperature ({self.trainer.temperature:g}) must equal "
+                f"sampling.temperature ({sampled_at:g})"
+            )
+        budget = self.trainer.max_new_tokens
+        if budget is not None and budget != self.sampling.max_new_tokens:
+            raise ConfigError(
+                f"trainer.max_new_tokens ({budget}) must equal sampling.max_new_tokens "
+                f"({self.sampling.max_new_tokens}) or be left unset"
+            )

@@ -1,9 +1,12 @@
 """Train-step throughput: our jitted JAX step against a PyTorch step of the same model.
 
 Both sides train the same weights (our random init, exported to Hugging Face format and loaded
-by transformers) on the same [rows, T] token batch: one sequence of T tokens per row, a prompt
-followed by trained response tokens, standard PPO clipped loss at temperature 1 with the token
-mean over response tokens, global-norm clipping and AdamW. Ours runs the whole
+by transformers) on the same sequences (a prompt followed by trained response tokens), with the
+standard PPO clipped loss at temperature 1, the token mean over response tokens, global-norm
+clipping and AdamW. ``--lengths fixed`` (default): one sequence of exactly T tokens per row, the
+same [rows, T] batch on both sides. ``--lengths rl``: long-tailed response lengths, as RL
+samples have; we pack them into rows of T, PyTorch runs them padded to the longest (transformers
+has no variable-length attention on CPU). Ours runs the whole
 ``Trainer.train_on_batch`` (advantages, packing, device transfer, one optimiser update); the
 decoupled-PPO line adds the proximal log-prob forward pass. Each measurement runs in a fresh
 process (XLA's and PyTorch's idle worker threads would otherwise compete), and the sequence of
@@ -11,7 +14,7 @@ measurements is repeated ``--repeats`` times; the table shows medians. MFU count
 (6 x matmul params + 6 x layers x T x q-dim per token: causal attention, half the full score
 matrix, the usual convention) against a measured large fp32 matmul.
 
-Usage: python benchmarks/train_step.py [--rows 8 --seq 512 --steps 5 --repeats 2]
+Usage: python benchmarks/train_step.py [--rows 8 --seq 512 --steps 5 --repeats 2 --lengths fixed]
 """
 
 from __future__ import annotations
@@ -54,23 +57,37 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def step_flops(cfg: ModelConfig, rows: int, seq: int) -> float:
-    """Model FLOPs of one forward + backward over rows x seq tokens."""
+def step_flops(cfg: ModelConfig, groups: list[TrajectoryGroup]) -> float:
+    """Model FLOPs of one forward + backward over the batch's real (unpadded) sequences."""
     d, f, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     matmul_params = L * (d * (q + 2 * kv) + q * d + 3 * d * f) + d * cfg.vocab_size
-    per_token = 6 * matmul_params + 6 * L * seq * q  # causal: half of 12 * L * seq * q
-    return per_token * rows * seq
+    total = 0.0
+    for t in (t for g in groups for t in g.trajectories):
+        n = len(t.prompt_ids) + len(t.output_ids)
+        total += (6 * matmul_params + 6 * L * n * q) * n  # causal: half of 12 * L * n * q
+    return total
 
 
-def make_batch(rows: int, seq: int, vocab: int, seed: int = 0) -> list[TrajectoryGroup]:
-    """``rows`` trajectories of exactly ``seq`` tokens in groups of 4, rewards 0..3."""
+def make_batch(rows: int, seq: int, vocab: int, lengths: str = "fixed",
+               seed: int = 0) -> list[TrajectoryGroup]:
+    """Groups of 4 trajectories (rewards 0..3), a ``PROMPT``-token prompt each.
+
+    ``fixed``: ``rows`` trajectories of exactly ``seq`` tokens. ``rl``: response lengths
+    log-uniform from 16 to ``seq - PROMPT`` (long-tailed, as RL samples are), as many groups as
+    fill about 90% of ``rows x seq`` tokens.
+    """
     rng = np.random.RandomState(seed)
-    groups = []
-    for g in range(rows // 4):
+    groups, total = [], 0
+    while (len(groups) < rows // 4) if lengths == "fixed" else (total < 0.9 * rows * seq):
+        g = len(groups)
         trajs = []
         for k in range(4):
-            out = rng.randint(0, vocab, size=seq - PROMPT)
+            n = seq - PROMPT
+            if lengths == "rl":
+                n = int(np.exp(rng.uniform(np.log(16), np.log(seq - PROMPT))))
+            total += PROMPT + n
+            out = rng.randint(0, vocab, size=n)
             trajs.append(Trajectory(rng.randint(0, vocab, size=PROMPT), out,
                                     np.full(len(out), -np.log(vocab)) + 0.1 * rng.randn(len(out)),
                                     np.zeros(len(out)), reward=float(k)))
@@ -104,17 +121,26 @@ def torch_step(model_dir: str, groups, threads: int):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.01)
     trajs = [t for g in groups for t in g.trajectories]
     adv = trajectory_advantages(groups, AdvantageConfig())
-    tokens = torch.tensor(np.stack([np.concatenate([t.prompt_ids, t.output_ids]) for t in trajs]),
-                          dtype=torch.long)
-    behav = torch.tensor(np.stack([t.behav_logprobs for t in trajs]))
-    advantages = torch.tensor(np.stack(adv))
+    # One padded [N, longest] batch (what a PyTorch CPU user without varlen kernels runs).
+    width = max(len(t.output_ids) for t in trajs)
+
+    def padded(rows, dtype, prefix=0):
+        rows = [np.pad(r, (0, prefix + width - len(r))) for r in rows]
+        return torch.tensor(np.stack(rows), dtype=dtype)
+
+    tokens = padded([np.concatenate([t.prompt_ids, t.output_ids]) for t in trajs], torch.long,
+                    prefix=PROMPT)
+    mask = padded([np.ones(len(t.output_ids)) for t in trajs], torch.float32)
+    attention_mask = torch.nn.functional.pad(mask.long(), (PROMPT, 0), value=1)
+    behav = padded([t.behav_logprobs for t in trajs], torch.float32)
+    advantages = padded(adv, torch.float32)
 
     def step():
-        logits = model(tokens).logits[:, PROMPT - 1 : -1].float()
+        logits = model(tokens, attention_mask=attention_mask).logits[:, PROMPT - 1 : -1].float()
         logp = torch.log_softmax(logits, -1).gather(-1, tokens[:, PROMPT:, None])[..., 0]
         ratio = torch.exp(logp - behav)
         surrogate = torch.minimum(ratio * advantages, ratio.clamp(0.8, 1.2) * advantages)
-        loss = -surrogate.mean()
+        loss = -(surrogate * mask).sum() / mask.sum()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
@@ -165,7 +191,7 @@ def measure(kind: str, args: argparse.Namespace) -> list[float]:
     elif kind == "torch_attention":
         step = torch_attention_step(cfg, args.rows, args.seq, args.torch_threads)
     else:
-        groups = make_batch(args.rows, args.seq, cfg.vocab_size)
+        groups = make_batch(args.rows, args.seq, cfg.vocab_size, args.lengths)
         with tempfile.TemporaryDirectory() as model_dir:
             export_hf(init_model(cfg, seed=0), model_dir)
             if kind == "torch_ppo":
@@ -190,6 +216,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--torch-threads", type=int, default=2)
+    parser.add_argument("--lengths", choices=["fixed", "rl"], default="fixed",
+                        help="fixed: every sequence --seq tokens; rl: long-tailed response "
+                             "lengths (packed by us, padded to the longest by PyTorch)")
     args = parser.parse_args()
     if args.rows % 4:
         parser.error("--rows must be a multiple of 4 (groups of 4)")
@@ -202,10 +231,13 @@ def main() -> None:
     sec = {k: statistics.median(v) for k, v in samples.items()}
 
     cfg = ModelConfig.from_hf_dict(MODEL)
-    tokens, flops = args.rows * args.seq, step_flops(cfg, args.rows, args.seq)
+    groups = make_batch(args.rows, args.seq, cfg.vocab_size, args.lengths)
+    lengths = [len(t.prompt_ids) + len(t.output_ids) for g in groups for t in g.trajectories]
+    tokens, flops = sum(lengths), step_flops(cfg, groups)
     peak = max(samples["peak"])
     print(f"model: {MODEL}")
-    print(f"batch: {args.rows} rows x {args.seq} tokens = {tokens} tokens/step; "
+    print(f"batch ({args.lengths} lengths): {len(lengths)} sequences of {min(lengths)} to "
+          f"{max(lengths)} tokens, {tokens} tokens/step (rows of {args.seq} for packing); "
           f"{args.repeats} x {args.steps} timed steps per line, median")
     print(f"measured fp32 matmul peak: {peak / 1e9:.1f} GFLOP/s; "
           f"model FLOPs per step (fwd+bwd): {flops / 1e9:.1f} GFLOP")

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from areal_jax.config import load_config
+from areal_jax.config import ConfigError, load_config
 from areal_jax.experiment import ExperimentConfig
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
@@ -23,3 +23,14 @@ def test_config_parses(path):
 def test_sync_mode_forces_zero_staleness():
     cfg = load_config(ExperimentConfig, CONFIGS[0], ["schedule.mode=sync", "schedule.max_staleness=4"])
     assert cfg.schedule.max_staleness == 0
+
+
+def test_trainer_temperature_must_match_sampling():
+    quickstart = CONFIGS[-1]
+    assert quickstart.stem == "quickstart"
+    with pytest.raises(ConfigError, match=r"trainer.temperature \(1\) must equal sampling.temperature \(0.7\)"):
+        load_config(ExperimentConfig, quickstart, ["sampling.temperature=0.7"])
+    assert load_config(ExperimentConfig, quickstart,
+                       ["sampling.temperature=0.7", "trainer.temperature=0.7"]).trainer.temperature == 0.7
+    with pytest.raises(ConfigError, match=r"trainer.max_new_tokens \(5\) must equal"):
+        load_config(ExperimentConfig, quickstart, ["trainer.max_new_tokens=5"])

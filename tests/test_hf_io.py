@@ -63,6 +63,15 @@ def test_export_replaces_existing_directory_atomically(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]  # no temp dirs left
 
 
+def test_list_of_eos_ids_is_kept_hashable_and_round_trips():
+    """Llama 3.1 style ``eos_token_id: [..]``: the config (part of jit cache keys) stays hashable."""
+    hf = {"model_type": "llama", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+          "num_hidden_layers": 1, "num_attention_heads": 2, "eos_token_id": [7, 8, 9]}
+    cfg = ModelConfig.from_hf_dict(hf)
+    assert cfg.eos_token_ids == (7, 8, 9) and hash(cfg) == hash(ModelConfig.from_hf_dict(hf))
+    assert cfg.to_hf_dict()["eos_token_id"] == [7, 8, 9]
+
+
 def test_unknown_model_type_and_missing_field_are_named():
     base = {"model_type": "qwen2", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
             "num_hidden_layers": 1, "num_attention_heads": 2}

@@ -6,11 +6,13 @@ import pytest
 from areal_jax.config import ConfigError, from_dict
 from areal_jax.rl.packing import (
     MicroBatchConfig,
+    choose_row_layout,
     default_row_buckets,
     pack_micro_batch,
     pack_micro_batches,
     plan_micro_batches,
     possible_shapes,
+    row_count_bucket,
     split_minibatches,
     unpack_outputs,
 )
@@ -149,11 +151,25 @@ def test_config_validation():
 def test_possible_shapes_literal():
     cfg = MicroBatchConfig(token_budget=1024, row_multiple=2)
     assert possible_shapes(cfg) == {
-        (2, 128), (4, 128), (8, 128), (16, 128),
-        (2, 256), (4, 256), (8, 256),
+        (2, 128), (4, 128), (6, 128), (8, 128), (12, 128), (16, 128),
+        (2, 256), (4, 256), (6, 256), (8, 256),
         (2, 512), (4, 512),
         (2, 1024),
     }  # fmt: skip
+
+
+def test_row_count_ladder():
+    assert [row_count_bucket(n) for n in range(1, 14)] == [1, 2, 3, 4, 6, 6, 8, 8, 12, 12, 12, 12, 16]
+    assert [row_count_bucket(n, 2) for n in (1, 2, 3, 5, 7, 9)] == [2, 2, 4, 6, 8, 12]
+
+
+def test_layout_weighs_padding_against_attention_cost():
+    """Nine 50-token sequences: one 512-row (area 512) or 12 rows of 64 (9 used, area 768)."""
+    lengths = [50] * 9
+    assert choose_row_layout(lengths, (64, 512))[0] == 512  # padded area alone
+    assert choose_row_layout(lengths, (64, 512), attention_break_even=10_000)[0] == 512
+    t, rows = choose_row_layout(lengths, (64, 512), attention_break_even=64)
+    assert t == 64 and len(rows) == 9  # 768 * 2 = 1536 < 512 * 9 = 4608
 
 
 def test_random_minibatches_shapes_bounded_and_content_exact():

@@ -72,6 +72,8 @@ def make_trainer(cfg: ExperimentConfig, model_path: Path, overrides: dict | None
     from areal_jax.trainer.config import TrainerConfig
 
     data = to_dict(cfg.trainer)
+    if data.get("max_new_tokens") is None:  # the overlong penalty measures against it
+        data["max_new_tokens"] = cfg.sampling.max_new_tokens
     data.update(overrides or {})
     data["model_path"] = str(model_path)
     data["run_dir"] = str(run_dir or cfg.run_dir)

@@ -58,7 +58,7 @@ class ModelConfig:
     qkv_bias: bool = False
     qk_norm: bool = False
     bos_token_id: int | None = None
-    eos_token_id: int | list[int] | None = None
+    eos_token_id: int | tuple[int, ...] | None = None  # a list in config.json becomes a tuple
     pad_token_id: int | None = None
 
     def __post_init__(self):
@@ -80,6 +80,18 @@ class ModelConfig:
         if isinstance(self.eos_token_id, int):
             return (self.eos_token_id,)
         return tuple(self.eos_token_id)
+
+    @property
+    def attention_break_even(self) -> int:
+        """Row length at which a token's causal attention FLOPs equal its matmul FLOPs.
+
+        Per token and layer, matmuls cost ~6 x (matmul weights of a layer) FLOPs (forward +
+        backward) and attention over a packed row of T tokens ~6 x T x query width (each
+        token sees T / 2 keys on average, two products).
+        """
+        d, f = self.hidden_size, self.intermediate_size
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return (d * (q + 2 * kv) + q * d + 3 * d * f) // q
 
     def num_params(self) -> int:
         """Parameter count (embeddings included)."""
@@ -159,7 +171,7 @@ class ModelConfig:
             qkv_bias=qkv_bias,
             qk_norm=model_type == "qwen3",
             bos_token_id=hf.get("bos_token_id"),
-            eos_token_id=hf.get("eos_token_id"),
+            eos_token_id=_token_ids(hf.get("eos_token_id")),
             pad_token_id=hf.get("pad_token_id"),
         )
 
@@ -200,7 +212,8 @@ class ModelConfig:
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
             "bos_token_id": self.bos_token_id,
-            "eos_token_id": self.eos_token_id,
+            "eos_token_id": (list(self.eos_token_id) if isinstance(self.eos_token_id, tuple)
+                             else self.eos_token_id),
             "pad_token_id": self.pad_token_id,
             "torch_dtype": "float32",
             "use_cache": True,
@@ -214,3 +227,8 @@ class ModelConfig:
         if self.model_type in ("qwen2", "qwen3"):
             out["use_sliding_window"] = False
         return out
+
+
+def _token_ids(value):
+    """An id, or a list of ids as a tuple (the config stays hashable: it is part of jit keys)."""
+    return tuple(int(v) for v in value) if isinstance(value, (list, tuple)) else value

@@ -2,8 +2,11 @@
 
 A PPO minibatch is split into micro-batches of at most ``token_budget`` tokens each; a
 micro-batch is then packed into ``R`` rows of ``T`` tokens, several sequences per row, with
-``T`` taken from a fixed set of row-length buckets and ``R`` rounded up to a power of two (times
-``row_multiple``), so the number of distinct compiled shapes stays small. All per-token arrays
+``T`` taken from a fixed set of row-length buckets and ``R`` rounded up to the ladder 1, 2, 3,
+4, 6, 8, 12, ... (times ``row_multiple``), so the number of distinct compiled shapes stays
+small. Among the buckets that hold the longest sequence, the layout with the lowest estimated
+cost ``R * T * (1 + T / attention_break_even)`` wins: padding costs, and so do long rows,
+since attention work per token grows with the row length. All per-token arrays
 are aligned to the *predicted* token: position ``j`` holds what the model predicts there, i.e.
 the next token of the same sequence.
 """
@@ -24,6 +27,9 @@ class MicroBatchConfig:
 
     ``row_buckets``: allowed row lengths T (ascending); empty means ``default_row_buckets``.
     ``row_multiple``: R is always a multiple of it (e.g. the data-parallel size).
+    ``attention_break_even``: the row length at which a token's attention costs as much as its
+    matmuls; None leaves it to the trainer, which derives it from the model (matmul parameters
+    per layer / query width). Without one, layouts are compared by padded area alone.
     """
 
     token_budget: int = 16384
@@ -31,11 +37,16 @@ class MicroBatchConfig:
     row_buckets: tuple[int, ...] = ()
     bucket_base: int = 128
     row_multiple: int = 1
+    attention_break_even: int | None = None
 
     def __post_init__(self):
         for name in ("token_budget", "min_micro_batches", "bucket_base", "row_multiple"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.attention_break_even is not None and self.attention_break_even < 1:
+            raise ValueError(
+                f"attention_break_even must be >= 1 or null, got {self.attention_break_even}"
+            )
         buckets = self.row_buckets
         if buckets:
             if any(b < 1 for b in buckets) or list(buckets) != sorted(set(buckets)):
@@ -63,9 +74,21 @@ def default_row_buckets(token_budget: int, base: int = 128) -> tuple[int, ...]:
 
 
 def row_count_bucket(rows: int, row_multiple: int = 1) -> int:
-    """Smallest ``row_multiple * 2**k`` that is >= ``rows``."""
-    groups = -(-rows // row_multiple)
-    return row_multiple * (1 << max(groups - 1, 0).bit_length())
+    """Smallest ``row_multiple * n`` >= ``rows`` with n on the ladder 1, 2, 3, 4, 6, 8, 12, ...
+
+    (powers of two and 1.5 times powers of two: at most a third of the rows are padding).
+    """
+    groups = max(-(-rows // row_multiple), 1)
+    power = 1 << (groups - 1).bit_length()  # smallest power of two >= groups
+    n = power * 3 // 4 if power >= 4 and power * 3 // 4 >= groups else power
+    return row_multiple * n
+
+
+def _row_count_ladder(limit: int, row_multiple: int) -> list[int]:
+    """Every ``row_count_bucket`` value up to and including ``row_count_bucket(limit)``."""
+    top = row_count_bucket(limit, row_multiple) // row_multiple
+    ladder = {n for k in range(top.bit_length()) for n in (1 << k, (3 << k) >> 1) if n <= top}
+    return [row_multiple * n for n in sorted(ladder)]
 
 
 def plan_micro_batches(
@@ -153,11 +176,16 @@ def _first_fit_rows(lengths: Sequence[int], row_len: int) -> list[list[int]]:
 
 
 def choose_row_layout(
-    lengths: Sequence[int], buckets: Sequence[int], row_multiple: int = 1
+    lengths: Sequence[int],
+    buckets: Sequence[int],
+    row_multiple: int = 1,
+    attention_break_even: int | None = None,
 ) -> tuple[int, list[list[int]]]:
-    """Pick the bucket T (and rows) minimising padded area ``R_bucketed * T``; ties: smaller T.
+    """Pick the bucket T (and rows) of least estimated cost; ties: smaller T.
 
-    Returns (T, rows) with rows as lists of sequence indices; ``len(rows)`` is the used rows.
+    Cost: ``R_bucketed * T * (1 + T / attention_break_even)``, the padded area alone when
+    ``attention_break_even`` is None. Returns (T, rows) with rows as lists of sequence indices;
+    ``len(rows)`` is the used rows.
     """
     longest = max(lengths)
     best = None
@@ -165,9 +193,11 @@ def choose_row_layout(
         if t < longest:
             continue
         rows = _first_fit_rows(lengths, t)
-        area = row_count_bucket(len(rows), row_multiple) * t
-        if best is None or area < best[0]:
-            best = (area, t, rows)
+        cost = row_count_bucket(len(rows), row_multiple) * t
+        if attention_break_even is not None:
+            cost *= 1 + t / attention_break_even
+        if best is None or cost < best[0]:
+            best = (cost, t, rows)
     if best is None:
         raise ValueError(
             f"a sequence of {longest} tokens exceeds the largest row bucket {buckets[-1]}"
@@ -184,12 +214,7 @@ def possible_shapes(cfg: MicroBatchConfig) -> set[tuple[int, int]]:
     shapes = set()
     for t in cfg.buckets:
         max_rows = max(1, -(-2 * cfg.token_budget // t))
-        r = row_count_bucket(1, cfg.row_multiple)
-        while True:
-            shapes.add((r, t))
-            if r >= row_count_bucket(max_rows, cfg.row_multiple):
-                break
-            r *= 2
+        shapes.update((r, t) for r in _row_count_ladder(max_rows, cfg.row_multiple))
     return shapes
 
 
@@ -259,10 +284,12 @@ def pack_micro_batch(
     advantages: Sequence[float | np.ndarray],
     buckets: Sequence[int],
     row_multiple: int = 1,
+    attention_break_even: int | None = None,
 ) -> PackedBatch:
     """Pack one micro-batch of trajectories into [R, T] rows (see ``PackedBatch``).
 
-    ``advantages[i]`` is a scalar or a per-output-token array [O_i] for ``trajectories[i]``.
+    ``advantages[i]`` is a scalar or a per-output-token array [O_i] for ``trajectories[i]``;
+    the layout is ``choose_row_layout``'s.
     """
     if not trajectories:
         raise ValueError("cannot pack an empty micro-batch")
@@ -271,7 +298,7 @@ def pack_micro_batch(
             f"advantages has {len(advantages)} entries for {len(trajectories)} trajectories"
         )
     lengths = [t.length for t in trajectories]
-    row_len, rows = choose_row_layout(lengths, buckets, row_multiple)
+    row_len, rows = choose_row_layout(lengths, buckets, row_multiple, attention_break_even)
     n_rows = row_count_bucket(len(rows), row_multiple)
     shape = (n_rows, row_len)
     out = {
@@ -337,6 +364,7 @@ def pack_micro_batches(
             [advantages[i] for i in members],
             cfg.buckets,
             cfg.row_multiple,
+            cfg.attention_break_even,
         )
         batch.traj_index = np.asarray(members, dtype=np.int32)
         packed.append(batch)

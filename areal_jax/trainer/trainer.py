@@ -61,7 +61,11 @@ class Trainer:
         )  # fmt: skip
         self._ref_params = self._load_reference() if config.uses_reference else None
         multiple = math.lcm(config.micro_batch.row_multiple, batches.batch_axis_size(self.mesh))
-        self._mb_cfg = dataclasses.replace(config.micro_batch, row_multiple=multiple)
+        model_cfg = self.model.cfg
+        break_even = config.micro_batch.attention_break_even or model_cfg.attention_break_even
+        self._mb_cfg = dataclasses.replace(
+            config.micro_batch, row_multiple=multiple, attention_break_even=break_even
+        )
         self._rng = jax.random.key(config.seed)
         self._version = 0
         self._checkpoints = (

@@ -8,7 +8,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from areal_jax.parallel import MeshConfig, make_mesh
 from areal_jax.rl import MicroBatchConfig
-from areal_jax.trainer import Checkpointer, Trainer, TrainerConfig
+from areal_jax.trainer import CheckpointMismatchError, Checkpointer, Trainer, TrainerConfig
 
 from _trainer_kit import assert_params_close, host_params, tiny_model, toy_groups
 
@@ -73,4 +73,12 @@ def test_checkpointer_keeps_the_newest_n_and_replaces_a_step(tmp_path):
         ckpt.restore(target, step=1)
     with pytest.raises(ValueError, match="meta must be JSON-serialisable"):
         ckpt.save(4, {"w": state["w"]}, {"bad": object()})
+    mismatches = {
+        "shape": {"w": jax.ShapeDtypeStruct((16,), jnp.float32, sharding=replicated)},
+        "structure": {"w": target["w"], "extra": target["w"]},
+    }
+    for name, wrong in mismatches.items():
+        with pytest.raises(CheckpointMismatchError,
+                           match=r"checkpoint 3 in .* does not fit this trainer"):
+            ckpt.restore(wrong)
     ckpt.close()

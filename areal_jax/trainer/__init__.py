@@ -1,6 +1,6 @@
 """The trainer: jitted, sharded PPO/SFT steps, Orbax checkpoints and versioned HF exports."""
 
-from areal_jax.trainer.checkpoint import Checkpointer
+from areal_jax.trainer.checkpoint import CheckpointMismatchError, Checkpointer
 from areal_jax.trainer.config import TrainerConfig
 from areal_jax.trainer.optimizer import lr_schedule, make_optimizer
 from areal_jax.trainer.publish import export_path, prune_exports, publish_version
@@ -8,6 +8,7 @@ from areal_jax.trainer.step import TrainState
 from areal_jax.trainer.trainer import Trainer
 
 __all__ = [
+    "CheckpointMismatchError",
     "Checkpointer",
     "TrainState",
     "Trainer",

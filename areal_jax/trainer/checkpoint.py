@@ -16,6 +16,10 @@ import jax
 import orbax.checkpoint as ocp
 
 
+class CheckpointMismatchError(ValueError):
+    """A checkpoint's parameters or optimiser state do not fit the restoring trainer."""
+
+
 class Checkpointer:
     """Keeps the newest ``keep`` checkpoints under ``directory``; saves asynchronously if asked."""
 
@@ -53,12 +57,20 @@ class Checkpointer:
         self._manager.wait_until_finished()
         if step not in self._manager.all_steps():
             raise ValueError(f"no checkpoint for step {step} in {self.directory}")
-        out = self._manager.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()
-            ),
-        )
+        try:
+            out = self._manager.restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()
+                ),
+            )
+        except ValueError as e:  # Orbax: tree structure or array shapes differ
+            raise CheckpointMismatchError(
+                f"checkpoint {step} in {self.directory} does not fit this trainer: it was saved "
+                f"with another model or optimiser configuration (model size, grad_clip, "
+                f"weight decay, ...). Restore with the configuration it was saved with, or use "
+                f"a new run_dir. Details: {e}"
+            ) from e
         return out.state, out.meta
 
     def latest_step(self) -> int | None:

@@ -32,13 +32,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _user_errors() -> tuple[type[Exception], ...]:
+    """Errors that report bad input (config, model, checkpoint, data): shown without traceback."""
+    from areal_jax.config import ConfigError
+    from areal_jax.data.loading import DatasetError
+    from areal_jax.models.config import ModelConfigError
+    from areal_jax.models.hf_io import CheckpointError
+    from areal_jax.models.safetensors_io import SafetensorsError
+    from areal_jax.rewards.registry import RewardNotFoundError
+    from areal_jax.trainer.checkpoint import CheckpointMismatchError
+
+    return (ConfigError, DatasetError, ModelConfigError, CheckpointError, SafetensorsError,
+            RewardNotFoundError, CheckpointMismatchError)  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "_run", None):
         parser.print_help()
         return 2
-    return int(args._run(args) or 0)
+    try:
+        return int(args._run(args) or 0)
+    except Exception as e:
+        if not isinstance(e, _user_errors()):
+            raise
+        print(f"areal-jax {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

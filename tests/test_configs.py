@@ -34,3 +34,12 @@ def test_trainer_temperature_must_match_sampling():
                        ["sampling.temperature=0.7", "trainer.temperature=0.7"]).trainer.temperature == 0.7
     with pytest.raises(ConfigError, match=r"trainer.max_new_tokens \(5\) must equal"):
         load_config(ExperimentConfig, quickstart, ["trainer.max_new_tokens=5"])
+
+
+def test_cli_reports_config_errors_without_traceback(capsys):
+    from areal_jax.cli import main
+
+    assert main(["train", "--config", str(CONFIGS[-1]), "sampling.temperature=0.7"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("areal-jax train: error: trainer.temperature (1) must equal")
+    assert "Traceback" not in err

@@ -116,3 +116,11 @@ def test_missing_truncated_and_incomplete_weights_fail_clearly(tmp_path):
 
     with pytest.raises(ModelConfigError, match="no config.json"):
         load_hf_model(tmp_path / "nowhere")
+
+
+def test_attention_break_even_by_hand():
+    """(d(q + 2kv) + qd + 3df) / q = (256*512 + 256*256 + 3*256*768) / 256 = 3072."""
+    cfg = ModelConfig.from_hf_dict({
+        "model_type": "qwen2", "vocab_size": 2048, "hidden_size": 256, "intermediate_size": 768,
+        "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4})
+    assert cfg.attention_break_even == 3072

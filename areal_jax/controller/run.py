@@ -94,20 +94,23 @@ def run_sft(cfg: ExperimentConfig, base: Path, tokenizer, progress: TrainingProg
         response = tokenizer(str(item.metadata[key]) + tokenizer.eos_token,
                              add_special_tokens=False)["input_ids"]
         examples.append((item.prompt_ids, response))
-    trainer = make_trainer(cfg, base, cfg.sft.trainer, run_dir=Path(cfg.run_dir) / "sft")
-    task = progress.start_phase("SFT warm start", cfg.sft.steps)
-    n, bs = len(examples), cfg.sft.batch_size
-    with MetricsLogger(Path(cfg.run_dir) / "sft") as metrics:
-        for step in range(cfg.sft.steps):
-            start = (step * bs) % n
-            batch = [examples[(start + i) % n] for i in range(bs)]
-            m = trainer.sft_on_batch(batch)
-            metrics.log(step + 1, m)
-            progress.advance(task, {"loss": m.get("loss", float("nan"))})
-    progress.end_phase(task)
     from areal_jax.models import export_hf
 
-    export_hf(trainer.model, out, tokenizer_dir=base)
+    trainer = make_trainer(cfg, base, cfg.sft.trainer, run_dir=Path(cfg.run_dir) / "sft")
+    try:
+        task = progress.start_phase("SFT warm start", cfg.sft.steps)
+        n, bs = len(examples), cfg.sft.batch_size
+        with MetricsLogger(Path(cfg.run_dir) / "sft") as metrics:
+            for step in range(cfg.sft.steps):
+                start = (step * bs) % n
+                batch = [examples[(start + i) % n] for i in range(bs)]
+                m = trainer.sft_on_batch(batch)
+                metrics.log(step + 1, m)
+                progress.advance(task, {"loss": m.get("loss", float("nan"))})
+        progress.end_phase(task)
+        export_hf(trainer.model, out, tokenizer_dir=base)
+    finally:
+        trainer.close()
     return out
 
 
@@ -270,11 +273,11 @@ def train(cfg: ExperimentConfig) -> dict:
         tokenizer = AutoTokenizer.from_pretrained(base)
         start = run_sft(cfg, base, tokenizer, progress) if cfg.sft.steps > 0 else base
         trainer = make_trainer(cfg, start)
-        extra = trainer.restore()
-        if extra is not None:
-            print(f"resumed from checkpoint at version {trainer.version}", flush=True)
-        t0 = time.monotonic()
         try:
+            extra = trainer.restore()
+            if extra is not None:
+                print(f"resumed from checkpoint at version {trainer.version}", flush=True)
+            t0 = time.monotonic()
             results = asyncio.run(_train_async(cfg, trainer, tokenizer, progress, extra))
         finally:
             trainer.close()

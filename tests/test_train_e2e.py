@@ -84,3 +84,19 @@ def test_train_resume_and_export(tmp_path, capsys):
 
     assert main(["plot", str(run_dir), "--out", str(tmp_path / "curves.png")]) == 0
     assert (tmp_path / "curves.png").stat().st_size > 10_000
+
+
+def test_train_with_pushed_weights_keeps_staleness_bounded(tmp_path):
+    """`weights_transport: push` streams every published version to the server over gRPC. If an
+    update did not reach the server, its tokens would keep version 0 and the staleness of the
+    third version would reach 2, above the bound of 1."""
+    cfg = yaml.safe_load(_config(tmp_path, total_steps=3).read_text())
+    cfg["rollout"]["weights_transport"] = "push"
+    cfg["sft"]["steps"] = 0
+    path = tmp_path / "push.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["train", "--config", str(path)]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in trained] == [1, 2, 3]
+    assert all(r["staleness/max"] <= 1 for r in trained)

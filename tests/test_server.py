@@ -26,6 +26,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from areal_jax import cli
 from areal_jax.config import ConfigError
+from areal_jax.controller.rollout_pool import RolloutPool
 from areal_jax.protocol import SERVICE_NAME, group_from_proto, push_weight_requests
 from areal_jax.protocol import rollout_pb2 as pb
 from rollout import engines
@@ -494,19 +495,30 @@ def test_tls_serves_only_secure_clients(tmp_path, tok_dir):
     creds = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
 
     async def scenario():
-        tls = dict(tls_cert_path=str(cert), tls_key_path=str(key))
+        tls = dict(tls_cert_path=str(cert), tls_key_path=str(key), auth_token="s3cret")
         factory = lambda target: grpc.aio.secure_channel(target, creds)  # noqa: E731
         async with serving(tmp_path, tok_dir, channel_factory=factory, **tls) as h:
-            status = await h.stub.GetStatus(pb.GetStatusRequest())
+            status = await h.stub.GetStatus(pb.GetStatusRequest(),
+                                            metadata=(("authorization", "Bearer s3cret"),))
             plain = grpc.aio.insecure_channel(f"127.0.0.1:{h.server.port}")
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await pb_stub(plain).GetStatus(pb.GetStatusRequest(), timeout=2)
             await plain.close()
-            return status, err.value.code()
+            # The controller's side: the rollout pool over TLS with the shared token.
+            pool = RolloutPool([f"localhost:{h.server.port}"], auth_token="s3cret",
+                               tls_root_cert=cert.read_bytes())
+            await pool.start(ready_timeout_s=10)
+            try:
+                group = await asyncio.wait_for(pool.submit(rollout_request("tls-1")), 30)
+            finally:
+                await pool.close()
+            return status, err.value.code(), group
 
-    status, plain_code = asyncio.run(scenario())
+    status, plain_code, group = asyncio.run(scenario())
     assert status.engine_kind == "arithmetic"
     assert plain_code == grpc.StatusCode.UNAVAILABLE
+    assert group.request_id == "tls-1" and len(group.trajectories) == 2
+    assert all(len(t.output_ids) == len(t.versions) > 0 for t in group.trajectories)
 
 
 def pb_stub(channel):

@@ -4,9 +4,10 @@ The worker owns everything on the device (parameters, KV cache, stop masks) and 
 thread that calls the device programs, so the event loop never blocks on device work. It loops:
 run control commands, drop cancelled requests, swap weights when due, prefill queued requests
 into free slots (one call each, padded to a bucket), re-prefill slots whose cache a swap
-invalidated, then run one decode call of several steps for all slots, attending over the
-smallest bucket of cache entries that holds every sequence. Chunks go back to each request
-through its ``deliver`` callback.
+invalidated, then run decode calls of several steps for all slots, attending over the
+smallest bucket of cache entries that holds every sequence; while nothing on the host needs a
+turn, each decode call is dispatched before the previous one's tokens are read back. Chunks go
+back to each request through its ``deliver`` callback.
 
 Weight swap: new parameters arrive already loaded on the device. In ``interrupt`` mode they
 replace the old ones at once; every running sequence is then re-prefilled (prompt + tokens so
@@ -65,6 +66,7 @@ class DecodeWorker:
         # Placed like the parameters, as the programs' outputs are: inputs keep one sharding
         # from the first call on, so nothing compiles twice.
         placement = NamedSharding(jax.tree.leaves(params)[0].sharding.mesh, PartitionSpec())
+        self._placement = placement
         self._cache = jax.device_put(KVCache.zeros(cfg, num_slots, max_seq_len, dtype), placement)
         self._stop_mask = jax.device_put(jnp.zeros((num_slots, cfg.vocab_size), bool), placement)
         self._slots = SlotTable(num_slots)
@@ -237,16 +239,49 @@ class DecodeWorker:
         self._send(seq, chunk)
 
     def _decode(self) -> None:
+        """Decode calls back to back while nothing on the host needs a turn.
+
+        Each next call starts from the previous call's slot state on the device and is
+        dispatched before the previous call's tokens are read back and delivered, so the host
+        work of one call overlaps the device work of the next. Host-side changes (admissions,
+        cancellations, swaps, commands) wait for the chain to end, at most one call later.
+        """
         a = self._slots.arrays
-        reach = int(a.positions[a.active].max()) + self._steps
-        window = next((b for b in self._buckets if b >= reach), self._buckets[-1])
+        reach = int(a.positions[a.active].max())
+        current = self._dispatch(jax.device_put(a, self._placement), reach)
+        while True:
+            chained = None
+            if self._may_chain():
+                reach += self._steps
+                chained = self._dispatch(current[0], reach)
+            new, tokens, logprobs, status = jax.device_get(current)
+            for seq, chunk in self._slots.absorb(new, tokens, logprobs, status, self.version):
+                self._send(seq, chunk)
+            if chained is None:
+                return
+            current = chained
+
+    def _dispatch(self, slots: jax_decode.SlotArrays, reach: int) -> tuple:
+        """Start one decode call from ``slots`` (positions at most ``reach``); its outputs."""
+        window = next((b for b in self._buckets if b >= reach + self._steps), self._buckets[-1])
         self._cache, new, tokens, logprobs, status = jax_decode.decode(
-            self._graphdef, self._steps, window, self._params, self._cache, self._stop_mask, a
+            self._graphdef, self._steps, window, self._params, self._cache, self._stop_mask, slots
         )
-        new, tokens, logprobs, status = jax.device_get((new, tokens, logprobs, status))
         self.decode_calls += 1
-        for seq, chunk in self._slots.absorb(new, tokens, logprobs, status, self.version):
-            self._send(seq, chunk)
+        return new, tokens, logprobs, status
+
+    def _may_chain(self) -> bool:
+        """True when another decode call may start before the host catches up."""
+        with self._cond:
+            if self._commands or self._swap is not None or self._paused or self._closing:
+                return False
+            if any(s.cancelled for s in self._pending):
+                return False
+            if self._pending and self._slots.free():
+                return False
+        return self._slots.arrays.active.any() and not any(
+            self._slots.seqs[b].cancelled for b in self._slots.occupied()
+        )
 
     @staticmethod
     def _send(seq: Sequence, chunk: GenerationChunk) -> None:

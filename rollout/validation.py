@@ -48,22 +48,35 @@ def sampling_from_proto(msg: pb.SamplingParams, vocab_size: int) -> SamplingPara
     return params
 
 
-def check_prompt(prompt_ids: Sequence[int], params: SamplingParams, limits: Limits) -> None:
-    """Non-empty, inside the vocabulary, and room for ``max_new_tokens`` in the context."""
+def check_prompt(
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    vocab_size: int,
+    max_context_len: int,
+    budget_field: str = "max_new_tokens",
+) -> None:
+    """Non-empty, inside the vocabulary, and room for ``max_new_tokens`` in the context.
+
+    Errors name ``prompt_ids`` / ``prompt_ids[i]`` or ``budget_field``.
+    """
     if not prompt_ids:
         raise InvalidParamError("prompt_ids", "must not be empty")
     for i, tok in enumerate(prompt_ids):
-        if not 0 <= tok < limits.vocab_size:
+        if not 0 <= tok < vocab_size:
             raise InvalidParamError(
-                f"prompt_ids[{i}]", f"{tok} is outside the vocabulary [0, {limits.vocab_size})"
+                f"prompt_ids[{i}]", f"{tok} is outside the vocabulary [0, {vocab_size})"
             )
-    total = len(prompt_ids) + params.max_new_tokens
-    if total > limits.max_context_len:
+    if len(prompt_ids) + max_new_tokens > max_context_len:
         raise InvalidParamError(
-            "sampling_params.max_new_tokens",
-            f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) "
-            f"exceeds the context length {limits.max_context_len}",
+            budget_field,
+            f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) "
+            f"exceeds the context length {max_context_len}",
         )
+
+
+def _check_prompt(prompt_ids: Sequence[int], params: SamplingParams, limits: Limits) -> None:
+    check_prompt(prompt_ids, params.max_new_tokens, limits.vocab_size, limits.max_context_len,
+                 budget_field="sampling_params.max_new_tokens")
 
 
 def _check_request_id(request_id: str) -> None:
@@ -77,7 +90,7 @@ def rollout_task_from_proto(req: pb.RolloutRequest, limits: Limits) -> RolloutTa
     if not req.HasField("sampling_params"):
         raise InvalidParamError("sampling_params", "required")
     params = sampling_from_proto(req.sampling_params, limits.vocab_size)
-    check_prompt(req.prompt_ids, params, limits)
+    _check_prompt(req.prompt_ids, params, limits)
     if not 1 <= req.group_size <= limits.max_group_size:
         raise InvalidParamError(
             "group_size", f"must be in [1, {limits.max_group_size}], got {req.group_size}"
@@ -106,5 +119,5 @@ def generate_args_from_proto(
     if not req.HasField("sampling_params"):
         raise InvalidParamError("sampling_params", "required")
     params = sampling_from_proto(req.sampling_params, limits.vocab_size)
-    check_prompt(req.prompt_ids, params, limits)
+    _check_prompt(req.prompt_ids, params, limits)
     return req.request_id, list(req.prompt_ids), params

@@ -46,3 +46,12 @@ def save_hf_model(model, path, dtype=torch.float32):
 def hf_logits(model, tokens: np.ndarray) -> np.ndarray:
     with torch.no_grad():
         return model(torch.tensor(tokens, dtype=torch.long)).logits.float().numpy()
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy ``generate`` of ``n`` tokens after ``prompt`` (ids)."""
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                             do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()

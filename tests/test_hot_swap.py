@@ -7,9 +7,8 @@ import shutil
 import jax
 import numpy as np
 import pytest
-import torch
 
-from _hf_models import hf_model, save_hf_model
+from _hf_models import hf_greedy, hf_model, save_hf_model
 from rollout.config import EngineConfig
 from rollout.engine import SamplingParams, WeightLoadError
 from rollout.engines import create_engine
@@ -25,14 +24,6 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("swap")
     return {"old": (old, str(save_hf_model(old, root / "old"))),
             "new": (new, str(save_hf_model(new, root / "new")))}
-
-
-def hf_greedy(model, prompt, n):
-    with torch.no_grad():
-        ids = torch.tensor([prompt])
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                             do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 async def started(path, version, **options):

@@ -9,9 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 
-from _hf_models import hf_model, save_hf_model
+from _hf_models import hf_greedy, hf_model, save_hf_model
 from areal_jax.config import ConfigError
 from areal_jax.models import load_hf_model
 from areal_jax.rl.logprobs import token_logprobs
@@ -47,14 +46,6 @@ async def started(path, **options):
     engine = make_engine(path, **options)
     await engine.start()
     return engine
-
-
-def hf_greedy(model, prompt, n):
-    with torch.no_grad():
-        ids = torch.tensor([prompt])
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                             do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 def recompute_logprobs(path, prompt, output, temperature):

@@ -24,13 +24,13 @@ from rollout.engine import (
     EngineError,
     GenerationChunk,
     GenerationEngine,
-    InvalidParamError,
     SamplingParams,
 )
 from rollout.engines.jax_slots import Sequence
 from rollout.engines.jax_weights import load_params, read_config
 from rollout.engines.jax_worker import ABORTED, DecodeWorker
 from rollout.timing import ThroughputMeter
+from rollout.validation import check_prompt
 
 DEFAULT_MAX_SEQ_LEN = 2048
 SMALLEST_BUCKET = 16
@@ -158,19 +158,7 @@ class JaxEngine(GenerationEngine):
 
     def _check(self, prompt_ids: list[int], params: SamplingParams) -> None:
         params.validate(self.vocab_size)
-        if not prompt_ids:
-            raise InvalidParamError("prompt_ids", "must not be empty")
-        for i, tok in enumerate(prompt_ids):
-            if not 0 <= tok < self.vocab_size:
-                raise InvalidParamError(
-                    f"prompt_ids[{i}]", f"{tok} is outside the vocabulary [0, {self.vocab_size})"
-                )
-        if len(prompt_ids) + params.max_new_tokens > self.max_context_len:
-            raise InvalidParamError(
-                "max_new_tokens",
-                f"prompt ({len(prompt_ids)}) + max_new_tokens ({params.max_new_tokens}) exceeds "
-                f"the context length {self.max_context_len}",
-            )
+        check_prompt(prompt_ids, params.max_new_tokens, self.vocab_size, self.max_context_len)
 
     def _sequence(self, prompt_ids, params, request_id, queue: asyncio.Queue) -> Sequence:
         loop = asyncio.get_running_loop()

@@ -33,8 +33,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _user_errors() -> tuple[type[Exception], ...]:
-    """Errors that report bad input (config, model, checkpoint, data): shown without traceback."""
+    """Errors that report bad input (config, model, checkpoint, data) or a run stopped for a
+    stated reason (servers failing, requests rejected): shown without traceback."""
     from areal_jax.config import ConfigError
+    from areal_jax.controller.local_servers import ServerExitedError
+    from areal_jax.controller.loop import RolloutRejectedError
+    from areal_jax.controller.rollout_pool import NoLiveServerError, RequestFailedError
+    from areal_jax.controller.rollout_pool import WeightsRejectedError
     from areal_jax.data.loading import DatasetError
     from areal_jax.models.config import ModelConfigError
     from areal_jax.models.hf_io import CheckpointError
@@ -43,7 +48,9 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from areal_jax.trainer.checkpoint import CheckpointMismatchError
 
     return (ConfigError, DatasetError, ModelConfigError, CheckpointError, SafetensorsError,
-            RewardNotFoundError, CheckpointMismatchError)  # fmt: skip
+            RewardNotFoundError, CheckpointMismatchError, ServerExitedError,
+            RolloutRejectedError, NoLiveServerError, RequestFailedError,
+            WeightsRejectedError)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

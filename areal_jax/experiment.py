@@ -36,13 +36,21 @@ class SamplingConfig:
 @dataclasses.dataclass
 class ScheduleConfig:
     """Batching and the staleness gate. ``mode: sync`` pauses generation during training and
-    forces ``max_staleness: 0`` (the synchronous baseline)."""
+    forces ``max_staleness: 0`` (the synchronous baseline).
+
+    The gate bounds staleness when a group is submitted; a slow group can still reach the
+    trainer later than ``max_staleness`` versions. ``overstale`` says what happens to it when
+    batches are formed: ``train`` (default, as AReaL: the decoupled objective corrects for it,
+    and ``staleness/*`` metrics report how much of it was trained on) or ``drop`` (discard it
+    and generate its prompt again, so no token older than the bound is ever trained on).
+    """
 
     mode: Literal["async", "sync"] = "async"
     batch_size: int = 16  # prompt groups per trainer step
     max_staleness: int = 4  # η
     max_in_flight: int = 64  # groups being generated at once
     total_steps: int = 100
+    overstale: Literal["train", "drop"] = "train"
 
     def __post_init__(self):
         if self.batch_size < 1:
@@ -68,6 +76,36 @@ class RolloutConfig:
     weights_transport: Literal["path", "push"] = "path"
     auth_token_env: str | None = None  # environment variable holding the shared token
     tls_root_cert: str | None = None  # PEM file of the servers' CA, turns on TLS
+    rpc_timeout_s: float = 60.0  # deadline of status / pause / resume calls
+    update_timeout_s: float = 600.0  # deadline of a weight update (transfer and load)
+    rpc_retries: int = 3  # retries of a control call that found a server unavailable
+    rejoin_interval_s: float = 5.0  # how often a failed server is tried again
+    no_server_timeout_s: float = 300.0  # stop when no server has been reachable this long
+    max_request_attempts: int = 8  # sends of one group failing on servers before the run stops
+    max_consecutive_rejections: int = 32  # invalid groups in a row before the run stops
+    # Accelerators of local servers: one list of device ids per server (CUDA_VISIBLE_DEVICES /
+    # TPU_VISIBLE_CHIPS), and the fraction of each device's memory a server's JAX may take.
+    server_devices: list[list[int]] | None = None
+    server_memory_fraction: float | None = None
+
+    def __post_init__(self):
+        for name in ("rpc_timeout_s", "update_timeout_s", "rejoin_interval_s",
+                     "no_server_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"rollout.{name}: must be > 0, got {getattr(self, name)}")
+        if self.rpc_retries < 0:
+            raise ConfigError(f"rollout.rpc_retries: must be >= 0, got {self.rpc_retries}")
+        for name in ("max_request_attempts", "max_consecutive_rejections", "num_local_servers"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"rollout.{name}: must be >= 1, got {getattr(self, name)}")
+        fraction = self.server_memory_fraction
+        if fraction is not None and not 0 < fraction <= 1:
+            raise ConfigError(f"rollout.server_memory_fraction: must be in (0, 1], got {fraction}")
+        for key in ("cpu_sets", "server_devices"):
+            sets = getattr(self, key)
+            if sets is not None and not self.addresses and len(sets) != self.num_local_servers:
+                raise ConfigError(f"rollout.{key}: {len(sets)} entries for "
+                                  f"{self.num_local_servers} local servers (one each)")
 
 
 @dataclasses.dataclass
@@ -106,6 +144,7 @@ class ExperimentConfig:
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     checkpoint_every: int = 10  # trainer steps
     trainer_cpus: list[int] | None = None  # pin the trainer process to these CPUs
+    trainer_devices: list[int] | None = None  # accelerator ids the trainer uses (default: all)
     distributed: bool = False  # multi-host trainer: call jax.distributed.initialize() first
     seed: int = 0
 

@@ -19,11 +19,13 @@ def run(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
+    from areal_jax.commands._preflight import preflight
     from areal_jax.config import load_config
-    from areal_jax.controller.run import evaluate_checkpoint
+    from areal_jax.controller.evaluation import evaluate_checkpoint
     from areal_jax.experiment import ExperimentConfig
 
     cfg = load_config(ExperimentConfig, args.config, args.overrides)
+    preflight(cfg)
     result = asyncio.run(evaluate_checkpoint(cfg, Path(args.model)))
     print(json.dumps(result, indent=2))
     return 0

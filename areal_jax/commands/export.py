@@ -18,7 +18,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from areal_jax.config import load_config
-    from areal_jax.controller.run import make_trainer, starting_model
+    from areal_jax.controller.prepare import starting_model
+    from areal_jax.controller.trainers import make_trainer
     from areal_jax.experiment import ExperimentConfig
     from areal_jax.models import export_hf
 

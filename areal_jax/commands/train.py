@@ -16,12 +16,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import logging
 
+    from areal_jax.commands._preflight import preflight
     from areal_jax.config import load_config
     from areal_jax.controller.run import train
     from areal_jax.experiment import ExperimentConfig
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     cfg = load_config(ExperimentConfig, args.config, args.overrides)
+    preflight(cfg)
     results = train(cfg)
     before, after = results.get("before"), results.get("after")
     if before and after:

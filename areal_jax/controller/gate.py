@@ -3,7 +3,9 @@
 With trainer version i, batch size B (prompt groups) and maximum staleness η, a group may be
 submitted only while ``submitted < (i + η + 1) · B`` (AReaL, Fu et al. 2025), and only while
 fewer than ``max_in_flight`` groups are being generated. Failed or rejected groups free their
-slot; a group resubmitted after a server failure keeps the one it holds.
+slot; a group resubmitted after a server failure keeps the one it holds. The controller passes
+the version the rollout servers serve (confirmed published), which lags the trainer's while a
+publish is in flight: the bound then holds for the weights that actually generate.
 """
 
 from __future__ import annotations
@@ -48,6 +50,12 @@ class StalenessGate:
         """A group was rejected or failed for good: it frees its slot entirely."""
         self.submitted -= 1
         self.in_flight -= 1
+
+    def on_dropped(self) -> None:
+        """A finished group was discarded before training; its slot is free again."""
+        if self.submitted - self.in_flight < 1:
+            raise ValueError("no finished group to drop")
+        self.submitted -= 1
 
     def restore(self, version: int, pending: int = 0) -> None:
         """After a restart at ``version``: the trained groups plus ``pending`` re-submitted ones."""

@@ -1,9 +1,18 @@
-"""Launch rollout servers as local subprocesses (``python -m rollout``), optionally each pinned
-to its own CPU cores, and stop them with the run."""
+"""Launch rollout servers as local subprocesses (``python -m rollout``), each optionally pinned to
+its own CPU cores and accelerators, and keep them tied to the run.
+
+A server dies with the process that launched it: the kernel sends it SIGTERM when the launcher
+dies (``PR_SET_PDEATHSIG``), and the server also watches its parent pid (``parent_pid`` in its
+config), so a SIGKILLed trainer leaves no server holding accelerator memory. A server that
+exits during the run can be restarted on its port (``restart_exited``), a bounded number of
+times.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import dataclasses
 import os
 import signal
 import socket
@@ -14,6 +23,12 @@ from pathlib import Path
 
 import yaml
 
+_PR_SET_PDEATHSIG = 1
+
+
+class ServerExitedError(RuntimeError):
+    """A local rollout server exited (while starting, or too often during the run)."""
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that is free right now."""
@@ -22,63 +37,127 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def device_env(devices: list[int] | None, memory_fraction: float | None) -> dict[str, str]:
+    """Environment that gives a JAX process only ``devices`` (GPUs or TPU chips) and at most
+    ``memory_fraction`` of each device's memory."""
+    env = {}
+    if devices is not None:
+        ids = ",".join(str(d) for d in devices)
+        env["CUDA_VISIBLE_DEVICES"] = ids
+        env["TPU_VISIBLE_CHIPS"] = ids
+    if memory_fraction is not None:
+        env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{memory_fraction:g}"
+    return env
+
+
+def _die_with_parent(cpus: list[int] | None) -> None:
+    """Runs in the child before exec: SIGTERM when the launcher dies; optional CPU pinning."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+
+
+@dataclasses.dataclass
+class _Proc:
+    index: int
+    port: int
+    proc: subprocess.Popen | None = None
+    restarts: int = 0
+
+
 class LocalServers:
     """N rollout-server subprocesses sharing one server config (a plain dict)."""
 
     def __init__(self, server_config: dict, count: int, log_dir: str | Path,
-                 cpu_sets: list[list[int]] | None = None, env: dict | None = None):
+                 cpu_sets: list[list[int]] | None = None, env: dict | None = None,
+                 devices: list[list[int]] | None = None, memory_fraction: float | None = None):
         if count < 1:
             raise ValueError(f"rollout.num_local_servers must be >= 1, got {count}")
-        if cpu_sets is not None and len(cpu_sets) != count:
-            raise ValueError(f"rollout.cpu_sets has {len(cpu_sets)} entries for {count} servers")
+        for name, sets in (("cpu_sets", cpu_sets), ("server_devices", devices)):
+            if sets is not None and len(sets) != count:
+                raise ValueError(f"rollout.{name} has {len(sets)} entries for {count} servers")
         self._config = server_config
         self._count = count
         self._log_dir = Path(log_dir)
         self._cpu_sets = cpu_sets
+        self._devices = devices
+        self._memory_fraction = memory_fraction
         self._env = env or {}
-        self._procs: list[subprocess.Popen] = []
+        self._procs: list[_Proc] = []
         self.addresses: list[str] = []
 
     def start(self) -> list[str]:
         """Start every server; returns their addresses (readiness is checked by the client)."""
         self._log_dir.mkdir(parents=True, exist_ok=True)
         for i in range(self._count):
-            port = free_port()
-            cfg_path = self._log_dir / f"rollout_server_{i}.yaml"
-            cfg_path.write_text(yaml.safe_dump({**self._config, "host": "127.0.0.1", "port": port}))
-            env = {**os.environ, "GRPC_VERBOSITY": "ERROR", **self._env}
-            cpus = self._cpu_sets[i] if self._cpu_sets else None
-            log = open(self._log_dir / f"rollout_server_{i}.log", "ab")
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "rollout", "--config", str(cfg_path)],
-                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                preexec_fn=(lambda c=cpus: os.sched_setaffinity(0, c)) if cpus else None,
-            )
-            log.close()
-            self._procs.append(proc)
-            self.addresses.append(f"127.0.0.1:{port}")
+            entry = _Proc(i, free_port())
+            self._launch(entry)
+            self._procs.append(entry)
+            self.addresses.append(f"127.0.0.1:{entry.port}")
         return self.addresses
 
+    def _launch(self, entry: _Proc) -> None:
+        i = entry.index
+        cfg_path = self._log_dir / f"rollout_server_{i}.yaml"
+        cfg = {**self._config, "host": "127.0.0.1", "port": entry.port, "parent_pid": os.getpid()}
+        cfg_path.write_text(yaml.safe_dump(cfg))
+        devices = self._devices[i] if self._devices else None
+        env = {**os.environ, "GRPC_VERBOSITY": "ERROR",
+               **device_env(devices, self._memory_fraction), **self._env}
+        cpus = self._cpu_sets[i] if self._cpu_sets else None
+        with open(self._log_dir / f"rollout_server_{i}.log", "ab") as log:
+            entry.proc = subprocess.Popen(
+                [sys.executable, "-m", "rollout", "--config", str(cfg_path)],
+                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                preexec_fn=lambda: _die_with_parent(cpus),
+            )
+
+    @property
+    def pids(self) -> list[int]:
+        return [e.proc.pid for e in self._procs]
+
+    def _log_tail(self, i: int) -> str:
+        return (self._log_dir / f"rollout_server_{i}.log").read_text(errors="replace")[-3000:]
+
     def check_alive(self) -> None:
-        """Raise with the log's tail if a server exited."""
-        for i, proc in enumerate(self._procs):
-            if proc.poll() is not None:
-                tail = (self._log_dir / f"rollout_server_{i}.log").read_text()[-3000:]
-                raise RuntimeError(
-                    f"rollout server {i} exited with code {proc.returncode}; log tail:\n{tail}")
+        """Raise ``ServerExitedError`` with the log's tail if a server exited."""
+        for e in self._procs:
+            if e.proc.poll() is not None:
+                raise ServerExitedError(f"rollout server {e.index} exited with code "
+                                   f"{e.proc.returncode}; log tail:\n{self._log_tail(e.index)}")
+
+    def restart_exited(self, max_restarts: int) -> list[int]:
+        """Start again, on the same port, every server that exited; returns their indices.
+
+        Raises ``ServerExitedError`` with the log's tail for a server that exited more than
+        ``max_restarts`` times: it is failing, not flaking.
+        """
+        restarted = []
+        for e in self._procs:
+            if e.proc.poll() is None:
+                continue
+            if e.restarts >= max_restarts:
+                raise ServerExitedError(
+                    f"rollout server {e.index} exited {e.restarts + 1} times (last code "
+                    f"{e.proc.returncode}); log tail:\n{self._log_tail(e.index)}")
+            e.restarts += 1
+            self._launch(e)
+            restarted.append(e.index)
+        return restarted
 
     def stop(self, timeout_s: float = 20.0) -> None:
         """SIGTERM every server (graceful shutdown), then SIGKILL stragglers."""
-        for proc in self._procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
+        for e in self._procs:
+            if e.proc.poll() is None:
+                e.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
-        for proc in self._procs:
+        for e in self._procs:
             try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
+                e.proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+                os.killpg(e.proc.pid, signal.SIGKILL)
+                e.proc.wait()
         self._procs.clear()
 
     def __enter__(self) -> "LocalServers":

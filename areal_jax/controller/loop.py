@@ -1,10 +1,17 @@
-"""The asynchronous RL loop: submit under the staleness gate, buffer finished groups, train on
-the oldest ``batch_size`` groups in a worker thread (streams keep flowing), publish each new
-version to every rollout server.
+"""The asynchronous RL loop: submission driven by completions under the staleness gate, batches
+of the oldest finished groups, the train step in a worker thread, publishing in the background.
 
-Nothing accepted is lost: groups in flight or buffered when a checkpoint is written are
-recorded by prompt id and resubmitted first after a restart; groups of a failed server are
-resubmitted elsewhere by the pool, keeping their gate slot.
+Generation never waits for the trainer: every finished group, and every version the servers
+confirm, refills the gate's free slots at once — while the trainer trains, checkpoints or
+evaluates, and while a version is being exported and delivered. The gate counts from the
+version the servers serve, so a publish still in flight tightens the bound instead of breaking
+it.
+
+Nothing accepted is lost: groups in flight or buffered when a checkpoint is written are recorded
+by prompt id and resubmitted first after a restart; groups of a failed server are resubmitted
+elsewhere by the pool; an over-stale group dropped at batch formation (``schedule.overstale:
+drop``) has its prompt generated again. Only a request a server rejects as invalid is not
+retried; many in a row stop the run with the server's error.
 """
 
 from __future__ import annotations
@@ -17,7 +24,10 @@ from collections.abc import Callable
 
 import numpy as np
 
+from areal_jax.controller.busy import BusyWindow
 from areal_jax.controller.gate import StalenessGate
+from areal_jax.controller.ledger import RunLedger
+from areal_jax.controller.publisher import Publisher
 from areal_jax.controller.requests import rollout_request
 from areal_jax.controller.rollout_pool import RolloutPool
 from areal_jax.data.dataset import PromptItem
@@ -28,19 +38,28 @@ from areal_jax.protocol import group_from_proto
 log = logging.getLogger(__name__)
 
 
+class RolloutRejectedError(RuntimeError):
+    """Too many consecutive groups were rejected by the rollout servers as invalid."""
+
+
 @dataclasses.dataclass(order=True)
 class _Finished:
     index: int  # submission order: batches are formed oldest first
     item: PromptItem = dataclasses.field(compare=False)
     group: object = dataclasses.field(compare=False)
 
+    def oldest_version(self) -> int:
+        return min(min(t.versions) for t in self.group.trajectories if len(t.versions))
+
 
 class RLLoop:
-    """Drives one RL run; ``trainer`` is an ``areal_jax.trainer.Trainer``."""
+    """Drives one RL run; ``trainer`` is an ``areal_jax.trainer.Trainer`` (or a group of them
+    across processes): ``version``, ``train_on_batch(groups)`` and ``snapshot_for_publish()``."""
 
     def __init__(self, cfg: ExperimentConfig, trainer, pool: RolloutPool,
                  prompts: PromptIterator, items_by_id: dict[str, PromptItem],
-                 on_step: Callable[[int, dict], None], on_eval: Callable[[int], object] | None = None):
+                 on_step: Callable[[int, dict], None], on_eval: Callable[[int], object] | None = None,
+                 ledger: RunLedger | None = None):
         self.cfg = cfg
         self.trainer = trainer
         self.pool = pool
@@ -48,6 +67,7 @@ class RLLoop:
         self.items_by_id = items_by_id
         self.on_step = on_step
         self.on_eval = on_eval
+        self.ledger = ledger
         s = cfg.schedule
         self.gate = StalenessGate(s.batch_size, s.max_staleness, s.max_in_flight)
         self.version = trainer.version
@@ -57,39 +77,57 @@ class RLLoop:
         self._buffer: list[_Finished] = []
         self._retry: list[PromptItem] = []
         self._wake = asyncio.Event()
-        self._failed_groups = 0
+        self._rejected = self._consecutive_rejected = self._dropped = 0
+        self._fatal: BaseException | None = None
         self._paused = False
+        self._publisher: Publisher | None = None
+        self._busy = BusyWindow()
 
     # ---- state that survives a restart -------------------------------------------------
+    def pending_ids(self) -> list[str]:
+        """Prompt ids accepted but not trained yet: buffered, in flight, waiting to be resent."""
+        return ([f.item.id for f in sorted(self._buffer)]
+                + [item.id for _, item in sorted(self._in_flight.items())]
+                + [i.id for i in self._retry])
+
     def state_dict(self) -> dict:
-        pending = [f.item.id for f in sorted(self._buffer)] + [
-            item.id for _, item in sorted(self._in_flight.items())]
-        return {"data": self.prompts.state_dict(), "pending": pending + [i.id for i in self._retry],
-                "version": self.version, "failed_groups": self._failed_groups}
+        return {"data": self.prompts.state_dict(), "pending": self.pending_ids(),
+                "version": self.version, "rejected_groups": self._rejected}
 
     def load_state_dict(self, state: dict) -> None:
         self.prompts.load_state_dict(state["data"])
         self._retry = [self.items_by_id[i] for i in state.get("pending", []) if i in self.items_by_id]
-        self._failed_groups = int(state.get("failed_groups", 0))
+        self._rejected = int(state.get("rejected_groups", state.get("failed_groups", 0)))
         # Re-submitted groups are charged to the gate when they are sent again.
         self.gate.restore(self.version)
 
     # ---- submission --------------------------------------------------------------------
+    @property
+    def served_version(self) -> int:
+        """The version the rollout servers confirmed serving: what the gate counts from."""
+        return self._publisher.published if self._publisher is not None else self.version
+
     def _next_item(self) -> PromptItem:
         return self._retry.pop(0) if self._retry else next(self.prompts)
 
-    def _submit_allowed(self) -> None:
+    def _fill(self) -> None:
+        """Submit while the gate has room; called whenever room may have appeared."""
         sp = self.cfg.sampling
-        while not self._paused and self.gate.can_submit(self.version):
+        while (not self._paused and self._fatal is None
+               and self.gate.can_submit(self.served_version)):
             item = self._next_item()
             index = self._next_index
             self._next_index += 1
-            request = rollout_request(item, f"{index}:{item.id}", self.cfg.dataset.reward,
+            rid = f"{index}:{item.id}"
+            request = rollout_request(item, rid, self.cfg.dataset.reward,
                                       sp.group_size, sp.max_new_tokens, sp.temperature,
                                       sp.top_p, sp.top_k, seed=self.cfg.seed * 1_000_003 + index)
             future = self.pool.submit(request)
             self.gate.on_submit()
             self._in_flight[index] = item
+            if self.ledger is not None:
+                self.ledger.record("submit", request=rid, prompt=item.id,
+                                   version=self.served_version)
             future.add_done_callback(lambda f, i=index: self._on_done(i, f))
 
     def _on_done(self, index: int, future: asyncio.Future) -> None:
@@ -99,70 +137,162 @@ class RLLoop:
         error = future.exception()
         if error is not None:
             self.gate.on_failed()
+            self._retry.insert(0, item)  # kept for the checkpoint; the run stops
             self._fatal = error
         elif future.result().HasField("error"):
-            err = future.result().error
-            log.warning("prompt %s rejected by the rollout server: %s (%s)", item.id,
-                        err.message, err.field)
-            self.gate.on_failed()
-            self._failed_groups += 1
+            self._on_rejected(item, future.result().error)
         else:
+            self._consecutive_rejected = 0
             self.gate.on_finished()
             self._buffer.append(_Finished(index, item, future.result()))
         self._wake.set()
+        self._fill()
 
-    # ---- the loop ----------------------------------------------------------------------
-    async def run(self, total_steps: int, checkpoint: Callable[[dict], None]) -> None:
-        """Train until the trainer reaches ``total_steps`` versions."""
-        self._fatal = None
+    def _on_rejected(self, item: PromptItem, err) -> None:
+        self.gate.on_failed()
+        self._rejected += 1
+        self._consecutive_rejected += 1
+        log.warning("prompt %s rejected by the rollout server: %s (field %s)", item.id,
+                    err.message, err.field or "-")
+        if self.ledger is not None:
+            self.ledger.record("reject", prompt=item.id, field=err.field, message=err.message)
+        limit = self.cfg.rollout.max_consecutive_rejections
+        if self._consecutive_rejected >= limit:
+            self._fatal = RolloutRejectedError(
+                f"{self._consecutive_rejected} groups in a row were rejected by the rollout "
+                f"servers (rollout.max_consecutive_rejections = {limit}); the last one: "
+                f"{err.field or 'request'}: {err.message}")
+
+    # ---- batches -------------------------------------------------------------------------
+    def _drop_overstale(self) -> None:
+        """Discard buffered groups older than the bound allows; their prompts go again."""
+        eta = self.cfg.schedule.max_staleness
+        keep = []
+        for f in self._buffer:
+            if self.version - f.oldest_version() > eta:
+                self.gate.on_dropped()
+                self._retry.append(f.item)
+                self._dropped += 1
+                if self.ledger is not None:
+                    self.ledger.record("drop", prompt=f.item.id, version=self.version,
+                                       oldest=f.oldest_version())
+            else:
+                keep.append(f)
+        if len(keep) != len(self._buffer):
+            self._buffer = keep
+            self._fill()
+
+    def _take_batch(self) -> list[_Finished] | None:
+        if self.cfg.schedule.overstale == "drop":
+            self._drop_overstale()
         B = self.cfg.schedule.batch_size
-        sync = self.cfg.schedule.mode == "sync"
-        every_ckpt = self.cfg.checkpoint_every
-        every_eval = self.cfg.eval.every_steps
-        while self.version < total_steps:
-            self._submit_allowed()
+        if len(self._buffer) < B:
+            return None
+        self._buffer.sort()
+        batch, self._buffer = self._buffer[:B], self._buffer[B:]
+        return batch
+
+    async def _next_batch(self) -> list[_Finished]:
+        while True:
             if self._fatal is not None:
                 raise self._fatal
-            if len(self._buffer) < B:
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            wait_end = time.monotonic()
-            self._buffer.sort()
-            batch, self._buffer = self._buffer[:B], self._buffer[B:]
-            if sync:
-                self._paused = True
-                await self.pool.pause()
-            groups = [group_from_proto(f.group) for f in batch]
-            t0 = time.monotonic()
-            metrics = await asyncio.to_thread(self.trainer.train_on_batch, groups)
-            t1 = time.monotonic()
-            self.version = self.trainer.version
-            path = await asyncio.to_thread(self.trainer.publish, self.version)
-            await self.pool.update_weights(path, self.version,
-                                           push=self.cfg.rollout.weights_transport == "push")
-            t2 = time.monotonic()
-            if sync:
-                self._paused = False
-                await self.pool.resume()
-            metrics.update(self._rollout_metrics(groups))
-            metrics.update({"timing/train_s": t1 - t0, "timing/publish_s": t2 - t1,
-                            "timing/wait_s": t0 - wait_end, "version": float(self.version),
-                            "rollout/in_flight": float(self.gate.in_flight),
-                            "rollout/buffered": float(len(self._buffer)),
-                            "rollout/failed_groups": float(self._failed_groups)})
-            if every_eval and self.version % every_eval == 0 and self.on_eval is not None:
-                metrics.update(await self.on_eval(self.version))
-            self.on_step(self.version, metrics)
-            if every_ckpt and (self.version % every_ckpt == 0 or self.version == total_steps):
-                await asyncio.to_thread(checkpoint, self.state_dict())
+            self._publisher.raise_error()
+            batch = self._take_batch()
+            if batch is not None:
+                return batch
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), 1.0)
+            except TimeoutError:
+                pass
 
-    @staticmethod
-    def _rollout_metrics(groups) -> dict[str, float]:
-        rewards = [t.reward for g in groups for t in g.trajectories]
-        lengths = [len(t.output_ids) for g in groups for t in g.trajectories]
+    # ---- the loop ----------------------------------------------------------------------
+    def _train(self, groups):
+        metrics = self.trainer.train_on_batch(groups)
+        return metrics, self.trainer.snapshot_for_publish()
+
+    async def run(self, total_steps: int, checkpoint: Callable[[dict], None]) -> None:
+        """Train until the trainer reaches ``total_steps`` versions; the last version is
+        published when this returns."""
+        self._fatal = None
+        sync = self.cfg.schedule.mode == "sync"
+        every_ckpt, every_eval = self.cfg.checkpoint_every, self.cfg.eval.every_steps
+        push = self.cfg.rollout.weights_transport == "push"
+        self._publisher = Publisher(self.pool, self.version, push,
+                                    on_published=lambda v, t: self._fill())
+        self._busy_fractions()
+        try:
+            self._fill()
+            while self.version < total_steps:
+                wait_start = time.monotonic()
+                batch = await self._next_batch()
+                groups = [group_from_proto(f.group) for f in batch]
+                metrics = _staleness_metrics(groups, self.version, self.cfg.schedule.max_staleness)
+                if sync:
+                    self._paused = True
+                    await self.pool.pause()
+                t0 = time.monotonic()
+                step_metrics, snapshot = await asyncio.to_thread(self._train, groups)
+                t1 = time.monotonic()
+                metrics.update(step_metrics)
+                self.version = self.trainer.version
+                if self.ledger is not None:
+                    self.ledger.record("train", version=self.version,
+                                       prompts=[f.item.id for f in batch])
+                if sync:
+                    await self._publisher.publish_now(snapshot)
+                    self._paused = False
+                    await self.pool.resume()
+                    self._fill()
+                else:
+                    self._publisher.submit(snapshot)
+                metrics.update(self._loop_metrics(groups, t0 - wait_start, t1 - t0))
+                if every_eval and self.version % every_eval == 0 and self.on_eval is not None:
+                    await self._publisher.flush()
+                    metrics.update(await self.on_eval(self.version))
+                self.on_step(self.version, metrics)
+                if every_ckpt and (self.version % every_ckpt == 0 or self.version == total_steps):
+                    await asyncio.to_thread(checkpoint, self.state_dict())
+            await self._publisher.flush()
+            if self.ledger is not None:
+                self.ledger.record("end", version=self.version, pending=self.pending_ids(),
+                                   data=self.prompts.state_dict())
+        finally:
+            await self._publisher.close()
+
+    def _busy_fractions(self) -> dict[str, float]:
+        """Per server, its busy fraction since the last call (see ``controller.busy``)."""
+        share = self.cfg.schedule.max_in_flight / max(1, len(self.pool.live_servers))
+        return self._busy.fractions(self.pool.busy_clocks(), share)
+
+    def _loop_metrics(self, groups, wait_s: float, train_s: float) -> dict[str, float]:
         gen_s = [g.metadata["timing"]["generation_s"] for g in groups]
-        return {"reward/mean": float(np.mean(rewards)),
-                "response_length/mean": float(np.mean(lengths)),
-                "response_length/max": float(np.max(lengths)),
-                "rollout/generation_s": float(np.mean(gen_s))}
+        busy = self._busy_fractions()
+        live = set(self.pool.live_servers)
+        out = {"rollout/generation_s": float(np.mean(gen_s)),
+               "timing/train_s": train_s, "timing/wait_s": wait_s,
+               "version": float(self.version),
+               "version/served": float(self.served_version),
+               "version/publish_lag": float(self.version - self.served_version),
+               "rollout/in_flight": float(self.gate.in_flight),
+               "rollout/buffered": float(len(self._buffer)),
+               "rollout/rejected_groups": float(self._rejected),
+               "rollout/dropped_overstale": float(self._dropped),
+               "rollout/resubmitted": float(self.pool.resubmitted),
+               "rollout/live_servers": float(len(live))}
+        out.update(self._publisher.last_timings)
+        for i, (address, fraction) in enumerate(busy.items()):
+            out[f"rollout/busy_fraction/server{i}"] = fraction
+        live_busy = [f for a, f in busy.items() if a in live]
+        if live_busy:
+            out["rollout/busy_fraction"] = float(min(live_busy))
+        return out
+
+
+def _staleness_metrics(groups, version: int, bound: int) -> dict[str, float]:
+    """Distribution of the per-token staleness (``version`` minus the token's) trained on."""
+    stale = np.concatenate([version - np.asarray(t.versions)[np.asarray(t.output_mask) == 1]
+                            for g in groups for t in g.trajectories])
+    return {"staleness/p50": float(np.percentile(stale, 50)),
+            "staleness/p90": float(np.percentile(stale, 90)),
+            "staleness/over_bound_fraction": float(np.mean(stale > bound))}

@@ -12,7 +12,7 @@ from rich.progress import TimeElapsedColumn, TimeRemainingColumn
 _SHOWN = (("loss", "loss {:.3f}"), ("reward/mean", "reward {:.3f}"),
           ("eval/accuracy", "eval acc {:.3f}"),
           ("throughput/tokens_per_s", "{:.0f} tok/s"), ("staleness/mean", "stale {:.2f}"),
-          ("staleness/max", "max {:.0f}"))
+          ("staleness/max", "max {:.0f}"), ("rollout/busy_fraction", "busy {:.2f}"))
 
 
 def summary(metrics: dict) -> str:
@@ -26,11 +26,13 @@ def summary(metrics: dict) -> str:
 
 
 class TrainingProgress:
-    """A rich progress display; when stdout is not a terminal it prints one line per step."""
+    """A rich progress display; when stdout is not a terminal it prints one line per step.
+    ``enabled=False`` (trainer processes other than the leader) shows nothing."""
 
-    def __init__(self):
+    def __init__(self, enabled: bool = True):
         self._console = Console(file=sys.stdout)
-        self._live = self._console.is_terminal
+        self._live = self._console.is_terminal and enabled
+        self._quiet = not enabled
         self._progress = Progress(
             SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(),
             MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
@@ -44,14 +46,14 @@ class TrainingProgress:
         self._progress.__exit__(*exc)
 
     def start_phase(self, name: str, total: int | None, completed: int = 0):
-        if not self._live:
+        if not self._live and not self._quiet:
             print(f"== {name}", flush=True)
         return self._progress.add_task(name, total=total, completed=completed, info="")
 
     def advance(self, task, metrics: dict) -> None:
         info = summary(metrics)
         self._progress.update(task, advance=1, info=info)
-        if not self._live:
+        if not self._live and not self._quiet:
             t = self._progress.tasks[[x.id for x in self._progress.tasks].index(task)]
             print(f"  {t.description} {int(t.completed)}/{int(t.total or 0)}  {info}", flush=True)
 

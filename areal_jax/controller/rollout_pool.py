@@ -1,69 +1,191 @@
-"""Client side of N rollout servers: one open ``Rollout`` stream each, least-loaded routing,
-resubmission when a server dies, and weight updates broadcast to every live server."""
+"""Client side of N rollout servers: one open ``Rollout`` stream each, least-loaded routing, and
+a guarantee that no accepted request is lost.
+
+* A request whose server dies (stream broken, unreachable, hung on a control call past its
+  deadline), or that comes back with an error the server — not the request — is to blame for
+  (UNAVAILABLE, ABORTED, INTERNAL, ...), is sent again to another live server. Only
+  INVALID_ARGUMENT (and other request-specific codes) come back to the caller as the request's
+  own error. A request that keeps failing ``max_attempts`` times for reasons other than a dying
+  server fails with ``RequestFailedError`` instead of looping.
+* With no live server, requests wait; a supervisor task tries dead servers every
+  ``rejoin_interval_s`` and brings one that answers SERVING again back to the current weights
+  (a forced update) before it gets work. If no server is reachable for ``no_server_timeout_s``
+  every waiting request fails with ``NoLiveServerError``.
+* Every control call (update, push, pause, resume, status) has a deadline; UNAVAILABLE is
+  retried ``rpc_retries`` times with backoff; a server still failing (or past its deadline) is
+  taken out of the pool, its groups go elsewhere, and it may rejoin later.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import logging
+import time
 from pathlib import Path
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from areal_jax.protocol import push_weight_requests
+from areal_jax.controller.busy import BusyClock
+from areal_jax.protocol import SERVICE_NAME, push_weight_requests
 from areal_jax.protocol.v1 import rollout_pb2 as pb
 from areal_jax.protocol.v1 import rollout_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
+_S = grpc.StatusCode
+# Error groups whose request is generated again elsewhere: the server failed, not the request.
+_SERVER_GONE = {_S.UNAVAILABLE.value[0], _S.ABORTED.value[0], _S.CANCELLED.value[0]}
+_SERVER_FAULT = {_S.INTERNAL.value[0], _S.UNKNOWN.value[0], _S.DEADLINE_EXCEEDED.value[0],
+                 _S.RESOURCE_EXHAUSTED.value[0]}
+
 
 class NoLiveServerError(RuntimeError):
-    """Every rollout server has failed; nothing can be generated."""
+    """No rollout server has been reachable for too long; nothing can be generated."""
+
+
+class RequestFailedError(RuntimeError):
+    """One request failed on the servers too many times (not because a server died)."""
+
+
+class WeightsRejectedError(RuntimeError):
+    """A rollout server refused a checkpoint (path not allowed, corrupt or mismatched files)."""
+
+
+@dataclasses.dataclass
+class PoolOptions:
+    """Deadlines and retry budgets of the pool (``rollout.*`` in the experiment config)."""
+
+    rpc_timeout_s: float = 60.0  # status, pause, resume
+    update_timeout_s: float = 600.0  # UpdateWeights / PushWeights, loading included
+    rpc_retries: int = 3  # extra attempts of a control call that found the server UNAVAILABLE
+    rejoin_interval_s: float = 5.0
+    no_server_timeout_s: float = 300.0
+    max_attempts: int = 8  # sends of one request before it fails for good
+    max_message_mb: int = 64
+
+
+@dataclasses.dataclass
+class _Weights:
+    path: str
+    version: int
+    push: bool
 
 
 @dataclasses.dataclass
 class _Server:
     address: str
-    channel: grpc.aio.Channel
-    stub: pb_grpc.RolloutServiceStub
-    outbox: asyncio.Queue
-    in_flight: dict[str, pb.RolloutRequest] = dataclasses.field(default_factory=dict)
-    alive: bool = True
+    channel: grpc.aio.Channel | None = None
+    stub: pb_grpc.RolloutServiceStub | None = None
+    outbox: asyncio.Queue | None = None
+    call: object = None
     reader: asyncio.Task | None = None
+    in_flight: dict[str, pb.RolloutRequest] = dataclasses.field(default_factory=dict)
+    alive: bool = False
+    version: int | None = None
+    busy: BusyClock = dataclasses.field(default_factory=BusyClock)
 
 
 class RolloutPool:
     """Routes rollout requests to the least-loaded live server; each ``submit`` returns a future
-    resolved with the server's ``TrajectoryGroup`` (or its per-request error)."""
+    resolved with the server's ``TrajectoryGroup`` (or its request-specific error)."""
 
     def __init__(self, addresses: list[str], auth_token: str | None = None,
-                 tls_root_cert: bytes | None = None, max_message_mb: int = 64):
+                 tls_root_cert: bytes | None = None, options: PoolOptions | None = None):
         if not addresses:
             raise ValueError("rollout.addresses: at least one rollout server is needed")
-        self._addresses = list(addresses)
+        self.options = options or PoolOptions()
         self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else None
         self._tls = tls_root_cert
-        self._options = [("grpc.max_send_message_length", max_message_mb << 20),
-                         ("grpc.max_receive_message_length", max_message_mb << 20)]
-        self._servers: list[_Server] = []
+        mb = self.options.max_message_mb << 20
+        self._channel_options = [("grpc.max_send_message_length", mb),
+                                 ("grpc.max_receive_message_length", mb)]
+        self._servers = [_Server(a) for a in addresses]
         self._futures: dict[str, asyncio.Future] = {}
+        self._attempts: dict[str, int] = {}
+        self._parked: list[pb.RolloutRequest] = []
+        self._none_live_since: float | None = None
+        self._weights: _Weights | None = None
+        self._weights_lock = asyncio.Lock()
+        self._supervisor: asyncio.Task | None = None
+        self._closing: list[asyncio.Task] = []
+        self.resubmitted = 0  # requests sent again after a server failure
+
+    # ---- connections ---------------------------------------------------------------------
+    def _new_channel(self, address: str) -> grpc.aio.Channel:
+        if self._tls is not None:
+            creds = grpc.ssl_channel_credentials(self._tls)
+            return grpc.aio.secure_channel(address, creds, options=self._channel_options)
+        return grpc.aio.insecure_channel(address, options=self._channel_options)
 
     async def start(self, ready_timeout_s: float = 120.0) -> None:
-        """Connect to every server (waiting until each answers) and open the streams."""
-        for address in self._addresses:
-            if self._tls is not None:
-                channel = grpc.aio.secure_channel(
-                    address, grpc.ssl_channel_credentials(self._tls), options=self._options)
-            else:
-                channel = grpc.aio.insecure_channel(address, options=self._options)
-            await asyncio.wait_for(channel.channel_ready(), ready_timeout_s)
-            server = _Server(address, channel, pb_grpc.RolloutServiceStub(channel), asyncio.Queue())
-            server.reader = asyncio.create_task(self._read(server))
-            self._servers.append(server)
+        """Connect to every server (waiting until each answers), open the streams and start
+        the supervisor that lets failed servers rejoin."""
+        for server in self._servers:
+            channel = self._new_channel(server.address)
+            try:
+                await asyncio.wait_for(channel.channel_ready(), ready_timeout_s)
+            except BaseException:
+                await channel.close()
+                raise
+            self._open(server, channel)
+        self._supervisor = asyncio.create_task(self._supervise())
 
+    def _open(self, server: _Server, channel: grpc.aio.Channel) -> None:
+        """Open ``server``'s Rollout stream on ``channel`` and route work to it."""
+        server.channel, server.stub = channel, pb_grpc.RolloutServiceStub(channel)
+        server.outbox = asyncio.Queue()
+        server.call = server.stub.Rollout(self._requests_of(server.outbox), metadata=self._metadata)
+        server.alive = True
+        server.reader = asyncio.create_task(self._read(server, server.call))
+        self._none_live_since = None
+        parked, self._parked = self._parked, []
+        for request in parked:
+            if request.request_id in self._futures:
+                self._route(request)
+
+    @staticmethod
+    async def _requests_of(outbox: asyncio.Queue):
+        while (request := await outbox.get()) is not None:
+            yield request
+
+    def _mark_dead(self, server: _Server, reason: str) -> None:
+        """Take ``server`` out of the pool; its groups are sent to other servers."""
+        if not server.alive:
+            return
+        server.alive = False
+        orphans = list(server.in_flight.values())
+        server.in_flight.clear()
+        server.busy.clear()
+        log.warning("rollout server %s left the pool (%s); resubmitting its %d groups",
+                    server.address, reason, len(orphans))
+        server.outbox.put_nowait(None)
+        if server.call is not None:
+            server.call.cancel()
+        if server.reader is not None and server.reader is not asyncio.current_task():
+            server.reader.cancel()
+        if server.channel is not None:
+            self._closing.append(asyncio.create_task(server.channel.close()))
+        server.channel = server.stub = server.call = None
+        for request in orphans:
+            if request.request_id in self._futures:
+                self.resubmitted += 1
+                self._route(request, avoid=server)
+
+    # ---- routing -------------------------------------------------------------------------
     @property
     def live_servers(self) -> list[str]:
         return [s.address for s in self._servers if s.alive]
+
+    @property
+    def published_version(self) -> int | None:
+        """The version every server in the pool has confirmed loading (None before any)."""
+        return self._weights.version if self._weights else None
+
+    def busy_clocks(self) -> dict[str, BusyClock]:
+        """Per server address, the clock of time it had at least one group in flight."""
+        return {s.address: s.busy for s in self._servers}
 
     def in_flight(self) -> int:
         return len(self._futures)
@@ -74,112 +196,217 @@ class RolloutPool:
             raise ValueError(f"request_id {request.request_id!r} is already in flight")
         future = asyncio.get_running_loop().create_future()
         self._futures[request.request_id] = future
+        self._attempts[request.request_id] = 0
         self._route(request)
         return future
 
     def _route(self, request: pb.RolloutRequest, avoid: _Server | None = None) -> None:
-        live = [s for s in self._servers if s.alive and s is not avoid]
-        if not live:
-            error = NoLiveServerError("every rollout server has failed")
-            for rid, future in list(self._futures.items()):
-                if not future.done():
-                    future.set_exception(error)
-            self._futures.clear()
+        live = [s for s in self._servers if s.alive]
+        candidates = [s for s in live if s is not avoid] or live
+        if not candidates:
+            if self._none_live_since is None:
+                self._none_live_since = time.monotonic()
+            self._parked.append(request)
             return
-        server = min(live, key=lambda s: len(s.in_flight))
+        server = min(candidates, key=lambda s: len(s.in_flight))
         server.in_flight[request.request_id] = request
+        server.busy.add()
         server.outbox.put_nowait(request)
 
-    def _has_other_live(self, server: _Server) -> bool:
-        return any(s.alive and s is not server for s in self._servers)
+    def _resolve(self, request_id: str, group=None, error: BaseException | None = None) -> None:
+        future = self._futures.pop(request_id, None)
+        self._attempts.pop(request_id, None)
+        if future is None or future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(group)
 
-    async def _requests_of(self, server: _Server):
-        while True:
-            request = await server.outbox.get()
-            if request is None:
-                return
-            yield request
-
-    async def _read(self, server: _Server) -> None:
-        call = server.stub.Rollout(self._requests_of(server), metadata=self._metadata)
+    async def _read(self, server: _Server, call) -> None:
         try:
             async for group in call:
-                request = server.in_flight.pop(group.request_id, None)
-                aborted = any(t.finish_reason == pb.FINISH_REASON_ABORT for t in group.trajectories)
-                if aborted and request is not None and self._has_other_live(server):
-                    # A server shutting down returns partial samples: generate them again.
-                    self._route(request, avoid=server)
-                    continue
-                future = self._futures.pop(group.request_id, None)
-                if future is not None and not future.done():
-                    future.set_result(group)
+                self._on_group(server, group)
+        except asyncio.CancelledError:
+            return
         except grpc.aio.AioRpcError as e:
-            if e.code() == grpc.StatusCode.CANCELLED and not server.alive:
+            self._mark_dead(server, f"stream failed: {e.code().name}: {e.details()}")
+            return
+        self._mark_dead(server, "the server closed its stream")
+
+    def _on_group(self, server: _Server, group: pb.TrajectoryGroup) -> None:
+        request = server.in_flight.pop(group.request_id, None)
+        if request is None:
+            return  # already sent elsewhere
+        server.busy.remove()
+        if group.request_id not in self._futures:
+            return
+        code = group.error.code if group.HasField("error") else 0
+        aborted = any(t.finish_reason == pb.FINISH_REASON_ABORT for t in group.trajectories)
+        if code in _SERVER_GONE or aborted:
+            # The server is going away (shutting down, engine dead): it gets no more work
+            # until it answers SERVING again.
+            detail = group.error.message if code else "partial samples of a shutdown"
+            server.in_flight[group.request_id] = request  # resubmitted with the others
+            server.busy.add()
+            self._mark_dead(server, f"{_code_enum(code).name if code else 'ABORT'}: {detail}")
+        elif code in _SERVER_FAULT:
+            self._attempts[group.request_id] += 1
+            if self._attempts[group.request_id] >= self.options.max_attempts:
+                self._resolve(group.request_id, error=RequestFailedError(
+                    f"request {group.request_id} failed {self.options.max_attempts} times on the "
+                    f"rollout servers; last error from {server.address}: "
+                    f"{_code_enum(code).name}: {group.error.message}"))
                 return
-            log.warning("rollout server %s failed (%s: %s); resubmitting its %d groups",
-                        server.address, e.code().name, e.details(), len(server.in_flight))
-        server.alive = False
-        orphans = list(server.in_flight.values())
-        server.in_flight.clear()
-        for request in orphans:
-            if request.request_id in self._futures:
-                self._route(request)
+            log.warning("request %s failed on %s (%s: %s); sending it again", group.request_id,
+                        server.address, _code_enum(code).name, group.error.message)
+            self.resubmitted += 1
+            self._route(request, avoid=server)
+        else:
+            self._resolve(group.request_id, group)
 
-    async def _each(self, fn):
-        """``fn(server)`` on every live server; a server found unreachable is marked dead (its
-        stream reader resubmits its groups) and left out of the results."""
+    # ---- supervision ---------------------------------------------------------------------
+    async def _supervise(self) -> None:
+        """Let dead servers rejoin; fail waiting requests when none has come back in time."""
+        opts = self.options
+        while True:
+            await asyncio.sleep(opts.rejoin_interval_s)
+            for server in self._servers:
+                if not server.alive:
+                    await self._try_rejoin(server)
+            if self._none_live_since is not None and not any(s.alive for s in self._servers):
+                waited = time.monotonic() - self._none_live_since
+                if waited >= opts.no_server_timeout_s and self._futures:
+                    error = NoLiveServerError(
+                        f"no rollout server has been reachable for {waited:.0f} s "
+                        f"(rollout.no_server_timeout_s); tried {', '.join(self._addresses())}")
+                    self._parked.clear()
+                    for rid in list(self._futures):
+                        self._resolve(rid, error=error)
 
-        async def guarded(server: _Server):
-            try:
-                return await fn(server)
-            except grpc.aio.AioRpcError as e:
-                if e.code() != grpc.StatusCode.UNAVAILABLE:
-                    raise
-                log.warning("rollout server %s is unreachable: %s", server.address, e.details())
-                server.alive = False
-                return None
+    def _addresses(self) -> list[str]:
+        return [s.address for s in self._servers]
 
-        servers = [s for s in self._servers if s.alive]
-        results = await asyncio.gather(*(guarded(s) for s in servers))
-        if not any(s.alive for s in self._servers):
-            raise NoLiveServerError("every rollout server has failed")
-        return [r for r in results if r is not None]
-
-    async def update_weights(self, path: str | Path, version: int, push: bool = False) -> None:
-        """Every live server loads the HF directory ``path`` as ``version`` (``push``: the files
-        are streamed to the server instead of read from a shared filesystem)."""
-        async def one(server: _Server):
-            if push:
-                await server.stub.PushWeights(push_weight_requests(path, version),
+    async def _try_rejoin(self, server: _Server) -> None:
+        channel = self._new_channel(server.address)
+        timeout = min(self.options.rpc_timeout_s, max(1.0, self.options.rejoin_interval_s))
+        try:
+            await asyncio.wait_for(channel.channel_ready(), timeout)
+            health = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=timeout,
+                metadata=self._metadata)
+            if health.status != health_pb2.HealthCheckResponse.SERVING:
+                raise ConnectionError("not serving")
+            stub = pb_grpc.RolloutServiceStub(channel)
+            async with self._weights_lock:
+                status = await stub.GetStatus(pb.GetStatusRequest(), timeout=timeout,
                                               metadata=self._metadata)
-            else:
-                await server.stub.UpdateWeights(
-                    pb.UpdateWeightsRequest(path=str(path), version=version),
-                    metadata=self._metadata)
+                w = self._weights
+                if w is not None and status.version != w.version:
+                    await self._send_weights(stub, w, force=True)
+                server.version = w.version if w is not None else status.version
+                self._open(server, channel)
+        except (asyncio.TimeoutError, grpc.aio.AioRpcError, ConnectionError, OSError) as e:
+            log.debug("rollout server %s cannot rejoin yet: %r", server.address, e)
+            await channel.close()
+            return
+        log.warning("rollout server %s rejoined the pool at version %s", server.address,
+                    server.version)
 
-        await self._each(one)
+    # ---- control calls -------------------------------------------------------------------
+    async def _control(self, server: _Server, name: str, call, timeout: float):
+        """``await call(stub, timeout)`` with retries; None when the server had to leave."""
+        for attempt in range(self.options.rpc_retries + 1):
+            if not server.alive:
+                return None
+            try:
+                return await call(server.stub, timeout)
+            except grpc.aio.AioRpcError as e:
+                if e.code() == _S.UNAVAILABLE and attempt < self.options.rpc_retries:
+                    await asyncio.sleep(min(0.2 * 2**attempt, 5.0))
+                    continue
+                if e.code() in (_S.UNAVAILABLE, _S.DEADLINE_EXCEEDED, _S.CANCELLED):
+                    self._mark_dead(server, f"{name}: {e.code().name}: {e.details()}")
+                    return None
+                raise
+        return None
+
+    async def _each(self, name: str, call, timeout: float) -> list:
+        """``call`` on every live server; servers that fail it leave the pool."""
+        servers = [s for s in self._servers if s.alive]
+        results = await asyncio.gather(*(self._control(s, name, call, timeout) for s in servers))
+        return [(s, r) for s, r in zip(servers, results) if r is not None]
+
+    async def _send_weights(self, stub, w: _Weights, force: bool, timeout: float | None = None):
+        timeout = timeout or self.options.update_timeout_s
+        if w.push:
+            return await stub.PushWeights(push_weight_requests(w.path, w.version, force=force),
+                                          timeout=timeout, metadata=self._metadata)
+        request = pb.UpdateWeightsRequest(path=w.path, version=w.version, force=force)
+        return await stub.UpdateWeights(request, timeout=timeout, metadata=self._metadata)
+
+    async def update_weights(self, path: str | Path, version: int, push: bool = False,
+                             force: bool = False) -> None:
+        """Every live server loads the HF directory ``path`` as ``version`` (``push``: the files
+        are streamed to the server instead of read from a shared filesystem; ``force``: also
+        when a server serves a newer version, as after a restart from an older checkpoint)."""
+        w = _Weights(str(path), version, push)
+
+        async def one(stub, timeout):
+            try:
+                return await self._send_weights(stub, w, force, timeout)
+            except grpc.aio.AioRpcError as e:
+                if e.code() != _S.FAILED_PRECONDITION:
+                    raise
+                raise WeightsRejectedError(
+                    f"a rollout server refused version {version} at {path}: {e.details()}"
+                ) from e
+
+        async with self._weights_lock:
+            done = await self._each("update weights", one, self.options.update_timeout_s)
+            for server, _ in done:
+                server.version = version
+            self._weights = w
+
+    def record_weights(self, path: str | Path, version: int, push: bool = False) -> None:
+        """Every server already serves ``path`` as ``version`` (launched with it): servers
+        that rejoin later are brought to it."""
+        self._weights = _Weights(str(path), version, push)
+        for server in self._servers:
+            server.version = version
 
     async def pause(self) -> None:
-        await self._each(lambda s: s.stub.Pause(pb.PauseRequest(), metadata=self._metadata))
+        await self._each("pause", lambda stub, t: stub.Pause(
+            pb.PauseRequest(), timeout=t, metadata=self._metadata), self.options.rpc_timeout_s)
 
     async def resume(self) -> None:
-        await self._each(lambda s: s.stub.Resume(pb.ResumeRequest(), metadata=self._metadata))
+        await self._each("resume", lambda stub, t: stub.Resume(
+            pb.ResumeRequest(), timeout=t, metadata=self._metadata), self.options.rpc_timeout_s)
 
     async def status(self) -> list[pb.ServerStatus]:
-        return await self._each(
-            lambda s: s.stub.GetStatus(pb.GetStatusRequest(), metadata=self._metadata))
+        done = await self._each("status", lambda stub, t: stub.GetStatus(
+            pb.GetStatusRequest(), timeout=t, metadata=self._metadata), self.options.rpc_timeout_s)
+        return [status for _, status in done]
 
     async def close(self) -> None:
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+            await asyncio.gather(self._supervisor, return_exceptions=True)
         for server in self._servers:
-            server.alive = False
-            server.outbox.put_nowait(None)
-        for server in self._servers:
-            if server.reader is not None:
+            if server.alive:
+                server.alive = False
+                server.outbox.put_nowait(None)
+                server.call.cancel()
                 server.reader.cancel()
                 await asyncio.gather(server.reader, return_exceptions=True)
-            await server.channel.close()
+                await server.channel.close()
+        await asyncio.gather(*self._closing, return_exceptions=True)
         for future in self._futures.values():
             if not future.done():
                 future.cancel()
         self._futures.clear()
+        self._parked.clear()
 
+
+def _code_enum(number: int) -> grpc.StatusCode:
+    return next((c for c in grpc.StatusCode if c.value[0] == number), grpc.StatusCode.UNKNOWN)

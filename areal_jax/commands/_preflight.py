@@ -1,0 +1,40 @@
+"""Checks run before a long command starts, so bad input fails in seconds with a clear error
+instead of deep inside a rollout server's log."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from areal_jax.config import ConfigError, from_dict
+from areal_jax.experiment import ExperimentConfig
+
+
+def check_rollout_server(cfg: ExperimentConfig) -> None:
+    """``rollout.server`` is free-form YAML handed to the servers: validate it as their config."""
+    from areal_jax.controller.servers import server_config
+    from rollout.config import ServerConfig
+
+    data = server_config(cfg, Path(cfg.run_dir) / "model", 0)
+    try:
+        from_dict(ServerConfig, data)
+    except ConfigError as e:
+        raise ConfigError(f"rollout.server: {e}") from e
+
+
+def check_rewards(cfg: ExperimentConfig) -> None:
+    """Every reward the run names can be imported here (with the real import error if not)."""
+    from areal_jax.controller.servers import custom_rewards
+    from areal_jax.rewards import check_reward
+
+    custom = custom_rewards(cfg)
+    for key, dataset in (("dataset", cfg.dataset), ("eval.dataset", cfg.eval.dataset)):
+        if dataset is not None:
+            try:
+                check_reward(dataset.reward, custom)
+            except ConfigError as e:
+                raise ConfigError(f"{key}.reward: {e}") from e
+
+
+def preflight(cfg: ExperimentConfig) -> None:
+    check_rollout_server(cfg)
+    check_rewards(cfg)

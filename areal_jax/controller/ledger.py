@@ -1,0 +1,54 @@
+"""The run ledger: an append-only JSONL record of what happened to every prompt group.
+
+Events: ``submit`` (request id, prompt id, gate version), ``reject`` (the server found the
+request invalid: field and message), ``drop`` (over-stale at batch formation, prompt generated
+again), ``train`` (version and the prompt ids of its batch), ``start`` (the run (re)starts from
+the trainer at a version, restored from a checkpoint or not: trained records of later versions
+are void) and ``end`` (groups still
+pending and the data position). From it one can check that nothing accepted was lost or
+trained twice, across crashes and restarts.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+class RunLedger:
+    """Appends one JSON object per event to ``path``; every line is flushed when written."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self.path.open("a", encoding="utf-8")
+
+    def record(self, event: str, **fields) -> None:
+        self._file.write(json.dumps({"event": event, **fields}) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_ledger(path: str | Path) -> list[dict]:
+    """Every event of the ledger at ``path``, in order (a torn last line is ignored)."""
+    events = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return events
+
+
+def trained_batches(events: list[dict]) -> dict[int, list[str]]:
+    """Version -> prompt ids of the batch that produced it, as the run finally stands: a
+    ``start`` at version v voids every trained record of a version above v."""
+    batches: dict[int, list[str]] = {}
+    for e in events:
+        if e["event"] == "start":
+            batches = {v: ids for v, ids in batches.items() if v <= e["version"]}
+        elif e["event"] == "train":
+            batches[e["version"]] = e["prompts"]
+    return batches

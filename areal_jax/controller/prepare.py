@@ -1,0 +1,112 @@
+"""Preparing a run directory: the base model, the synthetic data, and the run's fingerprint.
+
+Written by the leader process only (a shared filesystem is assumed across trainer processes);
+every process then reads the same files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+
+from areal_jax.config import ConfigError, to_dict
+from areal_jax.data.config import DatasetConfig
+from areal_jax.experiment import ExperimentConfig
+
+FINGERPRINT_FILE = "fingerprint.json"
+
+
+def fill_run_dir(text: str, run_dir: str) -> str:
+    return text.replace("{run_dir}", run_dir)
+
+
+def dataset_config(cfg: DatasetConfig, run_dir: str) -> DatasetConfig:
+    """``cfg`` with ``{run_dir}`` in its path filled in."""
+    return dataclasses.replace(cfg, path=fill_run_dir(cfg.path, run_dir))
+
+
+def base_model_path(cfg: ExperimentConfig) -> Path:
+    """The HF directory RL (or SFT) starts from, before any training."""
+    if cfg.model_path == "tiny":
+        return Path(cfg.run_dir) / "base_model"
+    return Path(fill_run_dir(cfg.model_path, cfg.run_dir))
+
+
+def prepare_base_model(cfg: ExperimentConfig) -> Path:
+    """The base HF directory; ``tiny`` builds the kit once into the run dir."""
+    path = base_model_path(cfg)
+    if cfg.model_path != "tiny":
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model_path: {path} has no config.json")
+        return path
+    if not (path / "config.json").is_file():
+        from areal_jax.models.tiny import build_tiny_model
+
+        build_tiny_model(path, cfg.tiny)
+    return path
+
+
+def prepare_data(cfg: ExperimentConfig) -> None:
+    """Write the synthetic task's files into the run dir when configured (idempotent)."""
+    if cfg.synthetic is None:
+        return
+    from areal_jax.data.synthetic import write_synthetic_splits
+
+    out = Path(cfg.run_dir) / "data"
+    if not (out / "train.jsonl").is_file():
+        write_synthetic_splits(out, cfg.synthetic)
+
+
+def starting_model(cfg: ExperimentConfig) -> Path:
+    """The HF directory RL starts from: the SFT warm start when configured, else the base."""
+    return Path(cfg.run_dir) / "sft_model" if cfg.sft.steps > 0 else base_model_path(cfg)
+
+
+def _hash_path(path: Path, digest) -> None:
+    if path.is_dir():
+        for child in sorted(path.rglob("*")):
+            if child.is_file():
+                digest.update(str(child.relative_to(path)).encode())
+                _hash_path(child, digest)
+    elif path.is_file():
+        with path.open("rb") as f:
+            while block := f.read(1 << 20):
+                digest.update(block)
+
+
+def run_fingerprint(cfg: ExperimentConfig) -> dict[str, str]:
+    """What the SFT model and the checkpoints of a run depend on, one hash per part: the
+    model, the data (config and file contents), the reward and the SFT settings."""
+    parts = {
+        "model": {"model_path": cfg.model_path, "tiny": to_dict(cfg.tiny)},
+        "data": {"dataset": to_dict(dataset_config(cfg.dataset, cfg.run_dir)),
+                 "synthetic": to_dict(cfg.synthetic) if cfg.synthetic else None},
+        "sft": to_dict(cfg.sft),
+    }
+    out = {}
+    for name, value in parts.items():
+        digest = hashlib.sha256(json.dumps(value, sort_keys=True).encode())
+        if name == "data":
+            _hash_path(Path(dataset_config(cfg.dataset, cfg.run_dir).path), digest)
+        out[name] = digest.hexdigest()[:16]
+    return out
+
+
+def check_fingerprint(cfg: ExperimentConfig) -> None:
+    """Record the run's fingerprint on first use of its directory; refuse to go on in a run
+    directory whose model, data, reward or SFT settings were since changed (the SFT model and
+    checkpoints there would silently be reused)."""
+    path = Path(cfg.run_dir) / FINGERPRINT_FILE
+    current = run_fingerprint(cfg)
+    if not path.is_file():
+        path.write_text(json.dumps(current, indent=2))
+        return
+    recorded = json.loads(path.read_text())
+    changed = [k for k in current if recorded.get(k) != current[k]]
+    if changed:
+        raise ConfigError(
+            f"run_dir {cfg.run_dir} was started with another {' and '.join(changed)} "
+            f"configuration (see {path}): its SFT model and checkpoints do not belong to this "
+            "config. Use a new run_dir, or delete that directory to start over.")

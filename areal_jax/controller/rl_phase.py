@@ -1,0 +1,128 @@
+"""The RL phase, run by the leader process: rollout servers up and at the trainer's version,
+held-out accuracy before, the asynchronous loop (with local servers supervised), accuracy after.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from pathlib import Path
+
+from areal_jax.controller.evaluation import evaluate
+from areal_jax.controller.ledger import RunLedger
+from areal_jax.controller.loop import RLLoop
+from areal_jax.controller.prepare import dataset_config
+from areal_jax.controller.progress import TrainingProgress
+from areal_jax.controller.servers import launch_local, make_pool, supervise_local, sync_servers
+from areal_jax.controller.servers import wait_ready
+from areal_jax.data.dataset import PromptDataset
+from areal_jax.experiment import ExperimentConfig
+from areal_jax.metrics import MetricsLogger
+
+log = logging.getLogger(__name__)
+
+BEFORE_RL_FILE = "eval_before_rl.json"
+
+
+def _print_eval(label: str, result: dict) -> None:
+    print(f"{label}: accuracy {result['eval/accuracy']:.3f} on "
+          f"{int(result['eval/num_prompts'])} held-out prompts "
+          f"(mean response {result['eval/response_length']:.1f} tokens)", flush=True)
+
+
+async def _run_until_done(loop_run, servers) -> None:
+    """The loop, with local servers restarted when they exit; the first failure ends both."""
+    loop_task = asyncio.create_task(loop_run)
+    if servers is None:
+        await loop_task
+        return
+    watch = asyncio.create_task(supervise_local(servers))
+    try:
+        done, _ = await asyncio.wait({loop_task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if watch in done:
+            loop_task.cancel()
+            await asyncio.gather(loop_task, return_exceptions=True)
+            watch.result()
+        await loop_task
+    finally:
+        watch.cancel()
+        await asyncio.gather(watch, return_exceptions=True)
+
+
+async def run_rl(cfg: ExperimentConfig, trainer, tokenizer, progress: TrainingProgress,
+                 extra: dict | None) -> dict:
+    """Train to ``schedule.total_steps`` versions; returns the before/after evaluations.
+
+    ``trainer`` is the leader's handle (a ``TrainerGroup`` across processes); ``extra`` is the
+    loop state restored from a checkpoint, or None on a fresh start.
+    """
+    run_dir = Path(cfg.run_dir)
+    train_set = PromptDataset(dataset_config(cfg.dataset, cfg.run_dir), tokenizer)
+    eval_items = []
+    if cfg.eval.dataset is not None:
+        eval_set = PromptDataset(dataset_config(cfg.eval.dataset, cfg.run_dir), tokenizer)
+        eval_items = list(eval_set)[: cfg.eval.max_prompts]
+    log.info("training prompts: %d (%d dropped as too long)", len(train_set), train_set.num_dropped)
+
+    version = trainer.version
+    published = trainer.snapshot_for_publish().write()
+    push = cfg.rollout.weights_transport == "push"
+    servers = launch_local(cfg, published, version)
+    pool = make_pool(cfg, servers.addresses if servers else list(cfg.rollout.addresses))
+    ledger = RunLedger(run_dir / "ledger.jsonl")
+    ledger.record("start", version=version)
+    results: dict = {}
+    try:
+        task = progress.start_phase("starting rollout servers", None)
+        await wait_ready(pool, servers)
+        progress.end_phase(task)
+        if servers is None:
+            await sync_servers(pool, published, version, cfg)
+        else:
+            pool.record_weights(published, version, push)
+
+        async def run_eval(step: int) -> dict:
+            if not eval_items:
+                return {}
+            return await evaluate(pool, eval_items, cfg.eval.dataset.reward,
+                                  max_new_tokens=cfg.eval.max_new_tokens,
+                                  temperature=cfg.eval.temperature)
+
+        metrics_log = MetricsLogger(run_dir, resume_from_step=version + 1)
+        before_file = run_dir / BEFORE_RL_FILE
+        if eval_items and before_file.is_file():
+            results["before"] = json.loads(before_file.read_text())  # measured before the restart
+            _print_eval(f"held-out accuracy at version {results['before']['version']:.0f} "
+                        "(before RL, recorded)", results["before"])
+        elif eval_items:
+            results["before"] = {**await run_eval(version), "version": float(version)}
+            before_file.write_text(json.dumps(results["before"]))
+            metrics_log.log(version, results["before"])
+            _print_eval(f"held-out accuracy at version {version} (before RL)", results["before"])
+        loop = RLLoop(cfg, trainer, pool, train_set.iterator(), {i.id: i for i in train_set},
+                      on_step=None, on_eval=run_eval, ledger=ledger)
+        if extra:
+            loop.load_state_dict(extra)
+        total = cfg.schedule.total_steps
+        task = progress.start_phase("RL", total, completed=version)
+
+        def on_step(step: int, m: dict) -> None:
+            metrics_log.log(step, m)
+            progress.advance(task, m)
+
+        loop.on_step = on_step
+        await _run_until_done(loop.run(total, trainer.save), servers)
+        progress.end_phase(task)
+        if eval_items:
+            results["after"] = await run_eval(trainer.version)
+            metrics_log.log(trainer.version, results["after"])
+            _print_eval(f"held-out accuracy at version {trainer.version} (after RL)",
+                        results["after"])
+        metrics_log.close()
+    finally:
+        await pool.close()
+        if servers is not None:
+            servers.stop()
+        ledger.close()
+    return results

@@ -1,0 +1,100 @@
+"""The rollout side of a run, seen from the leader: local servers launched (and restarted) or
+external ones attached, the pool that drives them, and bringing them to the trainer's version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from pathlib import Path
+
+from areal_jax.controller.local_servers import LocalServers, ServerExitedError
+from areal_jax.controller.rollout_pool import PoolOptions, RolloutPool
+from areal_jax.experiment import ExperimentConfig
+
+log = logging.getLogger(__name__)
+
+MAX_LOCAL_RESTARTS = 3  # per local server and run; more means it is failing, not flaking
+
+
+def custom_rewards(cfg: ExperimentConfig) -> dict[str, str]:
+    """Rewards named by a dotted path in the datasets (``pkg.module:function``), registered
+    under that path, plus those of ``rollout.server.rewards.custom``."""
+    custom = dict(cfg.rollout.server.get("rewards", {}).get("custom", {}))
+    datasets = [cfg.dataset] + ([cfg.eval.dataset] if cfg.eval.dataset else [])
+    for d in datasets:
+        if ":" in d.reward:
+            custom.setdefault(d.reward, d.reward)
+    return custom
+
+
+def server_config(cfg: ExperimentConfig, model_path: Path, version: int) -> dict:
+    """The config of the local servers: ``rollout.server`` plus the model, version and rewards."""
+    server = dict(cfg.rollout.server)
+    engine = dict(server.pop("engine", {}))
+    engine.update({"model_path": str(model_path), "initial_version": version})
+    engine.setdefault("kind", "jax")
+    server["engine"] = engine
+    custom = custom_rewards(cfg)
+    if custom:
+        server["rewards"] = {**server.get("rewards", {}), "custom": custom}
+    if cfg.rollout.auth_token_env:
+        server["auth_token_env"] = cfg.rollout.auth_token_env
+    return server
+
+
+def make_pool(cfg: ExperimentConfig, addresses: list[str]) -> RolloutPool:
+    r = cfg.rollout
+    token = os.environ.get(r.auth_token_env) if r.auth_token_env else None
+    tls = Path(r.tls_root_cert).read_bytes() if r.tls_root_cert else None
+    options = PoolOptions(rpc_timeout_s=r.rpc_timeout_s, update_timeout_s=r.update_timeout_s,
+                          rpc_retries=r.rpc_retries, rejoin_interval_s=r.rejoin_interval_s,
+                          no_server_timeout_s=r.no_server_timeout_s,
+                          max_attempts=r.max_request_attempts)
+    return RolloutPool(addresses, auth_token=token, tls_root_cert=tls, options=options)
+
+
+def launch_local(cfg: ExperimentConfig, model_path: Path, version: int) -> LocalServers | None:
+    """Start ``rollout.num_local_servers`` servers unless ``rollout.addresses`` are given."""
+    if cfg.rollout.addresses:
+        return None
+    r = cfg.rollout
+    servers = LocalServers(server_config(cfg, model_path, version), r.num_local_servers,
+                           Path(cfg.run_dir) / "logs", r.cpu_sets,
+                           devices=r.server_devices, memory_fraction=r.server_memory_fraction)
+    servers.start()
+    return servers
+
+
+async def wait_ready(pool: RolloutPool, servers: LocalServers | None, timeout_s: float = 300) -> None:
+    """Connect the pool; fail early, with the log, if a local server exits while starting."""
+    start = asyncio.create_task(pool.start(ready_timeout_s=timeout_s))
+    while not start.done():
+        if servers is not None:
+            try:
+                servers.check_alive()
+            except ServerExitedError:
+                start.cancel()
+                raise
+        await asyncio.sleep(0.5)
+    await start
+
+
+async def supervise_local(servers: LocalServers, interval_s: float = 2.0) -> None:
+    """Restart local servers that exit (the pool lets them rejoin); raises when one keeps
+    exiting."""
+    while True:
+        await asyncio.sleep(interval_s)
+        for index in servers.restart_exited(MAX_LOCAL_RESTARTS):
+            log.warning("local rollout server %d exited; restarted it", index)
+
+
+async def sync_servers(pool: RolloutPool, path: Path, version: int, cfg: ExperimentConfig) -> None:
+    """Bring every server to the trainer's ``version``: forced, so servers that outlived an
+    earlier trainer (and serve versions it discarded) go back to the restored one."""
+    push = cfg.rollout.weights_transport == "push"
+    if any(s.version != version for s in await pool.status()):
+        await pool.update_weights(path, version, push=push, force=True)
+    else:
+        pool.record_weights(path, version, push)

@@ -1,0 +1,63 @@
+"""The supervised warm start: a few hundred steps on the training prompts' reference responses
+(``metadata[sft.response_key]``), exported as the HF model RL starts from.
+
+Every trainer process runs it (the batches are deterministic, so each builds the same ones);
+the leader writes ``<run_dir>/sft_model``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from areal_jax.config import ConfigError
+from areal_jax.controller.prepare import dataset_config
+from areal_jax.controller.progress import TrainingProgress
+from areal_jax.controller.trainers import make_trainer
+from areal_jax.data.dataset import PromptDataset
+from areal_jax.experiment import ExperimentConfig
+from areal_jax.metrics import MetricsLogger
+
+
+def sft_examples(cfg: ExperimentConfig, tokenizer) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, response ids + eos) for every training prompt."""
+    dataset = PromptDataset(dataset_config(cfg.dataset, cfg.run_dir), tokenizer)
+    key = cfg.sft.response_key
+    examples = []
+    for item in dataset:
+        if key not in item.metadata:
+            raise ConfigError(
+                f"sft.response_key: prompt {item.id} has no metadata {key!r}; SFT trains on "
+                f"that field of the RL dataset, so list it in dataset.metadata_fields")
+        response = tokenizer(str(item.metadata[key]) + tokenizer.eos_token,
+                             add_special_tokens=False)["input_ids"]
+        examples.append((item.prompt_ids, response))
+    return examples
+
+
+def run_sft(cfg: ExperimentConfig, base: Path, tokenizer, progress: TrainingProgress,
+            leader: bool = True, barrier=lambda name: None) -> Path:
+    """Supervised warm start; returns ``<run_dir>/sft_model`` (kept when it already exists)."""
+    out = Path(cfg.run_dir) / "sft_model"
+    if (out / "config.json").is_file():
+        return out
+    examples = sft_examples(cfg, tokenizer)
+    trainer = make_trainer(cfg, base, cfg.sft.trainer, run_dir=Path(cfg.run_dir) / "sft")
+    try:
+        task = progress.start_phase("SFT warm start", cfg.sft.steps)
+        n, bs = len(examples), cfg.sft.batch_size
+        with MetricsLogger(Path(cfg.run_dir) / "sft") as metrics:
+            for step in range(cfg.sft.steps):
+                start = (step * bs) % n
+                batch = [examples[(start + i) % n] for i in range(bs)]
+                m = trainer.sft_on_batch(batch)
+                metrics.log(step + 1, m)
+                progress.advance(task, {"loss": m.get("loss", float("nan"))})
+        progress.end_phase(task)
+        written = trainer.snapshot_for_publish().write()
+        if leader:
+            os.replace(written, out)
+        barrier("sft_model written")
+    finally:
+        trainer.close()
+    return out

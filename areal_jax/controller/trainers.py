@@ -1,0 +1,23 @@
+"""Building trainers from the experiment config (the RL trainer and the SFT warm start's)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from areal_jax.config import from_dict, to_dict
+from areal_jax.experiment import ExperimentConfig
+
+
+def make_trainer(cfg: ExperimentConfig, model_path: Path, overrides: dict | None = None,
+                 run_dir: Path | None = None):
+    """A Trainer for ``model_path`` with the experiment's trainer config (plus overrides)."""
+    from areal_jax.trainer import Trainer
+    from areal_jax.trainer.config import TrainerConfig
+
+    data = to_dict(cfg.trainer)
+    if data.get("max_new_tokens") is None:  # the overlong penalty measures against it
+        data["max_new_tokens"] = cfg.sampling.max_new_tokens
+    data.update(overrides or {})
+    data["model_path"] = str(model_path)
+    data["run_dir"] = str(run_dir or cfg.run_dir)
+    return Trainer(from_dict(TrainerConfig, data))

@@ -130,6 +130,24 @@ class EvalConfig:
 
 
 @dataclasses.dataclass
+class ProcessGroupConfig:
+    """How trainer processes find each other with ``distributed: true``. Unset fields are read
+    from the cluster's environment by ``jax.distributed`` (TPU pod metadata, SLURM, Open MPI);
+    set all three to launch processes by hand (one per host, ``process_id`` 0 leads)."""
+
+    coordinator_address: str | None = None  # host:port of process 0
+    num_processes: int | None = None
+    process_id: int | None = None
+
+    def __post_init__(self):
+        n, i = self.num_processes, self.process_id
+        if n is not None and n < 1:
+            raise ConfigError(f"process_group.num_processes: must be >= 1, got {n}")
+        if i is not None and (i < 0 or (n is not None and i >= n)):
+            raise ConfigError(f"process_group.process_id: must be in [0, num_processes), got {i}")
+
+
+@dataclasses.dataclass
 class ExperimentConfig:
     run_dir: str
     model_path: str  # a Hugging Face directory, or "tiny"
@@ -145,7 +163,8 @@ class ExperimentConfig:
     checkpoint_every: int = 10  # trainer steps
     trainer_cpus: list[int] | None = None  # pin the trainer process to these CPUs
     trainer_devices: list[int] | None = None  # accelerator ids the trainer uses (default: all)
-    distributed: bool = False  # multi-host trainer: call jax.distributed.initialize() first
+    distributed: bool = False  # multi-process trainer: join a jax.distributed process group
+    process_group: ProcessGroupConfig = dataclasses.field(default_factory=ProcessGroupConfig)
     seed: int = 0
 
     def __post_init__(self):

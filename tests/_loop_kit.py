@@ -144,7 +144,7 @@ def trained_ids(trainer: RecordingTrainer) -> list[str]:
     return [g.group_id.split(":", 1)[1] for _, groups in trainer.batches for g in groups]
 
 
-def assert_nothing_lost(ledger_path: Path, prompts: list[PromptItem], seed: int = 0) -> dict:
+def assert_nothing_lost(ledger_path: Path, prompts, seed: int = 0, shuffle: bool = True) -> dict:
     """From the run's ledger: the prompts trained (as the run finally stands) plus those still
     pending at the end are exactly those the data iterator yielded, minus rejected ones —
     nothing lost, nothing trained twice. Returns the trained batches."""
@@ -155,7 +155,7 @@ def assert_nothing_lost(ledger_path: Path, prompts: list[PromptItem], seed: int 
     trained = [p for ids in batches.values() for p in ids]
     rejected = [e["prompt"] for e in events if e["event"] == "reject"]
     data = end["data"]
-    iterator = PromptIterator(prompts, seed=seed)
+    iterator = PromptIterator(prompts, seed=seed, shuffle=shuffle)
     yielded = [next(iterator).id for _ in range(data["epoch"] * data["size"] + data["index"])]
     got = collections.Counter(trained) + collections.Counter(end["pending"])
     want = collections.Counter(yielded) - collections.Counter(rejected)

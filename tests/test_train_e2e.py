@@ -6,8 +6,10 @@ import json
 
 import numpy as np
 import yaml
+from _loop_kit import assert_nothing_lost
 
 from areal_jax.cli import main
+from areal_jax.config import from_dict
 
 
 def _config(tmp_path, total_steps):
@@ -65,6 +67,20 @@ def test_train_resume_and_export(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "resumed from checkpoint at version 3" in out
     assert _steps(run_dir) == [1, 2, 3, 4, 5]
+    # The accuracy before RL is the one measured before RL, not the resumed version's.
+    resumed = json.loads((run_dir / "results.json").read_text())
+    assert resumed["before"] == results["before"]
+    # Across both runs, every prompt the data gave is trained exactly once or still pending.
+    from areal_jax.data.config import DatasetConfig
+    from areal_jax.data.dataset import PromptDataset
+    from transformers import AutoTokenizer
+
+    data = yaml.safe_load(cfg.read_text())["dataset"]
+    data["path"] = str(run_dir / "data" / "train.jsonl")
+    dataset = PromptDataset(from_dict(DatasetConfig, data),
+                            AutoTokenizer.from_pretrained(run_dir / "base_model"))
+    assert_nothing_lost(run_dir / "ledger.jsonl", dataset, dataset.config.seed,
+                        dataset.config.shuffle)
 
     assert main(["export", "--config", str(cfg), "--out", str(tmp_path / "hf")]) == 0
     from transformers import AutoModelForCausalLM, AutoTokenizer

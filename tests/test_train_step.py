@@ -107,8 +107,11 @@ def test_metrics_on_a_hand_built_batch(model):
     stale = [1, 1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0]  # version 1 minus each trained token's
     assert m["staleness/mean"] == pytest.approx(np.mean(stale))
     assert m["staleness/max"] == 1.0
-    adv = [1.0, -1.0, 1.0, -1.0]  # GRPO of rewards (1, 0) and (3, 1)
-    assert (m["advantage/min"], m["advantage/max"]) == pytest.approx((-1.0, 1.0), abs=1e-5)
+    # GRPO of rewards (1, 0) and (3, 1): deviations of ±0.5 and ±1 over the unbiased group std
+    # (√0.5 and √2), so ±1/√2 in both groups.
+    a = 1 / math.sqrt(2)
+    adv = [a, -a, a, -a]
+    assert (m["advantage/min"], m["advantage/max"]) == pytest.approx((-a, a), abs=1e-5)
     # Fresh data, one minibatch: u = 1 and w = 1 except the 2 tokens with w = 10 > cap 5.
     assert m["ppo/behav_capped_frac"] == pytest.approx(2 / 13)
     assert m["ppo/behav_weight_max"] == pytest.approx(10.0, rel=1e-4)

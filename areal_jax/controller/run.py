@@ -38,14 +38,16 @@ def _claim_devices(cfg: ExperimentConfig) -> None:
 def train(cfg: ExperimentConfig) -> dict:
     """Run (or resume) the experiment; returns the before/after evaluation results (on the
     leader; other processes return an empty dict)."""
+    from jax.experimental.multihost_utils import sync_global_devices as barrier
     from transformers import AutoTokenizer
 
-    from areal_jax.parallel.multihost import TrainerGroup, barrier, initialize_distributed
-    from areal_jax.parallel.multihost import is_leader
+    from areal_jax.parallel.multihost import initialize_distributed, is_leader
+    from areal_jax.parallel.trainer_group import TrainerGroup
 
     _claim_devices(cfg)
     if cfg.distributed:
-        initialize_distributed()  # coordinator, process count and id from the environment
+        pg = cfg.process_group  # unset fields: from the cluster's environment
+        initialize_distributed(pg.coordinator_address, pg.num_processes, pg.process_id)
     leader = is_leader()
     run_dir = Path(cfg.run_dir)
     if leader:
@@ -63,16 +65,23 @@ def train(cfg: ExperimentConfig) -> dict:
         trainer = make_trainer(cfg, start)
         group = TrainerGroup(trainer)
         try:
-            extra = trainer.restore()
-            if not leader:
-                group.follow()
-                return {}
+            extra = trainer.restore()  # every process, from the same checkpoint
+        except BaseException:
+            trainer.close()
+            raise
+        if not leader:
+            try:
+                group.follow()  # until the leader closes the group
+            except BaseException:
+                trainer.close()
+                raise
+            return {}
+        try:
             if extra is not None:
                 print(f"resumed from checkpoint at version {trainer.version}", flush=True)
             results = asyncio.run(run_rl(cfg, group, tokenizer, progress, extra))
         finally:
-            group.close()
-            trainer.close()
+            group.close()  # releases the other processes, closes the trainer
     results["wall_s"] = time.monotonic() - t0
     (run_dir / "results.json").write_text(json.dumps(results, indent=2))
     return results

@@ -54,9 +54,9 @@ def run_sft(cfg: ExperimentConfig, base: Path, tokenizer, progress: TrainingProg
                 metrics.log(step + 1, m)
                 progress.advance(task, {"loss": m.get("loss", float("nan"))})
         progress.end_phase(task)
-        written = trainer.snapshot_for_publish().write()
+        snapshot = trainer.snapshot_for_publish()  # collective: every process takes part
         if leader:
-            os.replace(written, out)
+            os.replace(snapshot.write(), out)
         barrier("sft_model written")
     finally:
         trainer.close()

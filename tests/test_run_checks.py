@@ -1,0 +1,77 @@
+"""What `areal-jax train` checks before it starts a long run: the free-form server config, the
+rewards, and that a run directory is not reused with other data or settings."""
+
+import pytest
+import yaml
+
+from areal_jax.cli import main
+from areal_jax.config import ConfigError, from_dict
+from areal_jax.controller.prepare import check_fingerprint
+from areal_jax.controller.sft_phase import sft_examples
+from areal_jax.experiment import ExperimentConfig
+
+
+def _config(tmp_path, **changes):
+    cfg = {
+        "run_dir": str(tmp_path / "run"), "model_path": "tiny",
+        "dataset": {"path": str(tmp_path / "train.jsonl"), "reward": "math",
+                    "metadata_fields": {"answer": "answer"}},
+    }
+    for key, value in changes.items():
+        cfg[key] = {**cfg.get(key, {}), **value} if isinstance(value, dict) else value
+    (tmp_path / "train.jsonl").write_text('{"question": "1+1?", "answer": "2"}\n')
+    return cfg
+
+
+def _write(tmp_path, cfg):
+    path = tmp_path / "exp.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+def test_a_typo_in_rollout_server_fails_before_anything_starts(tmp_path, capsys):
+    cfg = _config(tmp_path, rollout={"server": {"max_concurent_groups": 4}})
+    assert main(["train", "--config", _write(tmp_path, cfg)]) == 2
+    err = capsys.readouterr().err
+    assert "rollout.server: unknown config key max_concurent_groups" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_unimportable_reward_shows_the_import_error(tmp_path, capsys):
+    cfg = _config(tmp_path, dataset={"reward": "no_such_package.rewards:score"})
+    assert main(["train", "--config", _write(tmp_path, cfg)]) == 2
+    err = capsys.readouterr().err
+    assert "dataset.reward" in err and "No module named 'no_such_package'" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_unknown_reward_name_is_refused(tmp_path, capsys):
+    cfg = _config(tmp_path, dataset={"reward": "nmath"})
+    assert main(["train", "--config", _write(tmp_path, cfg)]) == 2
+    assert "nmath" in capsys.readouterr().err
+
+
+def test_changing_the_data_of_a_run_directory_is_detected(tmp_path):
+    cfg = from_dict(ExperimentConfig, _config(tmp_path))
+    (tmp_path / "run").mkdir()
+    check_fingerprint(cfg)
+    check_fingerprint(cfg)  # same data and config: fine
+    (tmp_path / "train.jsonl").write_text('{"question": "1+2?", "answer": "3"}\n')
+    with pytest.raises(ConfigError, match="another data configuration"):
+        check_fingerprint(cfg)
+    changed = from_dict(ExperimentConfig, _config(tmp_path, dataset={"reward": "code"}))
+    with pytest.raises(ConfigError, match="data"):
+        check_fingerprint(changed)
+    # A longer run of the same experiment is not a change.
+    longer = from_dict(ExperimentConfig, _config(tmp_path, schedule={"total_steps": 500}))
+    (tmp_path / "train.jsonl").write_text('{"question": "1+1?", "answer": "2"}\n')
+    check_fingerprint(longer)
+
+
+def test_sft_without_its_response_field_names_the_setting(tmp_path):
+    from areal_jax.models.tiny import build_tiny_tokenizer
+
+    cfg = from_dict(ExperimentConfig, _config(tmp_path, sft={"steps": 1}))
+    tok = build_tiny_tokenizer(tmp_path / "tok", vocab_size=300)
+    with pytest.raises(ConfigError, match="sft.response_key.*metadata_fields"):
+        sft_examples(cfg, tok)

@@ -13,6 +13,7 @@ from areal_jax.config import ConfigError
 from areal_jax.data.config import DatasetConfig
 from areal_jax.data.synthetic import SyntheticConfig
 from areal_jax.models.tiny import TinyModelSpec
+from areal_jax.protocol import GREEDY_TEMPERATURE
 from areal_jax.trainer.config import TrainerConfig
 
 
@@ -166,12 +167,17 @@ class ExperimentConfig:
     distributed: bool = False  # multi-process trainer: join a jax.distributed process group
     process_group: ProcessGroupConfig = dataclasses.field(default_factory=ProcessGroupConfig)
     seed: int = 0
+    # Persistent XLA compilation cache for the trainer and the servers it launches: unset uses
+    # ~/.cache/areal-jax/xla (or $AREAL_JAX_CACHE_DIR); "" turns it off.
+    compilation_cache_dir: str | None = None
 
     def __post_init__(self):
         # The trainer recomputes log-probs at its temperature; a mismatch would silently train
         # against a different policy than the one that sampled.
-        # Greedy sampling (temperature 0) reports log-probs at temperature 1.
-        sampled_at = self.sampling.temperature or 1.0
+        # Greedy sampling (temperature 0, or below GREEDY_TEMPERATURE) reports log-probs at
+        # temperature 1.
+        t = self.sampling.temperature
+        sampled_at = t if t >= GREEDY_TEMPERATURE else 1.0
         if self.trainer.temperature != sampled_at:
             raise ConfigError(
                 f"trainer.temperature ({self.trainer.temperature:g}) must equal "

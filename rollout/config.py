@@ -3,12 +3,25 @@
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
+import logging
 import os
 from typing import Any, Literal
 
 from areal_jax.config import ConfigError
 
 DEFAULT_WORKFLOW = "rollout.workflows.single_turn.SingleTurnWorkflow"
+log = logging.getLogger(__name__)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an address) reaches this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclasses.dataclass
@@ -39,10 +52,15 @@ class WorkflowConfig:
 
 @dataclasses.dataclass
 class RewardConfig:
-    """The reward process pool (``areal_jax.rewards.RewardPool``)."""
+    """The reward process pool (``areal_jax.rewards.RewardPool``).
+
+    Requests may name only the built-in rewards and the ``custom`` ones (name ->
+    ``"pkg.module:function"``, imported when the server starts).
+    """
 
     num_workers: int = 4
     timeout_s: float = 30.0
+    custom: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         if self.num_workers < 1:
@@ -53,7 +71,8 @@ class RewardConfig:
 
 @dataclasses.dataclass
 class ServerConfig:
-    """A rollout server. Binds 127.0.0.1 unless ``host`` says otherwise."""
+    """A rollout server. Binds 127.0.0.1 unless ``host`` says otherwise, and any other host only
+    with an auth token (or ``allow_insecure_remote``)."""
 
     engine: EngineConfig
     host: str = "127.0.0.1"
@@ -71,6 +90,11 @@ class ServerConfig:
     max_message_mb: int = 64
     shutdown_grace_s: float = 30.0
     status_log_interval_s: float = 30.0  # how often `serve` logs a status line; 0 = never
+    parent_pid: int | None = None  # `serve` stops once its parent process is not this pid
+    # UpdateWeights loads only paths under these (real paths compared); empty: the push
+    # directory and the directory holding engine.model_path
+    weights_allowed_roots: list[str] = dataclasses.field(default_factory=list)
+    allow_insecure_remote: bool = False  # serve a non-loopback host without an auth token
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
@@ -90,8 +114,33 @@ class ServerConfig:
             raise ConfigError("tls_cert_path and tls_key_path: set both or neither")
         if self.auth_token is not None and self.auth_token_env is not None:
             raise ConfigError("auth_token and auth_token_env: set at most one")
+        if self.parent_pid is not None and self.parent_pid < 1:
+            raise ConfigError(f"parent_pid: must be >= 1, got {self.parent_pid}")
         if self.auth_token == "":
             raise ConfigError("auth_token: must not be empty (leave it unset for no token)")
+        for i, root in enumerate(self.weights_allowed_roots):
+            if not root:
+                raise ConfigError(f"weights_allowed_roots[{i}]: must not be empty")
+        if not is_loopback(self.host) and self.auth_token is None and self.auth_token_env is None:
+            if not self.allow_insecure_remote:
+                raise ConfigError(
+                    f"host: {self.host} is reachable from other machines but no auth_token or "
+                    "auth_token_env is set, so anyone reaching it could load weights and run "
+                    "rewards; set a token (see docs/security.md) or allow_insecure_remote: true"
+                )
+            log.warning(
+                "INSECURE: serving %s without an auth token (allow_insecure_remote): anyone "
+                "who reaches this port can generate, load weights and pause the server",
+                self.host,
+            )
+
+    def allowed_weight_roots(self, push_dir: str) -> list[str]:
+        """Real paths of the directories UpdateWeights may load from (see the field)."""
+        roots = self.weights_allowed_roots or [
+            push_dir,
+            os.path.dirname(os.path.realpath(self.engine.model_path)),
+        ]
+        return [os.path.realpath(root) for root in roots]
 
     def resolve_auth_token(self) -> str | None:
         """The shared token, read from the environment when ``auth_token_env`` names it."""

@@ -12,8 +12,9 @@ Contract
 * ``generate(prompt_ids, params, request_id)`` yields ``GenerationChunk``s. Each chunk carries
   the new token ids, the log-prob of each sampled token and the weight version that produced
   each token. The log-prob is ``log_softmax(logits / temperature)`` over the full vocabulary,
-  taken before top-p/top-k filtering (so not renormalised); greedy decoding (temperature 0)
-  reports ``log_softmax(logits)``. The last chunk, and only it, has ``finish_reason``:
+  taken before top-p/top-k filtering (so not renormalised); greedy decoding (temperature below
+  ``GREEDY_TEMPERATURE``, 0 included, as in SGLang) reports ``log_softmax(logits)``. The last
+  chunk, and only it, has ``finish_reason``:
   ``"stop"`` (a token of ``params.stop_token_ids`` or one of the model's end-of-sequence ids was
   sampled; that token is the last output token), ``"length"`` (``max_new_tokens`` produced) or
   ``"abort"`` (the engine shut down or aborted the request; the tokens so far are valid). A last
@@ -30,7 +31,11 @@ Contract
   ``resume()``; both are idempotent, ``paused`` tells which, and an update while paused stays
   paused.
 * ``stats()`` returns engine-specific numbers (e.g. ``{"running_slots": 3}``) for status reports.
-* Engine failures surface from ``generate`` as ``EngineError``.
+* Engine failures surface from ``generate`` as ``EngineError``. One request's failure may be
+  passing; ``failure`` tells when the engine has failed for good (the JAX worker thread died, the
+  SGLang process exited or stopped answering): it is None while the engine can serve, and then
+  the ``EngineError`` saying why, which every later ``generate`` raises. The server watches it
+  and, once set, fails every unfinished request as UNAVAILABLE and exits.
 
 A module that provides an engine kind exposes ``build_engine(config) -> GenerationEngine``
 (``config`` is ``rollout.config.EngineConfig``); see ``rollout.engines``.
@@ -42,6 +47,8 @@ import abc
 import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any, Literal
+
+from areal_jax.protocol import GREEDY_TEMPERATURE
 
 FinishReason = Literal["stop", "length", "abort"]
 FINISH_REASONS = ("stop", "length", "abort")
@@ -70,7 +77,7 @@ class InvalidParamError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """How to sample one sequence. ``temperature == 0`` means greedy.
+    """How to sample one sequence. ``temperature < GREEDY_TEMPERATURE`` (e.g. 0) means greedy.
 
     Invalid values raise ``InvalidParamError`` naming the field; ``validate(vocab_size)`` also
     checks the stop ids against the vocabulary.
@@ -89,7 +96,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_TEMPERATURE
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ``InvalidParamError`` for the first invalid field."""
@@ -222,6 +229,11 @@ class GenerationEngine(abc.ABC):
     @abc.abstractmethod
     def paused(self) -> bool:
         """Whether the engine is paused."""
+
+    @property
+    def failure(self) -> EngineError | None:
+        """Why the engine can no longer serve anything; None while it can."""
+        return None
 
     def stats(self) -> dict[str, Any]:
         """Engine-specific numbers for status reports (numeric values only)."""

@@ -3,8 +3,8 @@
 ``start_server(config)`` builds the engine, reward pool, tokenizer and workflow from the config
 (any of them can be passed in instead), starts serving and returns a ``RolloutServer``;
 ``serve(config)`` runs one until SIGTERM/SIGINT. Stopping is graceful: health turns
-NOT_SERVING, nothing new is admitted, in-flight generations end as aborted and their groups are
-delivered, then the gRPC server and the engine shut down.
+NOT_SERVING, nothing new is admitted, every group not complete (queued or generating) comes back
+as an ABORTED error group, then the gRPC server and the engine shut down.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import os
 import shutil
 import signal
 import tempfile
@@ -24,19 +25,26 @@ from grpc_reflection.v1alpha import reflection
 
 from areal_jax.config import ConfigError
 from areal_jax.protocol import SERVICE_NAME
-from areal_jax.protocol.v1 import rollout_pb2_grpc as pb_grpc
 from rollout.auth import TokenAuthInterceptor
 from rollout.config import RewardConfig, ServerConfig
-from rollout.engine import GenerationEngine
+from rollout.engine import EngineError, GenerationEngine
 from rollout.engines import create_engine
 from rollout.service import RolloutServicer
+from rollout.wire import add_rollout_service
 from rollout.workflows import RewardScorer, Tokenizer, load_workflow
 
 log = logging.getLogger(__name__)
+ENGINE_POLL_S = 0.1  # how often the server looks at engine.failure
+PARENT_POLL_S = 0.5  # how often it checks that parent_pid is still its parent
 
 
 class RolloutServer:
-    """A started server; ``stop()`` shuts it down gracefully."""
+    """A started server; ``stop()`` shuts it down gracefully.
+
+    It watches the engine: once ``engine.failure`` is set, health turns NOT_SERVING, every
+    unfinished group comes back as UNAVAILABLE (for the client to resubmit elsewhere), and
+    ``failure`` / ``failed`` tell the owner, who should ``stop()`` it (``serve`` then exits 1).
+    """
 
     def __init__(self, server, servicer, health_servicer, engine, closers, port):
         self._server: grpc.aio.Server = server
@@ -46,14 +54,27 @@ class RolloutServer:
         self._closers = closers
         self.port: int = port
         self._stopped = False
+        self.failure: EngineError | None = None
+        self.failed = asyncio.Event()
+        self._watcher = asyncio.create_task(self._watch_engine())
+
+    async def _watch_engine(self) -> None:
+        while (failure := self.engine.failure) is None:
+            await asyncio.sleep(ENGINE_POLL_S)
+        log.error("the engine failed for good, no longer serving: %s", failure)
+        self.failure = failure
+        await self._health.enter_graceful_shutdown()
+        self.servicer.end(grpc.StatusCode.UNAVAILABLE, f"engine failed: {failure}")
+        self.failed.set()
 
     async def stop(self, grace: float | None = None) -> None:
-        """Stop admitting, abort in-flight generation, deliver what finished, shut down."""
+        """Stop admitting, return unfinished groups as ABORTED errors, shut down."""
         if self._stopped:
             return
         self._stopped = True
+        self._watcher.cancel()
         await self._health.enter_graceful_shutdown()
-        self.servicer.begin_shutdown()
+        self.servicer.end(grpc.StatusCode.ABORTED, "server shutting down")
         await self.engine.shutdown()
         await self._server.stop(grace)
         await _close_all(self._closers)
@@ -76,7 +97,7 @@ async def _start_grpc(config: ServerConfig, servicer: RolloutServicer, token, cr
             ("grpc.max_send_message_length", limit),
         ],
     )
-    pb_grpc.add_RolloutServiceServicer_to_server(servicer, server)
+    add_rollout_service(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -102,31 +123,14 @@ def _read_tls(config: ServerConfig) -> grpc.ServerCredentials:
     return grpc.ssl_server_credentials([(pems["tls_key_path"], pems["tls_cert_path"])])
 
 
-class _RegistryRewards(Collection[str]):
-    """The reward registry as a collection: its listed names, and any dotted path it resolves."""
-
-    def __contains__(self, name: object) -> bool:
-        from areal_jax.rewards import RewardNotFoundError, get_reward
-
-        try:
-            get_reward(name)
-        except RewardNotFoundError:
-            return False
-        return True
-
-    def __iter__(self):
-        from areal_jax.rewards import available_rewards
-
-        return iter(available_rewards())
-
-    def __len__(self) -> int:
-        return sum(1 for _ in self)
-
-
 def _reward_pool(config: RewardConfig) -> tuple[RewardScorer, Collection[str]]:
-    from areal_jax.rewards import RewardPool
+    from areal_jax.rewards import RewardConfigError, RewardPool
 
-    return RewardPool(config.num_workers, config.timeout_s), _RegistryRewards()
+    try:
+        pool = RewardPool(config.num_workers, config.timeout_s, custom=config.custom)
+    except RewardConfigError as e:
+        raise ConfigError(f"rewards.custom: {e}") from e
+    return pool, pool.reward_names
 
 
 def _load_tokenizer(path: str) -> Tokenizer:
@@ -190,34 +194,54 @@ async def start_server(
     return RolloutServer(server, servicer, health_servicer, engine, closers, port)
 
 
+async def _watch_parent(pid: int, stop: asyncio.Event) -> None:
+    while os.getppid() == pid:
+        await asyncio.sleep(PARENT_POLL_S)
+    log.warning("parent process %d is gone, shutting down", pid)
+    stop.set()
+
+
 async def _serve(config: ServerConfig, **components) -> int:
     server = await start_server(config, **components)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    watchers = [asyncio.create_task(stop.wait()), asyncio.create_task(server.failed.wait())]
+    if config.parent_pid is not None:
+        watchers.append(asyncio.create_task(_watch_parent(config.parent_pid, stop)))
     interval = config.status_log_interval_s or None
-    while not stop.is_set():
-        try:
-            await asyncio.wait_for(stop.wait(), timeout=interval)
-        except TimeoutError:
-            s = server.servicer.status()
-            log.info(
-                "version %d | running %d | queued %d | %.1f tok/s | %d tokens%s",
-                s.version,
-                s.running_requests,
-                s.queued_requests,
-                s.tokens_per_second,
-                s.tokens_generated,
-                " | paused" if s.paused else "",
+    try:
+        while not any(w.done() for w in watchers):
+            done, _ = await asyncio.wait(
+                watchers, timeout=interval, return_when=asyncio.FIRST_COMPLETED
             )
+            if not done:
+                _log_status(server)
+    finally:
+        for watcher in watchers:
+            watcher.cancel()
     log.info("shutting down (grace %.0f s)", config.shutdown_grace_s)
     await server.stop(config.shutdown_grace_s)
-    return 0
+    return 1 if server.failure is not None else 0
+
+
+def _log_status(server: RolloutServer) -> None:
+    s = server.servicer.status()
+    log.info(
+        "version %d | running %d | queued %d | %.1f tok/s | %d tokens%s",
+        s.version,
+        s.running_requests,
+        s.queued_requests,
+        s.tokens_per_second,
+        s.tokens_generated,
+        " | paused" if s.paused else "",
+    )
 
 
 def serve(config: ServerConfig, **components) -> int:
-    """Run a rollout server until SIGTERM or SIGINT; return the exit code.
+    """Run a rollout server until SIGTERM, SIGINT, the engine failing for good (exit code 1)
+    or, with ``config.parent_pid``, the parent process going away; return the exit code.
 
     ``components`` (engine, scorer, reward_names, tokenizer) go to ``start_server``.
     """

@@ -3,8 +3,10 @@
 On the Rollout stream a bad request does not end the stream: its TrajectoryGroup comes back
 with ``error`` set (code, field, message) and the other requests carry on, because one stream
 carries many independent prompts. The other RPCs concern one thing each and fail with a
-status code (INVALID_ARGUMENT naming the field, FAILED_PRECONDITION for a stale version or a
-checkpoint that does not load, UNAVAILABLE while shutting down).
+status code (INVALID_ARGUMENT naming the field, FAILED_PRECONDITION for a stale version, a
+path outside the allowed roots or a checkpoint that does not load, UNAVAILABLE while shutting
+down or once the engine failed). ``end`` returns every unfinished group as an error with one
+code: ABORTED at shutdown, UNAVAILABLE when the engine failed for good.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Collection
 from pathlib import Path
@@ -46,6 +49,10 @@ class Rejected(Exception):
     def __init__(self, code: grpc.StatusCode, message: str):
         super().__init__(message)
         self.code = code
+
+
+class _Unfinished(Exception):
+    """A group did not complete: the server ended it, or the engine aborted one of its samples."""
 
 
 def _first_leaf(exc: BaseException) -> BaseException:
@@ -101,15 +108,42 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         self._meter = ThroughputMeter()
         self._update_lock = asyncio.Lock()
         self._intake = WeightIntake(push_dir)
+        self._weight_roots = config.allowed_weight_roots(str(push_dir))
         self._readers: set[asyncio.Task] = set()
-        self.closing = False
+        self._end: tuple[grpc.StatusCode, str] | None = None
+        self._ended = asyncio.Event()
 
-    def begin_shutdown(self) -> None:
-        """Stop reading and admitting requests; queued ones come back aborted."""
-        self.closing = True
+    @property
+    def closing(self) -> bool:
+        return self._end is not None
+
+    def end(self, code: grpc.StatusCode, message: str) -> None:
+        """Stop reading and admitting requests; every group not complete yet, queued or
+        generating, comes back as an error group with ``code`` (the first ``end`` decides)."""
+        if self._end is None:
+            self._end = (code, message)
         self._admission.close()
+        self._ended.set()
         for reader in self._readers:
             reader.cancel()
+
+    def _ended_group(self, request_id: str) -> pb.TrajectoryGroup:
+        return _error_group(request_id, *self._end)
+
+    async def _unless_ended(self, coro):
+        """Await ``coro``; if ``end`` comes first, cancel it and raise ``_Unfinished``."""
+        work = asyncio.ensure_future(coro)
+        ended = asyncio.ensure_future(self._ended.wait())
+        try:
+            await asyncio.wait({work, ended}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ended.cancel()
+            if not work.done():
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)
+        if work.cancelled():
+            raise _Unfinished("the server ended the request")
+        return work.result()
 
     def _limits(self) -> Limits:
         return Limits(
@@ -123,7 +157,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
 
     async def Rollout(self, request_iterator, context):
         if self.closing:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"server is closing: {self._end[1]}")
         out: asyncio.Queue = asyncio.Queue()
         tasks: set[asyncio.Task] = set()
         reader = asyncio.create_task(self._read(request_iterator, out, tasks))
@@ -157,6 +191,9 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                 job.add_done_callback(tasks.discard)
         except (asyncio.CancelledError, AdmissionClosed):
             pass  # shutdown or client gone: finish what was admitted
+        except InvalidParamError as e:  # a message that does not decode: the stream is unusable
+            code = grpc.StatusCode.INVALID_ARGUMENT
+            out.put_nowait(_error_group("", code, str(e), e.field))
         finally:
             if tasks:
                 await asyncio.gather(*tasks, return_exceptions=True)
@@ -170,20 +207,20 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             started = True
             queue_s = time.monotonic() - admitted
             gen_clock, reward_clock = ActivityClock(), ActivityClock()
-            group = await self._workflow.run(
+            group = await self._unless_ended(self._workflow.run(
                 task,
                 TimedEngine(self._engine, gen_clock, self._meter.add),
                 TimedScorer(self._scorer, reward_clock),
-            )
+            ))
             _check_group(group, task)
+            if any(t.finish_reason == "abort" for t in group.trajectories):
+                raise _Unfinished("the engine aborted a sample")
             timing = {
                 "queue_s": queue_s,
                 "generation_s": gen_clock.total,
                 "reward_s": reward_clock.total,
             }
             msg = group_to_proto(group, timing)
-        except AdmissionClosed:
-            msg = _error_group(task.request_id, grpc.StatusCode.ABORTED, "server shut down")
         except Exception as e:  # noqa: BLE001 - reported to the client, the stream goes on
             msg = self._failure(task.request_id, _first_leaf(e))
         finally:
@@ -191,8 +228,11 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             in_flight.discard(task.request_id)
         out.put_nowait(msg)
 
-    @staticmethod
-    def _failure(request_id: str, exc: BaseException) -> pb.TrajectoryGroup:
+    def _failure(self, request_id: str, exc: BaseException) -> pb.TrajectoryGroup:
+        if self.closing:  # whatever went wrong, the request did not complete: end's code says why
+            return self._ended_group(request_id)
+        if isinstance(exc, _Unfinished):
+            return _error_group(request_id, grpc.StatusCode.ABORTED, str(exc))
         if isinstance(exc, InvalidParamError):
             return _error_group(request_id, grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.field)
         if isinstance(exc, EngineError):
@@ -219,10 +259,12 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             chunks = self._engine.generate(prompt, params, request_id)
             async with contextlib.aclosing(chunks):
                 async for chunk in chunks:
+                    if chunk.finish_reason == "abort" and self.closing:
+                        raise _Unfinished("the server ended the request")
                     self._meter.add(len(chunk.token_ids))
                     yield _chunk_to_proto(chunk)
-        except AdmissionClosed:
-            await context.abort(grpc.StatusCode.ABORTED, "server shut down")
+        except (AdmissionClosed, _Unfinished):
+            await context.abort(*self._end)
         except EngineError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine: {e}")
         finally:
@@ -230,17 +272,28 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
 
     # Weights ---------------------------------------------------------------------------------
 
-    def _check_version(self, version: int, field: str = "version") -> None:
-        if version <= self._engine.version:
+    def _check_weights_path(self, path: str) -> None:
+        real = os.path.realpath(path)
+        if not any(os.path.commonpath([real, root]) == root for root in self._weight_roots):
             raise Rejected(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"{field}: {version} is not newer than the serving version {self._engine.version}",
+                f"path: {path} (real path {real}) is not under weights_allowed_roots "
+                f"{self._weight_roots}",
             )
 
-    async def _update(self, path: str, version: int) -> pb.UpdateWeightsResponse:
+    def _check_version(self, version: int, force: bool, field: str = "version") -> None:
+        """Without ``force`` only a newer version may load."""
+        if not force and version <= self._engine.version:
+            raise Rejected(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"{field}: {version} is not newer than the serving version {self._engine.version} "
+                "(set force to load it anyway)",
+            )
+
+    async def _update(self, path: str, version: int, force: bool) -> pb.UpdateWeightsResponse:
         if self.closing:
-            raise Rejected(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
-        self._check_version(version)
+            raise Rejected(grpc.StatusCode.UNAVAILABLE, f"server is closing: {self._end[1]}")
+        self._check_version(version, force)
         start = time.monotonic()
         try:
             await self._engine.update_weights(path, version)
@@ -258,8 +311,9 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                 raise InvalidParamError("path", "must not be empty")
             if request.version < 0:
                 raise InvalidParamError("version", f"must be >= 0, got {request.version}")
+            self._check_weights_path(request.path)
             async with self._update_lock:
-                return await self._update(request.path, request.version)
+                return await self._update(request.path, request.version, request.force)
         except InvalidParamError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except Rejected as e:
@@ -268,10 +322,12 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
     async def PushWeights(self, request_iterator, context):
         try:
             async with self._update_lock:
-                check = lambda v: self._check_version(v, "header.version")  # noqa: E731
-                directory, version = await self._intake.receive(request_iterator, check)
+                directory, header = await self._intake.receive(
+                    request_iterator,
+                    lambda h: self._check_version(h.version, h.force, "header.version"),
+                )
                 try:
-                    response = await self._update(str(directory), version)
+                    response = await self._update(str(directory), header.version, header.force)
                 except BaseException:
                     self._intake.discard(directory)
                     raise

@@ -33,11 +33,11 @@ class WeightIntake:
     async def receive(
         self,
         requests: AsyncIterator[pb.PushWeightsRequest],
-        check_version: Callable[[int], None],
-    ) -> tuple[Path, int]:
-        """Write the stream's files; return ``(directory, version)``.
+        check_header: Callable[[pb.WeightsHeader], None],
+    ) -> tuple[Path, pb.WeightsHeader]:
+        """Write the stream's files; return ``(directory, header)``.
 
-        ``check_version`` runs on the header's version before any byte is written.
+        ``check_header`` runs on the header (version, force) before any byte is written.
         """
         header = await anext(aiter(requests), None)
         if header is None or header.WhichOneof("item") != "header":
@@ -45,7 +45,7 @@ class WeightIntake:
         self._check_header(header.header)
         version = header.header.version
         files = {f.name: f.size for f in header.header.files}
-        check_version(version)
+        check_header(header.header)
         needed = sum(files.values())
         self.root.mkdir(parents=True, exist_ok=True)
         free = shutil.disk_usage(self.root).free
@@ -64,7 +64,7 @@ class WeightIntake:
         except BaseException:
             self.discard(directory)
             raise
-        return directory, version
+        return directory, header.header
 
     def keep(self, directory: Path) -> None:
         """Make ``directory`` the current checkpoint and remove the previous one."""

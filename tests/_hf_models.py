@@ -3,6 +3,8 @@ zero bias or a unit norm), saved to a directory for loading through our HF I/O."
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import torch
 from transformers import LlamaConfig, Qwen2Config, Qwen3Config
@@ -55,3 +57,15 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
                              do_sample=False, pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+def edit_weights(path, edit) -> None:
+    """Rewrite ``path``/model.safetensors with ``edit(tensors)`` applied to a {name: array} copy."""
+    from areal_jax.models.safetensors_io import SafetensorsFile, save_safetensors
+
+    file = Path(path) / "model.safetensors"
+    src = SafetensorsFile(file)
+    tensors = {name: np.array(src.get(name)) for name in src.keys()}
+    del src
+    edit(tensors)
+    save_safetensors(file, tensors)

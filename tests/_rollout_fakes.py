@@ -86,6 +86,7 @@ class ArithmeticEngine(GenerationEngine):
         self._running.set()
         self.closed = False
         self.started = False
+        self._failure: EngineError | None = None
         self.requests: list[tuple[str, list[int], SamplingParams]] = []
         self.loaded: list[tuple[str, int, dict[str, bytes]]] = []
         self.active = 0
@@ -106,6 +107,14 @@ class ArithmeticEngine(GenerationEngine):
     @property
     def paused(self) -> bool:
         return not self._running.is_set()
+
+    @property
+    def failure(self) -> EngineError | None:
+        return self._failure
+
+    def die(self, why: str = "worker thread died") -> None:
+        """Fail for good (callable from any thread): every generate raises from now on."""
+        self._failure = EngineError(why)
 
     async def start(self) -> None:
         self.started = True
@@ -130,6 +139,8 @@ class ArithmeticEngine(GenerationEngine):
         self, prompt_ids: list[int], params: SamplingParams, request_id: str
     ) -> AsyncIterator[GenerationChunk]:
         self.requests.append((request_id, list(prompt_ids), params))
+        if self._failure is not None:
+            raise self._failure
         if self.fail_on is not None and encode(self.fail_on) == list(prompt_ids):
             raise EngineError("backend lost")
         planned = self.answer(list(prompt_ids), params, request_id)
@@ -143,6 +154,8 @@ class ArithmeticEngine(GenerationEngine):
                     return
                 if self.step_s:
                     await asyncio.sleep(self.step_s)
+                if self._failure is not None:
+                    raise self._failure
                 token = planned[position] if position < len(planned) else VOCAB["?"]
                 logprob = -(self._version + 1) - position / 100
                 last = token in stops or position + 1 == params.max_new_tokens
@@ -175,7 +188,7 @@ class ArithmeticEngine(GenerationEngine):
 
 
 def exact_reward(completion: str, metadata: dict) -> float:
-    """A reward function for the reward registry, by dotted path ``_rollout_fakes:exact_reward``."""
+    """A reward function; servers offer it as ``rewards.custom: {exact: <this dotted path>}``."""
     return 1.0 if completion.strip() == metadata.get("answer") else 0.0
 
 

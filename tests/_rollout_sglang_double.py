@@ -13,8 +13,16 @@ rejects unknown sampling keys with 400 and answers ``meta_info.output_token_logp
 ``output_ids`` unless ``no_stop_trim``; ``/pause_generation {"mode": "abort"}`` makes running
 requests return HTTP 200 with their partial output and finish type ``abort`` and answers once
 they all have (SGLang waits for its model-update lock to drain), and new requests (health
-checks included) block until ``/continue_generation``; ``/update_weights_from_disk``
-answers 400 and keeps the old weights for a bad path; ``/model_info`` reports the version.
+checks included) block until ``/continue_generation``; ``/model_info`` reports the version and
+the path of the last successful load; ``/abort_request`` aborts every request whose rid starts
+with the given one.
+
+Upstream behaviours an adapter must survive, also followed: ``pause_drains=False`` is an older
+SGLang whose pause returns at once, the interrupted answers being built only after
+``/continue_generation`` (so they report the post-swap version). ``/update_weights_from_disk``
+answers 400 for a path without ``config.json`` without touching the weights, but a checkpoint
+that fails part-way (here: one holding a file ``CORRUPT``) leaves the weights partly updated
+(``weights`` says ``partial:<path>``) while the version stays.
 """
 
 from __future__ import annotations
@@ -52,12 +60,16 @@ class SGLangDouble:
         eos_id: int | None = None,
         host: str = "127.0.0.1",
         port: int = 0,
+        model_path: str = "/models/initial",
+        pause_drains: bool = True,
     ):
         self.vocab_size = vocab_size
         self.token_delay_s = token_delay_s
         self.eos_id = eos_id
         self.weight_version = weight_version
-        self.model_path = "/models/initial"
+        self.model_path = model_path  # of the last successful load, as /model_info reports
+        self.weights = model_path  # what the weights really are
+        self.pause_drains = pause_drains
         self.ready_at = time.monotonic() + startup_s
         self.cond = threading.Condition()
         self.paused = False
@@ -128,6 +140,8 @@ class SGLangDouble:
         while finish is None:
             with self.cond:
                 if self.running[rid]:
+                    if not self.pause_drains:  # the answer is built after the swap
+                        self.cond.wait_for(lambda: not self.paused)
                     message = "Abort in waiting queue" if out else "Abort before prefill"
                     finish = {"type": "abort", "message": message}
                     break
@@ -163,7 +177,8 @@ class SGLangDouble:
             if body.get("mode", "abort") == "abort":
                 for rid in self.running:
                     self.running[rid] = True
-                self.cond.wait_for(lambda: not self.running)
+                if self.pause_drains:
+                    self.cond.wait_for(lambda: not self.running)
         return 200, {"message": "Generation paused successfully."}
 
     def continue_(self, body: dict) -> tuple[int, dict]:
@@ -175,17 +190,22 @@ class SGLangDouble:
     def abort(self, body: dict) -> tuple[int, dict]:
         with self.cond:
             for rid in self.running:
-                if body.get("abort_all") or rid == body.get("rid"):
+                if body.get("abort_all") or rid.startswith(body.get("rid", "")):
                     self.running[rid] = True
         return 200, {}
 
     def update_weights(self, body: dict) -> tuple[int, dict]:
         path = body.get("model_path", "")
         if not os.path.isfile(os.path.join(path, "config.json")):
-            message = f"Failed to update weights: {path} is not a model directory."
+            message = f"Failed to get weights iterator: {path} is not a model directory."
+            return 400, {"success": False, "message": message, "num_paused_requests": 0}
+        if os.path.isfile(os.path.join(path, "CORRUPT")):
+            with self.cond:
+                self.weights = f"partial:{path}"
+            message = "Failed to update weights: corrupt shard.\nRolling back to original weights."
             return 400, {"success": False, "message": message, "num_paused_requests": 0}
         with self.cond:
-            self.model_path = path
+            self.model_path = self.weights = path
             if body.get("weight_version") is not None:
                 self.weight_version = body["weight_version"]
         message = "Succeeded to update model weights."
@@ -261,9 +281,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     startup_s = float(os.environ.get("SGLANG_DOUBLE_STARTUP_S", "0.3"))
     double = SGLangDouble(
-        startup_s=startup_s, weight_version=args.weight_version, host=args.host, port=args.port
+        startup_s=startup_s,
+        weight_version=args.weight_version,
+        host=args.host,
+        port=args.port,
+        model_path=args.model_path,
     )
-    double.model_path = args.model_path
     double.server.serve_forever()
 
 

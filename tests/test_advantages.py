@@ -27,15 +27,41 @@ def _check(name, expected, **kw):
         np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)
 
 
+def test_grpo_unbiased_std_is_the_default():
+    # Group 1: mean 0.25, squared deviations sum 0.75, unbiased std sqrt(0.75 / 3) = 0.5.
+    # Group 2: mean 5, deviations -3, -1, 4, squared sum 26, unbiased std sqrt(13) = 3.6055513.
+    expected = [[1.5, -0.5, -0.5, -0.5], [-0.8320503, -0.2773501, 1.1094004]]
+    _check("grpo", expected)
+    _check("grpo", expected, group_std="unbiased")
+    # All-equal rewards give zero advantages, not a division by zero.
+    np.testing.assert_array_equal(compute_advantages("grpo", [[1.0, 1.0, 1.0]])[0], [0, 0, 0])
+
+
 def test_grpo_population_std():
-    # Group 1: mean 0.25, population std sqrt(0.1875) = 0.4330127.
-    # Group 2: mean 5, deviations -3, -1, 4, population std sqrt(26 / 3) = 2.9439203.
+    # Group 1: population std sqrt(0.75 / 4) = 0.4330127; group 2: sqrt(26 / 3) = 2.9439203.
     _check(
         "grpo",
         [[1.7320508, -0.5773503, -0.5773503, -0.5773503], [-1.0190493, -0.3396831, 1.3587324]],
+        group_std="population",
     )
-    # All-equal rewards give zero advantages, not a division by zero.
-    np.testing.assert_array_equal(compute_advantages("grpo", [[1.0, 1.0, 1.0]])[0], [0, 0, 0])
+
+
+@pytest.mark.parametrize("group_std", ["unbiased", "population"])
+def test_grpo_group_of_one_gets_zero_advantage(group_std):
+    got = compute_advantages("grpo", [[0.7], [1.0, 3.0]], group_std=group_std)
+    assert np.all(np.isfinite(np.concatenate(got)))
+    np.testing.assert_array_equal(got[0], [0.0])
+    std = {"unbiased": np.sqrt(2.0), "population": 1.0}[group_std]
+    np.testing.assert_allclose(got[1], [-1 / std, 1 / std], rtol=1e-5)
+
+
+def test_group_std_option_is_validated():
+    with pytest.raises(ValueError, match="group_std must be unbiased or population"):
+        compute_advantages("grpo", GROUPS, group_std="sample")
+    assert AdvantageConfig().group_std == "unbiased"
+    assert from_dict(AdvantageConfig, {"group_std": "population"}).group_std == "population"
+    with pytest.raises(ConfigError, match="group_std"):
+        from_dict(AdvantageConfig, {"group_std": "biased"})
 
 
 def test_dr_grpo():
@@ -56,7 +82,7 @@ def test_reinforce_batch_mean():
 
 def test_registry():
     @register_advantage("test_median_baseline")
-    def _median(groups, *, eps):
+    def _median(groups, *, eps, std_ddof):
         return [g - np.median(g) for g in groups]
 
     np.testing.assert_allclose(
@@ -122,8 +148,9 @@ def _groups():
 
 def test_trajectory_advantages_pipeline():
     cfg = AdvantageConfig(
-        estimator="grpo", reward_scale=2.0, reward_clip=1.5, overlong_window=2, kl_beta=0.1
-    )
+        estimator="grpo", reward_scale=2.0, reward_clip=1.5, overlong_window=2, kl_beta=0.1,
+        group_std="population",
+    )  # fmt: skip
     kl = [np.array([1.0, 2.0, 3.0]), np.zeros(4), np.zeros(1), np.zeros(2)]
     got = trajectory_advantages(_groups(), cfg, max_new_tokens=4, kl=kl)
     # Overlong (L_max 4, W 2): L=3 -> -0.5, L=4 -> -1, L<=2 -> 0. Rewards 0.5, -1, 0, 0.
@@ -144,6 +171,16 @@ def test_trajectory_advantages_pipeline():
         np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)
     trained = np.concatenate([normed[0], np.delete(normed[1], 2), normed[2], normed[3]])
     np.testing.assert_allclose([trained.mean(), trained.std()], [0.0, 1.0], atol=1e-5)
+
+
+def test_trajectory_advantages_use_the_configured_group_std():
+    # Group a: rewards 1, 0 -> deviations +-0.5; unbiased std sqrt(0.5) -> +-0.7071068,
+    # population std 0.5 -> +-1. Group b: rewards 0, 0 -> 0.
+    for cfg, a in ((AdvantageConfig(), 0.7071068), (AdvantageConfig(group_std="population"), 1.0)):
+        got = trajectory_advantages(_groups(), cfg)
+        expected = [[a] * 3, [-a, -a, 0.0, -a], [0.0], [0.0, 0.0]]
+        for g, e in zip(got, expected, strict=True):
+            np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)
 
 
 def test_trajectory_advantages_errors():

@@ -72,6 +72,21 @@ def test_list_of_eos_ids_is_kept_hashable_and_round_trips():
     assert cfg.to_hf_dict()["eos_token_id"] == [7, 8, 9]
 
 
+def test_rope_settings_resolve_like_transformers_and_round_trip():
+    """``rope_theta`` inside the chosen dict wins over the top-level one; an exported config
+    reads back to the same settings."""
+    base = {"model_type": "qwen3", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+            "num_hidden_layers": 1, "num_attention_heads": 2, "max_position_embeddings": 256}
+    cfg = ModelConfig.from_hf_dict({**base, "rope_theta": 5e5,
+                                    "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}})
+    assert (cfg.rope_theta, cfg.rope_scaling) == (1e4, None)
+    yarn = ModelConfig.from_hf_dict({**base, "rope_theta": 5e5, "rope_scaling": {
+        "rope_type": "yarn", "original_max_position_embeddings": 64}})
+    assert yarn.rope_theta == 5e5 and dict(yarn.rope_scaling.params) == {
+        "factor": 4.0, "original_max_position_embeddings": 64}  # factor inferred: 256 / 64
+    assert ModelConfig.from_hf_dict(yarn.to_hf_dict()) == yarn
+
+
 def test_unknown_model_type_and_missing_field_are_named():
     base = {"model_type": "qwen2", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
             "num_hidden_layers": 1, "num_attention_heads": 2}
@@ -81,8 +96,17 @@ def test_unknown_model_type_and_missing_field_are_named():
     del missing["intermediate_size"]
     with pytest.raises(ModelConfigError, match="missing field 'intermediate_size'"):
         ModelConfig.from_hf_dict(missing)
-    with pytest.raises(ModelConfigError, match="rope_type 'yarn' is not supported"):
-        ModelConfig.from_hf_dict({**base, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
+    with pytest.raises(ModelConfigError, match=r"rope_scaling.rope_type 'dynamic' is not "
+                       r"supported; supported: default, linear, llama3, yarn"):
+        ModelConfig.from_hf_dict({**base, "rope_parameters": {"rope_type": "default"},
+                                  "rope_scaling": {"type": "dynamic", "factor": 2.0}})
+    with pytest.raises(ModelConfigError, match="rope_parameters.rope_type 'longrope'"):
+        ModelConfig.from_hf_dict({**base, "rope_parameters": {"rope_type": "longrope"}})
+    with pytest.raises(ModelConfigError, match="rope_scaling of rope_type llama3 is missing "
+                                               "'low_freq_factor'"):
+        ModelConfig.from_hf_dict({**base, "rope_scaling": {
+            "rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64}})
     with pytest.raises(ModelConfigError, match="hidden_act 'gelu'"):
         ModelConfig.from_hf_dict({**base, "hidden_act": "gelu"})
     with pytest.raises(ModelConfigError, match="multiple of num_key_value_heads"):

@@ -194,3 +194,25 @@ def test_failed_loads_keep_serving_the_old_weights(models, tmp_path):
     assert set(during.versions) == {2}
     assert during.output_ids == hf_greedy(old_model, PROMPTS[2], 120)
     assert set(after.versions) == {2} and after.output_ids == hf_greedy(old_model, PROMPTS[0], 30)
+
+
+def test_forced_swap_to_an_older_version_continues_with_its_weights(models):
+    """A trainer restored from an older checkpoint takes the engine back to its version."""
+    (old_model, old_dir), (new_model, new_dir) = models["old"], models["new"]
+
+    async def main():
+        engine = await started(new_dir, 7)
+        chunks = engine.generate(PROMPTS[0], greedy(40), "r")
+        first = await chunks.__anext__()
+        await engine.update_weights(old_dir, 3)
+        ids, versions = await collect_chunks(chunks)
+        version = engine.version
+        await engine.shutdown()
+        return list(first.token_ids) + ids, list(first.versions) + versions, version
+
+    ids, versions, version = run(main())
+    cut = versions.count(7)
+    assert version == 3 and len(ids) == 40 and 0 < cut < 40
+    assert versions == [7] * cut + [3] * (40 - cut)
+    assert ids[:cut] == hf_greedy(new_model, PROMPTS[0], cut)
+    assert ids[cut:] == hf_greedy(old_model, PROMPTS[0] + ids[:cut], 40 - cut)

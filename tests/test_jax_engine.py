@@ -146,6 +146,22 @@ def test_logprobs_equal_trainer_recompute(model_dir, temperature, top_p, top_k):
     assert max(result.logprobs) <= 0
 
 
+def test_tiny_temperatures_decode_greedily_with_finite_logprobs(model_dir):
+    # 1e-30 used to overflow logits / temperature: inf and -inf log-probs from prefill and decode
+    async def main():
+        engine = await started(model_dir)
+        runs = [await engine.generate_full(PROMPTS[0], SamplingParams(8, temperature=t, seed=1),
+                                           f"t{i}") for i, t in enumerate([0.0, 1e-30, 1e-7])]
+        await engine.shutdown()
+        return runs
+
+    greedy, *tiny = run(main())
+    assert np.isfinite(greedy.logprobs).all()
+    for result in tiny:
+        assert result.output_ids == greedy.output_ids
+        assert result.logprobs == greedy.logprobs
+
+
 def test_top_k_one_is_greedy_and_filters_change_samples(model_dir):
     async def main():
         engine = await started(model_dir)
@@ -300,6 +316,29 @@ def test_shutdown_aborts_in_flight_requests(model_dir):
     assert 0 < len(ids) < 240 and ids == reference.output_ids[: len(ids)]
     assert queued.finish_reason == "abort" and queued.output_ids == []
     assert late.finish_reason == "abort"
+
+
+def test_a_dead_worker_fails_the_engine_for_good(model_dir, monkeypatch):
+    from rollout.engines import jax_decode
+
+    def broken_decode(*args, **kwargs):
+        raise RuntimeError("device lost")
+
+    async def main():
+        engine = await started(model_dir)
+        healthy = engine.failure
+        monkeypatch.setattr(jax_decode, "decode", broken_decode)
+        with pytest.raises(EngineError, match="device lost"):
+            await engine.generate_full(PROMPTS[0], GREEDY, "a")
+        failure = engine.failure
+        with pytest.raises(EngineError) as later:
+            await engine.generate_full(PROMPTS[1], GREEDY, "b")
+        await engine.shutdown()
+        return healthy, failure, later.value
+
+    healthy, failure, later = run(main())
+    assert healthy is None
+    assert "JAX engine failed: RuntimeError: device lost" in str(failure) and later is failure
 
 
 def test_closing_the_stream_frees_the_slot(model_dir):

@@ -1,10 +1,14 @@
 """The Flax model against transformers, packed attention and the cached decoding path."""
 
+import json
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
-from areal_jax.models import KVCache, load_hf_model
+from areal_jax.models import KVCache, export_hf, load_hf_model
 from areal_jax.models.attention import cached_attention, packed_attention
 
 from _hf_models import hf_logits, hf_model, save_hf_model
@@ -130,3 +134,48 @@ def test_unrolled_layers_equal_scanned_layers(tmp_path):
     tokens = np.random.RandomState(5).randint(0, 97, size=(2, 24))
     np.testing.assert_allclose(_forward(unrolled, tokens), _forward(scanned, tokens),
                                atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_attention_bias_matches_transformers_and_round_trips(tmp_path, model_type):
+    """``attention_bias: true`` adds q/k/v *and* o_proj biases (all randomised here)."""
+    ref_model = hf_model(model_type, seed=12, attention_bias=True)
+    assert ref_model.model.layers[1].self_attn.o_proj.bias.abs().sum() > 1
+    model, dtypes = load_hf_model(save_hf_model(ref_model, tmp_path / "src"))
+    assert "model.layers.1.self_attn.o_proj.bias" in dtypes
+    tokens = np.random.RandomState(6).randint(0, 97, size=(2, 24))
+    np.testing.assert_allclose(_forward(model, tokens), hf_logits(ref_model, tokens),
+                               atol=1e-4, rtol=0)
+    export_hf(model, tmp_path / "out")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    np.testing.assert_allclose(hf_logits(reloaded.eval(), tokens), hf_logits(ref_model, tokens),
+                               atol=1e-5, rtol=0)
+
+
+ROPE_SCALING = {
+    # As model cards tell users to add it (Qwen3: YaRN); "type" is the older key name.
+    "yarn": ("qwen3", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}),
+    "yarn-mscale": ("llama", {"type": "yarn", "factor": 3.0, "original_max_position_embeddings": 24,
+                              "beta_fast": 16, "mscale": 1.2, "mscale_all_dim": 0.8,
+                              "rope_theta": 5000.0}),
+    "llama3": ("qwen2", {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
+    "linear": ("llama", {"rope_type": "linear", "factor": 2.5}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ROPE_SCALING))
+def test_top_level_rope_scaling_is_honoured_like_transformers(tmp_path, case):
+    """A ``rope_scaling`` added beside the saved ``rope_parameters`` takes its place whole
+    (its own ``rope_theta``, else the default: the saved theta is dropped, as transformers does)."""
+    model_type, scaling = ROPE_SCALING[case]
+    path = save_hf_model(hf_model(model_type, seed=13), tmp_path)
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["rope_parameters"]["rope_type"] in ("default", "llama3")
+    (path / "config.json").write_text(json.dumps({**cfg, "rope_scaling": scaling}))
+    ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model, _ = load_hf_model(path)
+    assert model.cfg.rope_scaling.rope_type == case.split("-")[0]
+    tokens = np.random.RandomState(8).randint(0, 97, size=(1, 90))
+    np.testing.assert_allclose(_forward(model, tokens), hf_logits(ref_model, tokens),
+                               atol=1e-4, rtol=0)

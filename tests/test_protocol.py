@@ -138,6 +138,9 @@ def test_push_requests_carry_a_header_then_every_byte_in_order(tmp_path):
         received[req.chunk.name] = received.get(req.chunk.name, b"") + req.chunk.data
     assert received == {k: v for k, v in files.items() if v}
     assert len(requests) == 1 + 1 + 3  # header, config.json, 2560 bytes in 3 chunks
+    assert not header.force
+    forced = next(push_weight_requests(tmp_path, version=2, force=True)).header
+    assert (forced.version, forced.force) == (2, True)
 
 
 def test_push_requests_reject_what_cannot_be_sent(tmp_path):

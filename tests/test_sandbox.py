@@ -3,7 +3,6 @@
 import json
 import os
 import socket
-import tempfile
 import textwrap
 
 import pytest
@@ -14,6 +13,7 @@ from areal_jax.rewards.sandbox import (
     SandboxLimits,
     network_isolation_available,
     run_python,
+    set_scratch_root,
 )
 
 FAST = SandboxLimits(timeout_s=3.0)
@@ -169,7 +169,7 @@ def test_parent_environment_is_not_visible(monkeypatch):
     assert set(env) <= {"PATH", "LC_CTYPE"}  # LC_CTYPE: Python's own C-locale coercion
 
 
-def test_cwd_is_a_private_temp_dir_that_is_removed():
+def test_cwd_is_a_private_temp_dir_that_is_removed(tmp_path):
     code = textwrap.dedent(
         """
         import os
@@ -180,13 +180,20 @@ def test_cwd_is_a_private_temp_dir_that_is_removed():
         print(sorted(os.listdir(".")))
         """
     )
-    first = run_python(code, limits=FAST)
-    second = run_python(code, limits=FAST)
+    set_scratch_root(str(tmp_path))
+    try:
+        first = run_python(code, limits=FAST)
+        second = run_python(code, limits=FAST)
+    finally:
+        set_scratch_root(None)
     cwd, listing = first.stdout.splitlines()
-    assert first.ok and listing == "['locked', 'main.py']"
-    assert os.path.dirname(cwd) == tempfile.gettempdir()
-    assert cwd != second.stdout.splitlines()[0]
-    assert not os.path.exists(cwd)
+    assert first.ok and second.ok and listing == "['locked', 'main.py']"
+    if first.fs_isolated:
+        assert cwd == "/sandbox"  # the jail's view of the run's own directory
+    else:
+        assert os.path.dirname(os.path.dirname(cwd)) == str(tmp_path)
+        assert cwd != second.stdout.splitlines()[0]
+    assert os.listdir(tmp_path) == []
 
 
 def test_child_left_behind_is_killed_with_the_group():
@@ -230,7 +237,7 @@ def test_caller_files_are_not_writable_when_uid_isolated(tmp_path):
     result = run_python(f"open({str(target)!r}, 'w').write('gone')", limits=FAST)
     if not result.uid_isolated:
         pytest.skip("the sandbox runs under the caller's uid here (not root)")
-    assert "PermissionError" in result.stderr
+    assert "PermissionError" in result.stderr or "FileNotFoundError" in result.stderr
     assert target.read_text() == "keep"
 
 

@@ -131,15 +131,46 @@ def test_malformed_requests_get_invalid_argument_naming_the_field(tmp_path, tok_
     assert len(by_id["good"].trajectories) == 2
 
 
-def test_reward_pool_scores_registry_names_and_dotted_paths(tmp_path, tok_dir):
+def test_messages_that_do_not_decode_are_invalid_arguments(tmp_path, tok_dir):
+    garbage = b"\xff\xff\xff\x07garbage"
+
+    def raw(channel, method, kind):
+        path = f"/{SERVICE_NAME}/{method}"
+        return getattr(channel, kind)(path, request_serializer=bytes, response_deserializer=bytes)
+
     async def scenario():
-        config = server_config(tmp_path, tok_dir, rewards={"num_workers": 1, "timeout_s": 30})
+        async with serving(tmp_path, tok_dir) as h:
+            with pytest.raises(grpc.aio.AioRpcError) as update:
+                await raw(h.channel, "UpdateWeights", "unary_unary")(garbage)
+            call = raw(h.channel, "Rollout", "stream_stream")()
+            await call.write(rollout_request("before").SerializeToString())
+            await call.write(garbage)
+            await call.done_writing()
+            groups = [pb.TrajectoryGroup.FromString(g) async for g in call]
+            return update.value, groups
+
+    update, groups = asyncio.run(scenario())
+    assert update.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert update.details().startswith("request: the message does not decode")
+    by_id = {g.request_id: g for g in groups}
+    assert len(by_id["before"].trajectories) == 2  # admitted before the bad message: delivered
+    assert (by_id[""].error.code, by_id[""].error.field) == (INVALID, "request")
+
+
+def test_requests_may_name_only_the_configured_rewards(tmp_path, tok_dir):
+    rewards = {"num_workers": 1, "custom": {"exact": "_rollout_fakes:exact_reward"}}
+
+    async def scenario():
+        config = server_config(tmp_path, tok_dir, rewards=rewards)
         server = await start_server(config, engine=ArithmeticEngine())
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
                 stub = pb_stub(channel)
                 requests = [
-                    rollout_request("dotted", reward_name="_rollout_fakes:exact_reward"),
+                    rollout_request("custom", reward_name="exact"),
+                    rollout_request("exec", reward_name="builtins:exec"),
+                    rollout_request("system", reward_name="os:system"),
+                    rollout_request("dotted", reward_name="_rollout_fakes.encode"),
                     rollout_request("unknown", reward_name="no_such_reward"),
                 ]
                 return await rollout(stub, requests)
@@ -147,10 +178,20 @@ def test_reward_pool_scores_registry_names_and_dotted_paths(tmp_path, tok_dir):
             await server.stop(grace=1.0)
 
     by_id = {r.request_id: r for r in asyncio.run(scenario())}
-    assert [t.reward for t in by_id["dotted"].trajectories] == [1.0, 0.0]
-    error = by_id["unknown"].error
-    assert (error.code, error.field) == (INVALID, "reward_name")
-    assert "known: code, code_fraction, math" in error.message
+    assert [t.reward for t in by_id["custom"].trajectories] == [1.0, 0.0]
+    for request_id in ("exec", "system", "dotted", "unknown"):
+        error = by_id[request_id].error
+        assert (error.code, error.field) == (INVALID, "reward_name"), request_id
+        assert "available: " in error.message and "code, code_fraction" in error.message
+        assert "exact" in error.message.split("available: ")[1]
+        assert not by_id[request_id].trajectories
+
+
+def test_a_custom_reward_that_does_not_import_stops_the_start(tmp_path, tok_dir):
+    rewards = {"num_workers": 1, "custom": {"mine": "no_such_module_here:score"}}
+    config = server_config(tmp_path, tok_dir, rewards=rewards)
+    with pytest.raises(ConfigError, match="rewards.custom: .*no_such_module_here"):
+        asyncio.run(start_server(config, engine=ArithmeticEngine()))
 
 
 def test_engine_failures_are_reported_per_request(tmp_path, tok_dir):
@@ -377,6 +418,82 @@ def test_push_weights_writes_the_files_and_loads_that_directory(tmp_path, tok_di
     assert os.listdir(tmp_path / "push") == [os.path.basename(loaded[1][0])]
 
 
+def test_force_takes_the_server_back_to_an_older_version(tmp_path, tok_dir):
+    old = write_checkpoint(tmp_path / "old", "old")
+    pushed = write_checkpoint(tmp_path / "pushed", "pushed")
+    engine = ArithmeticEngine(step_s=0.01, version=5)
+
+    async def scenario():
+        async with serving(tmp_path, tok_dir, engine=engine) as h:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await h.stub.UpdateWeights(pb.UpdateWeightsRequest(path=str(old), version=2))
+            call = h.stub.Rollout()
+            await call.write(rollout_request("long", prompt="none", group_size=1,
+                                             max_new_tokens=30))
+            await call.done_writing()
+            await until(lambda: engine.tokens >= 5)
+            forced = await h.stub.UpdateWeights(
+                pb.UpdateWeightsRequest(path=str(old), version=2, force=True)
+            )
+            (group,) = [r async for r in call]
+            same = await h.stub.PushWeights(push_weight_requests(pushed, 2, force=True))
+            zero = await h.stub.UpdateWeights(
+                pb.UpdateWeightsRequest(path=str(old), version=0, force=True)
+            )
+            return refused.value, forced, group, same, zero
+
+    refused, forced, group, same, zero = asyncio.run(scenario())
+    assert refused.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "2 is not newer than the serving version 5" in refused.details()
+    assert (forced.version, same.version, zero.version) == (2, 2, 0)
+    versions = list(group.trajectories[0].versions)
+    switch = versions.index(2)
+    assert 0 < switch < 30 and versions == [5] * switch + [2] * (30 - switch)
+    assert [(v, files["config.json"]) for _, v, files in engine.loaded] == [
+        (2, b'{"marker": "old"}'), (2, b'{"marker": "pushed"}'), (0, b'{"marker": "old"}'),
+    ]
+
+
+def test_update_weights_loads_only_under_the_allowed_roots(tmp_path, tok_dir, tmp_path_factory):
+    outside = write_checkpoint(tmp_path_factory.mktemp("elsewhere") / "ckpt", "outside")
+    inside = write_checkpoint(tmp_path / "ckpt", "inside")
+    (tmp_path / "link").symlink_to(outside)
+
+    async def attempt(h, path, version):
+        try:
+            reply = await h.stub.UpdateWeights(pb.UpdateWeightsRequest(path=path, version=version))
+            return reply.version
+        except grpc.aio.AioRpcError as e:
+            return e.code(), e.details()
+
+    async def scenario():
+        async with serving(tmp_path, tok_dir) as h:  # default: push dir and the model's parent
+            default = [await attempt(h, p, v) for p, v in
+                       [(str(outside), 1), (str(tmp_path / "link"), 1), (str(inside), 1)]]
+        roots = {"weights_allowed_roots": [str(outside.parent)]}
+        async with serving(tmp_path, tok_dir, **roots) as h:
+            configured = [await attempt(h, str(inside), 1), await attempt(h, str(outside), 2)]
+        return default, configured
+
+    (out, link, ok), (inside_refused, outside_ok) = asyncio.run(scenario())
+    for code, details in (out, link, inside_refused):
+        assert code == grpc.StatusCode.FAILED_PRECONDITION
+        assert details.startswith("path: ") and "is not under weights_allowed_roots" in details
+    assert f"real path {outside}" in link[1]
+    assert ok == 1 and outside_ok == 2
+
+
+def test_a_remote_host_needs_a_token_or_an_explicit_opt_out(tmp_path, tok_dir, caplog):
+    with pytest.raises(ConfigError, match="host: 0.0.0.0 is reachable from other machines"):
+        server_config(tmp_path, tok_dir, host="0.0.0.0")
+    server_config(tmp_path, tok_dir, host="0.0.0.0", auth_token="s3cret")
+    server_config(tmp_path, tok_dir, host="::1")
+    server_config(tmp_path, tok_dir, host="localhost")
+    assert not caplog.records
+    server_config(tmp_path, tok_dir, host="10.1.2.3", allow_insecure_remote=True)
+    assert "INSECURE" in caplog.text
+
+
 def _bad_pushes(src):
     good = list(push_weight_requests(src, 1, chunk_bytes=500))
     header_first = good[0]
@@ -444,40 +561,98 @@ def test_tokens_after_an_update_carry_the_new_version(tmp_path, tok_dir):
     assert 0 < switch < 30 and versions == [0] * switch + [1] * (30 - switch)
 
 
-def test_stop_returns_in_flight_work_as_aborted(tmp_path, tok_dir):
+ABORTED = grpc.StatusCode.ABORTED.value[0]
+UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
+
+
+def test_stop_returns_unfinished_groups_as_aborted_errors(tmp_path, tok_dir):
     async def scenario():
         engine = ArithmeticEngine(step_s=0.01)
         async with serving(tmp_path, tok_dir, engine=engine, max_concurrent_groups=1) as h:
             call = h.stub.Rollout()
+            await call.write(rollout_request("done", prompt="1+1=", temperature=0.0))
+            done = await call.read()
+            await call.write(rollout_request("running", prompt="none", max_new_tokens=50))
+            await call.write(rollout_request("queued", prompt="none", max_new_tokens=50))
+            params = pb.SamplingParams(max_new_tokens=50)
+            gen = h.stub.Generate(
+                pb.GenerateRequest(request_id="g", prompt_ids=encode("x"), sampling_params=params)
+            )
+            await until(lambda: engine.tokens >= 10)
+            stopping = asyncio.create_task(h.server.stop(grace=5.0))
+            responses = [done]
+            while (response := await call.read()) is not grpc.aio.EOF:
+                responses.append(response)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in gen:
+                    pass
+            await stopping
+            return responses, err.value, engine.closed
+
+    responses, gen_error, closed = asyncio.run(scenario())
+    by_id = {r.request_id: r for r in responses}
+    assert len(by_id["done"].trajectories) == 2 and not by_id["done"].HasField("error")
+    for request_id in ("running", "queued"):  # never partial trajectories
+        group = by_id[request_id]
+        assert (group.error.code, group.error.message) == (ABORTED, "server shutting down")
+        assert not group.trajectories
+    assert gen_error.code() == grpc.StatusCode.ABORTED
+    assert closed
+
+
+def test_engine_death_fails_unfinished_groups_as_unavailable(tmp_path, tok_dir):
+    async def scenario():
+        engine = ArithmeticEngine(step_s=0.01)
+        async with serving(tmp_path, tok_dir, engine=engine, max_concurrent_groups=1) as h:
+            health = health_pb2_grpc.HealthStub(h.channel)
+            call = h.stub.Rollout()
             await call.write(rollout_request("running", prompt="none", max_new_tokens=50))
             await call.write(rollout_request("queued", prompt="none", max_new_tokens=50))
             await until(lambda: engine.tokens >= 4)
-            stopping = asyncio.create_task(h.server.stop(grace=5.0))
+            engine.die("backend unreachable")
+            await asyncio.wait_for(h.server.failed.wait(), 5)
             responses = [r async for r in call]
-            await stopping
-            return responses, engine.closed
+            answer = await health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await rollout(h.stub, [rollout_request("late")])
+            return responses, answer.status, err.value, h.server.failure
 
-    responses, closed = asyncio.run(scenario())
-    by_id = {r.request_id: r for r in responses}
-    running = group_from_proto(by_id["running"])
-    assert [t.finish_reason for t in running.trajectories] == ["abort", "abort"]
-    assert all(0 < len(t.output_ids) < 50 for t in running.trajectories)
-    assert by_id["queued"].error.code == grpc.StatusCode.ABORTED.value[0]
-    assert closed
+    responses, health_status, late, failure = asyncio.run(scenario())
+    assert sorted(r.request_id for r in responses) == ["queued", "running"]
+    for group in responses:
+        assert group.error.code == UNAVAILABLE and not group.trajectories
+        assert "backend unreachable" in group.error.message
+    assert health_status == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert late.code() == grpc.StatusCode.UNAVAILABLE
+    assert str(failure) == "backend unreachable"
+
+
+def _when_serving(action):
+    """Run ``action`` in a thread once ``serve`` has installed its SIGTERM handler."""
+    original = signal.getsignal(signal.SIGTERM)
+
+    def wait_then_act():
+        deadline = time.monotonic() + 30
+        while signal.getsignal(signal.SIGTERM) is original and time.monotonic() < deadline:
+            time.sleep(0.01)
+        action()
+
+    threading.Thread(target=wait_then_act, daemon=True).start()
+
+
+def test_serve_exits_nonzero_when_the_engine_dies(tmp_path, tok_dir):
+    engine = ArithmeticEngine()
+    _when_serving(engine.die)
+    config = server_config(tmp_path, tok_dir)
+    code = serve(config, engine=engine, scorer=ExactAnswerScorer(), reward_names=("exact",))
+    assert code == 1
+    assert engine.closed
 
 
 def test_sigterm_stops_serve_gracefully(tmp_path, tok_dir):
     engine = ArithmeticEngine()
     config = server_config(tmp_path, tok_dir)
-    original = signal.getsignal(signal.SIGTERM)
-
-    def send_sigterm_once_handled():
-        deadline = time.monotonic() + 30
-        while signal.getsignal(signal.SIGTERM) is original and time.monotonic() < deadline:
-            time.sleep(0.01)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    threading.Thread(target=send_sigterm_once_handled, daemon=True).start()
+    _when_serving(lambda: os.kill(os.getpid(), signal.SIGTERM))
     code = serve(config, engine=engine, scorer=ExactAnswerScorer(), reward_names=("exact",))
     assert code == 0
     assert engine.started and engine.closed

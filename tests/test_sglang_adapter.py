@@ -3,6 +3,7 @@
 import asyncio
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -36,8 +37,8 @@ def model_dir(tmp_path) -> Path:
 
 
 @pytest.fixture
-def double():
-    server = SGLangDouble(vocab_size=VOCAB, token_delay_s=0.01).start()
+def double(model_dir):
+    server = SGLangDouble(vocab_size=VOCAB, token_delay_s=0.01, model_path=str(model_dir)).start()
     yield server
     server.stop()
 
@@ -45,6 +46,11 @@ def double():
 def attached(model_dir: Path, double: SGLangDouble) -> SGLangEngine:
     config = EngineConfig(kind="sglang", model_path=str(model_dir), options={"url": double.url})
     return build_engine(config)
+
+
+def produced(double: SGLangDouble, request_id: str) -> int:
+    """Tokens the double generated for the first submission of ``request_id``."""
+    return double.produced.get(api.request_rid(request_id, 0), 0)
 
 
 async def _generate(engine, prompt, params, rid="r1"):
@@ -88,7 +94,7 @@ def test_generate_returns_tokens_logprobs_and_versions(model_dir, double):
         },
         "return_logprob": True,
         "logprob_start_len": -1,
-        "rid": "r1",
+        "rid": "r1#0$",
     }
 
 
@@ -99,7 +105,7 @@ def _interrupted_run(engine, double, update):
         await engine.start()
         try:
             run = asyncio.create_task(_generate(engine, PROMPT, SamplingParams(max_new_tokens=30)))
-            await until(lambda: double.produced.get("r1", 0) >= 8)
+            await until(lambda: produced(double, "r1") >= 8)
             outcome = None
             try:
                 await update(engine)
@@ -139,7 +145,7 @@ def test_update_interrupts_and_resubmits_with_per_token_versions(model_dir, doub
     resubmitted = double.posts("/generate")[1]
     assert resubmitted["input_ids"] == PROMPT + result.output_ids[:k]
     assert resubmitted["sampling_params"]["max_new_tokens"] == 30 - k
-    assert resubmitted["rid"] == "r1#resume1"
+    assert resubmitted["rid"] == "r1#1$"
     assert engine.stats()["resubmissions"] == 1
 
 
@@ -162,7 +168,7 @@ def test_pause_holds_requests_until_resume(model_dir, double):
         await engine.start()
         try:
             run = asyncio.create_task(_generate(engine, PROMPT, SamplingParams(max_new_tokens=20)))
-            await until(lambda: double.produced.get("r1", 0) >= 3)
+            await until(lambda: produced(double, "r1") >= 3)
             await engine.pause()
             await asyncio.sleep(0.15)
             held = (engine.paused, run.done(), len(double.posts("/generate")), dict(double.running))
@@ -183,7 +189,7 @@ def test_shutdown_aborts_in_flight_requests(model_dir, double):
         engine = attached(model_dir, double)
         await engine.start()
         run = asyncio.create_task(_generate(engine, PROMPT, SamplingParams(max_new_tokens=100)))
-        await until(lambda: double.produced.get("r1", 0) >= 3)
+        await until(lambda: produced(double, "r1") >= 3)
         await engine.shutdown()
         after = await _generate(engine, PROMPT, SamplingParams(max_new_tokens=5), "late")
         return await run, after
@@ -203,16 +209,16 @@ def test_cancelling_a_request_aborts_it_in_sglang(model_dir, double):
         try:
             params = SamplingParams(max_new_tokens=100)
             run = asyncio.create_task(_generate(engine, PROMPT, params, "c1"))
-            await until(lambda: double.produced.get("c1", 0) >= 3)
+            await until(lambda: produced(double, "c1") >= 3)
             run.cancel()
             await until(lambda: not double.running)
-            return double.produced["c1"]
+            return produced(double, "c1")
         finally:
             await engine.shutdown()
 
-    produced = asyncio.run(scenario())
-    assert double.posts("/abort_request") == [{"rid": "c1", "abort_all": False}]
-    assert produced < 100  # SGLang stopped generating for it
+    made = asyncio.run(scenario())
+    assert double.posts("/abort_request") == [{"rid": "c1#0$", "abort_all": False}]
+    assert made < 100  # SGLang stopped generating for it
 
 
 def test_attaching_adopts_the_servers_weight_version(model_dir):
@@ -314,15 +320,144 @@ def test_generate_response_parsing():
         api.parse_generate_response({"meta_info": {"finish_reason": None}})
 
 
-def test_http_errors_surface_as_engine_errors(model_dir, double):
+def test_an_unreachable_server_fails_the_engine_for_good(model_dir, double):
     async def scenario():
         engine = attached(model_dir, double)
         await engine.start()
+        before = engine.failure
         double.stop()
         try:
-            await _generate(engine, PROMPT, SamplingParams(max_new_tokens=2))
+            with pytest.raises(EngineError, match="SGLang does not answer: GET .*/model_info"):
+                await _generate(engine, PROMPT, SamplingParams(max_new_tokens=2))
+            failure = engine.failure
+            with pytest.raises(EngineError) as again:
+                await _generate(engine, PROMPT, SamplingParams(max_new_tokens=2), "r2")
+        finally:
+            await engine.shutdown()
+        return before, failure, again.value
+
+    before, failure, again = asyncio.run(scenario())
+    assert before is None and failure is again
+
+
+def test_a_launched_server_that_exits_fails_the_engine(model_dir, tmp_path, monkeypatch):
+    _fake_sglang(tmp_path, "from _rollout_sglang_double import main\nmain()\n", monkeypatch)
+    options = {"python": sys.executable, "log_path": str(tmp_path / "sglang.log")}
+    engine = build_engine(EngineConfig(kind="sglang", model_path=str(model_dir), options=options))
+
+    async def scenario():
+        await engine.start()
+        try:
+            assert engine.failure is None
+            os.kill(engine.process.pid, signal.SIGKILL)
+            await until(lambda: engine.failure is not None)
+            with pytest.raises(EngineError, match="exited with code -9"):
+                await _generate(engine, PROMPT, SamplingParams(max_new_tokens=2))
         finally:
             await engine.shutdown()
 
-    with pytest.raises(EngineError, match="POST .*/generate failed"):
-        asyncio.run(scenario())
+    asyncio.run(scenario())
+
+
+def test_a_load_failing_part_way_reloads_the_served_checkpoint(model_dir, double, tmp_path):
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    (corrupt / "config.json").write_text("{}")
+    (corrupt / "CORRUPT").write_text("")
+    engine = attached(model_dir, double)
+    result, error, version = _interrupted_run(engine, double, lambda e: e.update_weights(
+        str(corrupt), 1))
+
+    assert isinstance(error, WeightLoadError) and "corrupt shard" in str(error)
+    assert version == 0 and double.weight_version == "0"
+    assert double.weights == str(model_dir)  # not left partly updated
+    loads = [(p["model_path"], p["weight_version"])
+             for p in double.posts("/update_weights_from_disk")]
+    assert loads == [(str(corrupt), "1"), (str(model_dir), "0")]
+    assert result.output_ids == expected_tokens(PROMPT, 30) and result.versions == [0] * 30
+
+
+def test_a_failed_reload_fails_the_engine_rather_than_serve_unknown_weights(
+    model_dir, double, tmp_path
+):
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    (corrupt / "config.json").write_text("{}")
+    (corrupt / "CORRUPT").write_text("")
+
+    async def scenario():
+        engine = attached(model_dir, double)
+        await engine.start()
+        (model_dir / "config.json").unlink()  # the served checkpoint is gone
+        try:
+            with pytest.raises(EngineError) as err:
+                await engine.update_weights(str(corrupt), 1)
+            return err.value, engine.failure, engine.version
+        finally:
+            await engine.shutdown()
+
+    error, failure, version = asyncio.run(scenario())
+    assert not isinstance(error, WeightLoadError) and error is failure
+    assert "may be partly updated" in str(failure) and version == 0
+
+
+def test_interrupted_answers_keep_their_version_when_pause_returns_early(model_dir, tmp_path):
+    double = SGLangDouble(vocab_size=VOCAB, model_path=str(model_dir), pause_drains=False).start()
+    ckpt = tmp_path / "v1"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{}")
+    try:
+        engine = attached(model_dir, double)
+        result, error, _ = _interrupted_run(engine, double, lambda e: e.update_weights(
+            str(ckpt), 1))
+    finally:
+        double.stop()
+    assert error is None and result.output_ids == expected_tokens(PROMPT, 30)
+    k = result.versions.index(1)
+    assert k >= 8 and result.versions == [0] * k + [1] * (30 - k)
+    want_logprobs = [token_logprob(t, str(v)) for t, v in zip(result.output_ids, result.versions)]
+    assert result.logprobs == pytest.approx(want_logprobs)
+
+
+def test_aborting_one_request_spares_those_whose_id_it_prefixes(model_dir, double):
+    async def scenario():
+        engine = attached(model_dir, double)
+        await engine.start()
+        try:
+            params = SamplingParams(max_new_tokens=40)
+            short = asyncio.create_task(_generate(engine, PROMPT, params, "x/1"))
+            long = asyncio.create_task(_generate(engine, PROMPT, params, "x/10"))
+            await until(lambda: min(produced(double, "x/1"), produced(double, "x/10")) >= 3)
+            short.cancel()
+            return await long
+        finally:
+            await engine.shutdown()
+
+    result = asyncio.run(scenario())
+    assert double.posts("/abort_request") == [{"rid": "x%2F1#0$", "abort_all": False}]
+    assert result.finish_reason == "length"
+    assert result.output_ids == expected_tokens(PROMPT, 40)
+
+
+def test_a_forced_update_to_an_older_version_tags_later_tokens_with_it(model_dir, tmp_path):
+    double = SGLangDouble(vocab_size=VOCAB, weight_version="5").start()
+    ckpt = tmp_path / "v2"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{}")
+    try:
+        engine = attached(model_dir, double)
+        result, error, version = _interrupted_run(engine, double, lambda e: e.update_weights(
+            str(ckpt), 2))
+    finally:
+        double.stop()
+    assert error is None and version == 2
+    k = result.versions.index(2)
+    assert 0 < k < 30 and result.versions == [5] * k + [2] * (30 - k)
+    assert result.output_ids == expected_tokens(PROMPT, 30)
+
+
+def test_request_ids_never_prefix_one_another():
+    rids = [api.request_rid(i, a) for i in ["a", "a/1", "a/10", "a#1", "a$", "a%"]
+            for a in (0, 1, 10)]
+    assert len(set(rids)) == len(rids)
+    assert not any(x != y and y.startswith(x) for x in rids for y in rids)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from areal_jax.config import ConfigError, load_config
@@ -20,6 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from areal_jax.compilation import enable_compilation_cache
     from rollout.config import ServerConfig
     from rollout.server import serve
 
@@ -28,6 +30,8 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         config = load_config(ServerConfig, args.config, args.overrides)
+        # The launching trainer's cache when it set one (inherited), else the user's.
+        enable_compilation_cache(os.environ.get("JAX_COMPILATION_CACHE_DIR"))
         return serve(config)
     except ConfigError as e:
         print(f"areal-jax serve: config error: {e}", file=sys.stderr)

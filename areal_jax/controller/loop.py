@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from areal_jax.compilation import CompileMeter
 from areal_jax.controller.busy import BusyWindow
 from areal_jax.controller.gate import StalenessGate
 from areal_jax.controller.ledger import RunLedger
@@ -82,6 +83,7 @@ class RLLoop:
         self._paused = False
         self._publisher: Publisher | None = None
         self._busy = BusyWindow()
+        self._compiles = CompileMeter()
 
     # ---- state that survives a restart -------------------------------------------------
     def pending_ids(self) -> list[str]:
@@ -281,6 +283,11 @@ class RLLoop:
                "rollout/resubmitted": float(self.pool.resubmitted),
                "rollout/live_servers": float(len(live))}
         out.update(self._publisher.last_timings)
+        compile_s, programs = self._compiles.take()
+        out.update({"timing/compile_s": compile_s, "compile/programs": float(programs)})
+        if programs and self.version > 3:
+            log.info("version %d compiled %d new programs (%.1f s)", self.version, programs,
+                     compile_s)
         for i, (address, fraction) in enumerate(busy.items()):
             out[f"rollout/busy_fraction/server{i}"] = fraction
         live_busy = [f for a, f in busy.items() if a in live]

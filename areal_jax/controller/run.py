@@ -16,6 +16,7 @@ import os
 import time
 from pathlib import Path
 
+from areal_jax.compilation import enable_compilation_cache
 from areal_jax.config import to_dict
 from areal_jax.controller.local_servers import device_env
 from areal_jax.controller.prepare import check_fingerprint, prepare_base_model, prepare_data
@@ -45,6 +46,7 @@ def train(cfg: ExperimentConfig) -> dict:
     from areal_jax.parallel.trainer_group import TrainerGroup
 
     _claim_devices(cfg)
+    enable_compilation_cache(cfg.compilation_cache_dir)
     if cfg.distributed:
         pg = cfg.process_group  # unset fields: from the cluster's environment
         initialize_distributed(pg.coordinator_address, pg.num_processes, pg.process_id)

@@ -1,9 +1,10 @@
 """Model architecture read from a Hugging Face ``config.json``.
 
 One ``ModelConfig`` covers the decoder-only families we support: ``qwen2`` (q/k/v bias),
-``qwen3`` (q/k RMSNorm, no bias) and ``llama`` (Llama 3.x, optional ``llama3`` rope scaling).
-Both the older layout (``rope_theta`` / ``rope_scaling`` at top level) and the newer
-``rope_parameters`` dict are understood.
+``qwen3`` (q/k RMSNorm) and ``llama`` (Llama 3.x), with ``linear``, ``llama3`` or ``yarn``
+rope scaling. Rope settings are resolved as transformers 5 does: a top-level ``rope_scaling``
+replaces ``rope_parameters`` whole, and ``rope_theta`` inside the chosen dict wins over the
+top-level one.
 """
 
 from __future__ import annotations
@@ -14,7 +15,15 @@ from pathlib import Path
 from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# Fields each scaled rope type needs (the others are optional, with transformers' defaults).
+_ROPE_REQUIRED = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("original_max_position_embeddings",),
+}
+_ROPE_OPTIONAL = {"yarn": ("factor", "beta_fast", "beta_slow", "attention_factor", "mscale",
+                           "mscale_all_dim", "truncate")}
 _REQUIRED = (
     "vocab_size",
     "hidden_size",
@@ -30,12 +39,24 @@ class ModelConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3 style frequency scaling of rotary embeddings."""
+    """Frequency scaling of rotary embeddings: ``rope_type`` and the HF fields it uses
+    (``params``, sorted (name, value) pairs so the config stays hashable)."""
 
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
+    rope_type: str
+    params: tuple[tuple[str, Any], ...]
+
+    @classmethod
+    def from_hf(cls, rope: dict[str, Any], rope_type: str, field: str,
+                max_position_embeddings: int) -> "RopeScaling":
+        """Keep the fields of ``rope_type`` from HF ``rope`` (read from config field ``field``)."""
+        missing = [k for k in _ROPE_REQUIRED[rope_type] if rope.get(k) is None]
+        if missing:
+            raise ModelConfigError(f"{field} of rope_type {rope_type} is missing {missing[0]!r}")
+        keys = _ROPE_REQUIRED[rope_type] + _ROPE_OPTIONAL.get(rope_type, ())
+        params = {k: rope[k] for k in keys if rope.get(k) is not None}
+        if rope_type == "yarn" and "factor" not in params:  # as transformers infers it
+            params["factor"] = max_position_embeddings / params["original_max_position_embeddings"]
+        return cls(rope_type, tuple(sorted(params.items())))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +77,7 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
+    o_bias: bool = False
     qk_norm: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None  # a list in config.json becomes a tuple
@@ -70,6 +92,12 @@ class ModelConfig:
             raise ModelConfigError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})"
+            )
+        # HF: Qwen2 has q/k/v bias and no o_proj bias; elsewhere attention_bias sets all four.
+        if (self.qkv_bias, self.o_bias) != ((True, False) if self.model_type == "qwen2"
+                                            else (self.qkv_bias, self.qkv_bias)):
+            raise ModelConfigError(
+                f"{self.model_type} cannot have qkv_bias={self.qkv_bias} with o_bias={self.o_bias}"
             )
 
     @property
@@ -98,6 +126,7 @@ class ModelConfig:
         d, f, L = self.hidden_size, self.intermediate_size, self.num_layers
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         attn = d * q + 2 * d * kv + q * d + (q + 2 * kv if self.qkv_bias else 0)
+        attn += d if self.o_bias else 0
         attn += 2 * self.head_dim if self.qk_norm else 0
         layer = attn + 3 * d * f + 2 * d
         head = 0 if self.tie_word_embeddings else d * self.vocab_size
@@ -125,35 +154,11 @@ class ModelConfig:
         if model_type == "llama" and hf.get("pretraining_tp", 1) != 1:
             raise ModelConfigError("pretraining_tp != 1 is not supported")
 
-        rope = dict(hf.get("rope_parameters") or {})
-        scaling = hf.get("rope_scaling") or {}
-        rope_theta = float(hf.get("rope_theta", rope.get("rope_theta", 10000.0)))
-        if scaling and not rope.get("rope_type"):
-            rope = {**scaling, **rope}
-        rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ModelConfigError(
-                f"rope_type {rope_type!r} is not supported; supported: "
-                f"{', '.join(SUPPORTED_ROPE_TYPES)}"
-            )
-        rope_scaling = None
-        if rope_type == "llama3":
-            try:
-                rope_scaling = RopeScaling(
-                    factor=float(rope["factor"]),
-                    low_freq_factor=float(rope["low_freq_factor"]),
-                    high_freq_factor=float(rope["high_freq_factor"]),
-                    original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
-                )
-            except KeyError as e:
-                raise ModelConfigError(f"llama3 rope scaling is missing field {e.args[0]!r}") from e
-
+        max_positions = int(hf.get("max_position_embeddings", 4096))
+        rope_theta, rope_scaling = _rope(hf, max_positions)
         num_heads = int(hf["num_attention_heads"])
         head_dim = hf.get("head_dim") or int(hf["hidden_size"]) // num_heads
-        if model_type == "qwen2":
-            qkv_bias = True
-        else:
-            qkv_bias = bool(hf.get("attention_bias", False))
+        qkv_bias = model_type == "qwen2" or bool(hf.get("attention_bias", False))
         return cls(
             model_type=model_type,
             vocab_size=int(hf["vocab_size"]),
@@ -166,9 +171,10 @@ class ModelConfig:
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
+            o_bias=model_type != "qwen2" and qkv_bias,
             qk_norm=model_type == "qwen3",
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=_token_ids(hf.get("eos_token_id")),
@@ -193,8 +199,8 @@ class ModelConfig:
                 "llama": "LlamaForCausalLM"}[self.model_type]
         rope: dict[str, Any] = {"rope_type": "default", "rope_theta": self.rope_theta}
         if self.rope_scaling is not None:
-            rope = {"rope_type": "llama3", "rope_theta": self.rope_theta,
-                    **dataclasses.asdict(self.rope_scaling)}
+            rope = {"rope_type": self.rope_scaling.rope_type, "rope_theta": self.rope_theta,
+                    **dict(self.rope_scaling.params)}
         out: dict[str, Any] = {
             "architectures": [arch],
             "model_type": self.model_type,
@@ -215,7 +221,6 @@ class ModelConfig:
             "eos_token_id": (list(self.eos_token_id) if isinstance(self.eos_token_id, tuple)
                              else self.eos_token_id),
             "pad_token_id": self.pad_token_id,
-            "torch_dtype": "float32",
             "use_cache": True,
         }
         if self.rope_scaling is not None:
@@ -227,6 +232,24 @@ class ModelConfig:
         if self.model_type in ("qwen2", "qwen3"):
             out["use_sliding_window"] = False
         return out
+
+
+def _rope(hf: dict[str, Any], max_positions: int) -> tuple[float, RopeScaling | None]:
+    """(rope theta, scaling) from a config dict, resolved as transformers 5 does."""
+    field = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    if not isinstance(hf.get(field) or {}, dict):
+        raise ModelConfigError(f"{field} must be a dict, got {hf[field]!r}")
+    rope = dict(hf.get(field) or {})
+    rope_theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ModelConfigError(
+            f"{field}.rope_type {rope_type!r} is not supported; supported: "
+            f"{', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    if rope_type == "default":
+        return rope_theta, None
+    return rope_theta, RopeScaling.from_hf(rope, rope_type, field, max_positions)
 
 
 def _token_ids(value):

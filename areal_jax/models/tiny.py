@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from areal_jax.models.build import init_model
 from areal_jax.models.config import ModelConfig
-from areal_jax.models.hf_io import export_hf
+from areal_jax.models.hf_export import export_hf
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHAT_TEMPLATE = (

@@ -80,6 +80,8 @@ class LayerStack(nnx.Module):
             self.q_bias = _param(rngs, (L, hq, dh), ("layers", "q_heads", "head_dim"), "zeros")
             self.k_bias = _param(rngs, (L, hkv, dh), ("layers", "kv_heads", "head_dim"), "zeros")
             self.v_bias = _param(rngs, (L, hkv, dh), ("layers", "kv_heads", "head_dim"), "zeros")
+        if cfg.o_bias:
+            self.o_bias = _param(rngs, (L, d), ("layers", "norm"), "zeros")
         if cfg.qk_norm:
             self.q_norm = _param(rngs, (L, dh), ("layers", "head_dim"), "ones")
             self.k_norm = _param(rngs, (L, dh), ("layers", "head_dim"), "ones")
@@ -147,7 +149,7 @@ class Transformer(nnx.Module):
         """tokens/segment_ids/positions [B, T] -> (final-normed hidden [B, T, D], updated cache)."""
         cfg, dtype = self.cfg, self.dtype
         x = self.embed[...].astype(dtype)[tokens]
-        inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        inv_freq, rope_scale = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
 
         def layer(x, w, cache_k=None, cache_v=None):
             cast = lambda a: a.astype(dtype)
@@ -160,13 +162,14 @@ class Transformer(nnx.Module):
             if cfg.qk_norm:
                 q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
                 k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
-            q = apply_rope(q, positions, inv_freq)
-            k = apply_rope(k, positions, inv_freq)
+            q = apply_rope(q, positions, inv_freq, rope_scale)
+            k = apply_rope(k, positions, inv_freq, rope_scale)
             if cache_k is None:
                 attn = packed_attention(q, k, v, segment_ids)
             else:
                 attn = cached_attention(q, k, v, cache_k, cache_v, segment_ids, positions)
-            x = x + jnp.einsum("bthk,hkd->btd", attn, cast(w["o_kernel"]))
+            out = jnp.einsum("bthk,hkd->btd", attn, cast(w["o_kernel"]))
+            x = x + (out + cast(w["o_bias"]) if cfg.o_bias else out)
             h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
             gate = jnp.einsum("btd,df->btf", h, cast(w["gate_kernel"]))
             up = jnp.einsum("btd,df->btf", h, cast(w["up_kernel"]))

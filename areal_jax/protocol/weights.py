@@ -11,11 +11,15 @@ DEFAULT_CHUNK_BYTES = 1 << 20
 
 
 def push_weight_requests(
-    directory: str | Path, version: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    directory: str | Path,
+    version: int,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    force: bool = False,
 ) -> Iterator[pb.PushWeightsRequest]:
     """Header (version, file names and sizes), then each file's bytes in ``chunk_bytes`` pieces.
 
     The directory must be flat (a Hugging Face checkpoint is); files are sent in name order.
+    ``force`` loads it even when ``version`` is not newer than the server's (see the proto).
     """
     directory = Path(directory)
     if chunk_bytes < 1:
@@ -29,7 +33,8 @@ def push_weight_requests(
     if not entries:
         raise ValueError(f"weights directory {directory} is empty")
     files = [pb.WeightFile(name=p.name, size=p.stat().st_size) for p in entries]
-    yield pb.PushWeightsRequest(header=pb.WeightsHeader(version=version, files=files))
+    header = pb.WeightsHeader(version=version, files=files, force=force)
+    yield pb.PushWeightsRequest(header=header)
     for path in entries:
         with path.open("rb") as f:
             offset = 0

@@ -4,9 +4,9 @@
 (a JSON string of such a list is accepted too) or a string of assert-based Python test code that
 is appended to the solution and must exit with status 0. Outputs are compared line by line with
 trailing whitespace ignored. Optional ``metadata["timeout_s"]`` and ``metadata["memory_mb"]`` set
-the per-test wall-clock and memory limits (defaults: ``SandboxLimits``). The solution is the last
-fenced code block of the completion (```python ... ``` preferred), or the whole completion when it
-has no fence.
+the per-test wall-clock and memory limits (defaults: ``SandboxLimits``); ``time_budget_s`` tells
+the reward pool how long a call may take with them. The solution is the last fenced code block of
+the completion (```python ... ``` preferred), or the whole completion when it has no fence.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import re
 
 from areal_jax.rewards.sandbox import SandboxLimits, run_python
 
+RUN_OVERHEAD_S = 1.0  # interpreter start-up and clean-up of one sandbox run, beyond its timeout
 _FENCE = re.compile(r"```([A-Za-z0-9_+-]*)[ \t]*\n(.*?)```", re.DOTALL)
 
 
@@ -89,6 +90,13 @@ def limits_from_metadata(metadata: dict) -> SandboxLimits:
     return SandboxLimits(**overrides)
 
 
+def time_budget_s(metadata: dict) -> float:
+    """Longest legitimate time of one call: sandbox runs × (per-test timeout + start-up)."""
+    tests = parse_tests(metadata["tests"])
+    runs = 1 if isinstance(tests, str) else len(tests)
+    return runs * (limits_from_metadata(metadata).timeout_s + RUN_OVERHEAD_S)
+
+
 def _score(completion: str, metadata: dict, all_or_nothing: bool) -> float:
     if "tests" not in metadata:
         raise KeyError("code reward needs metadata 'tests'")
@@ -111,3 +119,7 @@ def code_reward(completion: str, metadata: dict) -> float:
 def code_fraction_reward(completion: str, metadata: dict) -> float:
     """Fraction of tests passed."""
     return _score(completion, metadata, all_or_nothing=False)
+
+
+code_reward.time_budget_s = time_budget_s
+code_fraction_reward.time_budget_s = time_budget_s

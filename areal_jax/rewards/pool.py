@@ -3,7 +3,13 @@
 Rewards run in separate processes because math-verify relies on ``signal.alarm`` (main thread
 only) and model-written code must never run in the caller. A call that times out, crashes its
 worker or raises scores 0.0 and is logged; a timed-out or crashed worker is killed and replaced,
-so a hung reward never blocks later calls.
+so a hung reward never blocks later calls. Each worker runs its sandboxes under a scratch
+directory of its own; when a worker is killed, the pool kills the sandboxed processes it left
+(own session, own uid) and deletes their files.
+
+A call's time limit is the pool's ``timeout_s`` plus the reward's own ``time_budget_s(metadata)``
+when it declares one (the code rewards: sandbox runs × (per-test timeout + start-up)), so a slow
+but correct solution is never cut off by the pool before the sandbox's own limits apply.
 """
 
 from __future__ import annotations
@@ -13,16 +19,28 @@ import collections
 import logging
 import math
 import multiprocessing
+import os
 import signal
+import tempfile
 
-from areal_jax.rewards.registry import get_reward, import_path, reward_path
+from areal_jax.rewards.registry import (
+    RewardFn,
+    RewardNotFoundError,
+    available_rewards,
+    check_custom,
+    get_reward,
+    import_path,
+    reward_path,
+)
+from areal_jax.rewards.sandbox import reap_scratch_root, set_scratch_root
 
 logger = logging.getLogger(__name__)
 
 
-def _worker_main(conn) -> None:
+def _worker_main(conn, scratch: str) -> None:
     """Serve (reward path, completion, metadata) requests with ("ok", float) or ("error", msg)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    set_scratch_root(scratch)
     functions = {}
     while True:
         try:
@@ -43,47 +61,75 @@ def _worker_main(conn) -> None:
 
 class _Worker:
     def __init__(self, ctx):
+        self.scratch = tempfile.mkdtemp(prefix="areal-reward-worker-")
+        os.chmod(self.scratch, 0o711)  # a sandbox uid must reach its own work directory
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_worker_main, args=(child,), daemon=True)
+        self.process = ctx.Process(target=_worker_main, args=(child, self.scratch), daemon=True)
         self.process.start()
         child.close()
 
-    def kill(self) -> None:
+    def stop(self) -> None:
+        """Kill the process, then whatever its sandboxes left running, and delete their files."""
         if self.process.is_alive():
             self.process.kill()
         self.process.join()
+        reap_scratch_root(self.scratch)
+
+    def kill(self) -> None:
+        self.stop()
         self.conn.close()
 
 
 class RewardPool:
     """``num_workers`` reward processes; ``await score(...)`` never raises for a bad completion.
 
-    Counters ``num_scored``, ``num_timeouts`` and ``num_errors`` are there for metrics.
+    Only :attr:`reward_names` can be scored: the built-ins, the registered names and ``custom``
+    (name -> ``"pkg.module:function"``, each imported and checked here, in the parent; a
+    RewardConfigError carries the real import error). Counters ``num_scored``,
+    ``num_timeouts`` and ``num_errors`` are there for metrics.
     """
 
-    def __init__(self, num_workers: int, timeout_s: float, start_method: str = "spawn"):
+    def __init__(
+        self,
+        num_workers: int,
+        timeout_s: float,
+        custom: dict[str, str] | None = None,
+        start_method: str = "spawn",
+    ):
         if num_workers < 1:
             raise ValueError(f"RewardPool num_workers must be >= 1, got {num_workers}")
         if not timeout_s > 0:
             raise ValueError(f"RewardPool timeout_s must be positive, got {timeout_s}")
         self.timeout_s = float(timeout_s)
+        self._custom = check_custom(custom)
+        self._functions: dict[str, tuple[RewardFn, str]] = {}
         self._ctx = multiprocessing.get_context(start_method)
         self._idle = [_Worker(self._ctx) for _ in range(num_workers)]
         self._busy: set[_Worker] = set()
         self._waiters: collections.deque[asyncio.Future] = collections.deque()
-        self._paths: dict[str, str] = {}
         self._closed = False
         self.num_scored = 0
         self.num_timeouts = 0
         self.num_errors = 0
 
+    @property
+    def reward_names(self) -> frozenset[str]:
+        """Names :meth:`score` accepts: built-ins, registered names and the custom rewards."""
+        return frozenset(available_rewards()) | frozenset(self._custom)
+
     async def score(self, reward_name: str, completion: str, metadata: dict) -> float:
-        """Reward of ``completion``; 0.0 on timeout, crash or error. Unknown names raise."""
-        path = self._path(reward_name)
+        """Reward of ``completion``; 0.0 on timeout, crash or error.
+
+        A name outside :attr:`reward_names` raises RewardNotFoundError before any work.
+        """
+        fn, path = self._resolve(reward_name)
+        limit = self.timeout_s + _time_budget(fn, metadata)
         worker = await self._acquire()
         healthy = False
         try:
-            value, healthy = await self._call(worker, reward_name, path, completion, metadata)
+            value, healthy = await self._call(
+                worker, reward_name, path, completion, metadata, limit
+            )
         finally:
             self._release(worker, healthy)
         return value
@@ -101,8 +147,7 @@ class RewardPool:
             worker.kill()
         self._idle.clear()
         for worker in self._busy:  # their pending call sees EOF, scores 0.0 and closes the pipe
-            worker.process.kill()
-            worker.process.join()
+            worker.stop()
         while self._waiters:
             waiter = self._waiters.popleft()
             if not waiter.done():
@@ -120,10 +165,22 @@ class RewardPool:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _path(self, reward_name: str) -> str:
-        if reward_name not in self._paths:
-            self._paths[reward_name] = reward_path(get_reward(reward_name))
-        return self._paths[reward_name]
+    def _resolve(self, reward_name: str) -> tuple[RewardFn, str]:
+        """(function, importable path) of a configured reward; others raise."""
+        if reward_name not in self._functions:
+            if reward_name in self._custom:
+                path = self._custom[reward_name]
+                self._functions[reward_name] = import_path(path), path
+            elif reward_name in self.reward_names:
+                fn = get_reward(reward_name)
+                self._functions[reward_name] = fn, reward_path(fn)
+            else:
+                raise RewardNotFoundError(
+                    f"reward {reward_name!r} is not configured for this pool; configured: "
+                    f"{', '.join(sorted(self.reward_names))} (dotted paths must be registered "
+                    "in config as custom rewards)"
+                )
+        return self._functions[reward_name]
 
     async def _acquire(self) -> _Worker:
         if self._closed:
@@ -158,7 +215,9 @@ class RewardPool:
                 return
         self._idle.append(worker)
 
-    async def _call(self, worker, reward_name, path, completion, metadata) -> tuple[float, bool]:
+    async def _call(
+        self, worker, reward_name, path, completion, metadata, limit
+    ) -> tuple[float, bool]:
         """(reward, whether the worker is still usable) for one call on ``worker``."""
         self.num_scored += 1
         loop = asyncio.get_running_loop()
@@ -168,14 +227,14 @@ class RewardPool:
             worker.conn.send((path, completion, metadata))
             loop.add_reader(fd, lambda: ready.done() or ready.set_result(None))
             try:
-                await asyncio.wait_for(ready, self.timeout_s)
+                await asyncio.wait_for(ready, limit)
             finally:
                 loop.remove_reader(fd)
             status, value = worker.conn.recv()
         except TimeoutError:
             self.num_timeouts += 1
             logger.warning(
-                "reward %s timed out after %.1fs; worker restarted", reward_name, self.timeout_s
+                "reward %s timed out after %.1fs; worker restarted", reward_name, limit
             )
             return 0.0, False
         except (EOFError, OSError) as e:
@@ -187,3 +246,14 @@ class RewardPool:
             logger.warning("reward %s failed: %s", reward_name, value)
             return 0.0, True
         return value, True
+
+
+def _time_budget(fn: RewardFn, metadata: dict) -> float:
+    """Seconds ``fn`` declares it may need for ``metadata`` (``fn.time_budget_s``), else 0."""
+    budget = getattr(fn, "time_budget_s", None)
+    if budget is None:
+        return 0.0
+    try:
+        return max(0.0, float(budget(metadata)))
+    except Exception:  # bad metadata: the reward call itself reports it
+        return 0.0

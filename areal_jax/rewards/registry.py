@@ -1,15 +1,19 @@
-"""Reward functions by name.
+"""Reward functions by name, and which names a run may call.
 
-A reward function is ``fn(completion: str, metadata: dict) -> float``. Names resolve in this
-order: functions registered with :func:`register_reward`, the built-ins (imported on first use so
-that e.g. math-verify loads only where the math reward runs), then a Python dotted path
-``"pkg.module:function"`` or ``"pkg.module.function"``.
+A reward function is ``fn(completion: str, metadata: dict) -> float``. :func:`get_reward`
+resolves only functions registered with :func:`register_reward` and the built-ins (imported on
+first use so that e.g. math-verify loads only where the math reward runs). A reward name arrives
+in client requests, so a dotted path ``"pkg.module:function"`` is never imported because a
+request names it: it must be listed in the config (``custom``: name -> dotted path), where
+:func:`check_custom` imports and checks it.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+
+from areal_jax.config import ConfigError
 
 RewardFn = Callable[[str, dict], float]
 
@@ -23,7 +27,11 @@ _REGISTERED: dict[str, RewardFn] = {}
 
 
 class RewardNotFoundError(LookupError):
-    """A reward name is neither registered, built in, nor an importable dotted path."""
+    """A reward name is neither registered, built in, nor configured."""
+
+
+class RewardConfigError(ConfigError):
+    """A configured reward cannot be used; the message says why (e.g. the real import error)."""
 
 
 def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
@@ -46,48 +54,99 @@ def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
 
 
 def available_rewards() -> list[str]:
-    """Names usable with :func:`get_reward` (dotted paths work too but are not listed)."""
+    """Names usable with :func:`get_reward`: the built-ins and the registered names."""
     return sorted(set(_BUILTINS) | set(_REGISTERED))
 
 
 def get_reward(name: str) -> RewardFn:
-    """The reward function for a registered name, a built-in name or a dotted path."""
+    """The reward function for a registered or built-in name; anything else raises."""
     if name in _REGISTERED:
         return _REGISTERED[name]
     if name in _BUILTINS:
         return import_path(_BUILTINS[name])
-    if ":" in name or "." in name:
-        return import_path(name)
+    if isinstance(name, str) and (":" in name or "." in name):
+        raise RewardNotFoundError(
+            f"reward {name!r} looks like a dotted path; dotted paths must be registered in "
+            "config (custom rewards, see docs/rewards.md), they are never imported by name"
+        )
     raise RewardNotFoundError(
-        f"reward {name!r} is not registered; available: {', '.join(available_rewards())} "
-        "(or give a dotted path 'pkg.module:function')"
+        f"reward {name!r} is not registered; available: {', '.join(available_rewards())}"
     )
 
 
+def check_custom(custom: Mapping[str, str] | None) -> dict[str, str]:
+    """Validate ``custom`` (name -> ``"pkg.module:function"``) by importing every path.
+
+    Returns name -> path where each path is also a name of its own, so that a config may name
+    a reward by its path. Raises RewardConfigError with the real import error.
+    """
+    table: dict[str, str] = {}
+    for name, path in (custom or {}).items():
+        if not isinstance(name, str) or not name:
+            raise RewardConfigError(f"custom reward name must be a non-empty string, got {name!r}")
+        if not isinstance(path, str) or not path:
+            raise RewardConfigError(f"custom reward {name!r}: path must be a non-empty string")
+        for alias in (name, path):
+            if alias in _BUILTINS:
+                raise RewardConfigError(
+                    f"custom reward {name!r}: {alias!r} is the name of a built-in reward"
+                )
+            if table.get(alias, path) != path:
+                raise RewardConfigError(
+                    f"custom reward {alias!r} is configured twice: {table[alias]!r} and {path!r}"
+                )
+            table[alias] = path
+        try:
+            fn = import_path(path)
+        except RewardConfigError as e:
+            raise RewardConfigError(f"custom reward {name!r}: {e}") from e
+        registered = _REGISTERED.get(name)
+        if registered is not None and reward_path(registered) != reward_path(fn):
+            raise RewardConfigError(
+                f"custom reward {name!r} ({path}) clashes with the registered "
+                f"{reward_path(registered)}"
+            )
+    return table
+
+
+def check_reward(name: str, custom: Mapping[str, str] | None = None) -> None:
+    """Raise RewardConfigError saying why ``name`` cannot be scored with ``custom`` configured.
+
+    A dotted-path ``name`` is accepted only when it is a key or a value of ``custom``.
+    """
+    if name in check_custom(custom):
+        return
+    try:
+        get_reward(name)
+    except RewardNotFoundError as e:
+        raise RewardConfigError(str(e)) from None
+
+
 def import_path(path: str) -> RewardFn:
-    """Import ``"pkg.module:attr"`` or ``"pkg.module.attr"`` and check it is callable."""
+    """Import ``"pkg.module:attr"`` or ``"pkg.module.attr"`` and check it is callable.
+
+    Only for trusted paths (built-ins and config): importing runs the module's code.
+    """
     if ":" in path:
         module_name, _, attr = path.partition(":")
     else:
         module_name, _, attr = path.rpartition(".")
     if not module_name or not attr:
-        raise RewardNotFoundError(f"reward path {path!r} is not of the form 'pkg.module:function'")
+        raise RewardConfigError(f"reward path {path!r} is not of the form 'pkg.module:function'")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise RewardNotFoundError(
-            f"reward path {path!r}: cannot import {module_name!r}: {e}"
+    except Exception as e:  # the module's own error (ImportError, SyntaxError, ...) is the cause
+        raise RewardConfigError(
+            f"reward path {path!r}: cannot import {module_name!r}: {type(e).__name__}: {e}"
         ) from e
     obj = module
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)
-        except AttributeError:
-            raise RewardNotFoundError(
-                f"reward path {path!r}: module {module_name!r} has no attribute {attr!r}"
-            ) from None
+        except AttributeError as e:
+            raise RewardConfigError(f"reward path {path!r}: {e}") from None
     if not callable(obj):
-        raise RewardNotFoundError(
+        raise RewardConfigError(
             f"reward path {path!r} names a {type(obj).__name__}, not a function"
         )
     return obj

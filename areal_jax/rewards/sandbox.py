@@ -6,13 +6,20 @@ What :func:`run_python` enforces (docs/rewards.md lists what it does not):
   space), RLIMIT_NPROC (processes), RLIMIT_FSIZE (largest file written, stdout/stderr included),
   RLIMIT_NOFILE (open files), RLIMIT_CORE = 0.
 - A fresh private temporary directory as working directory, removed afterwards.
+- As root with mount namespaces: a filesystem jail (``_jail``) in which only the system
+  directories, the interpreter and that working directory exist, so the code cannot read the
+  caller's files (run directory, datasets). ``SandboxResult.fs_isolated`` says whether it was on.
 - An emptied environment (only a minimal ``PATH``) and ``python -I -B`` (isolated mode).
 - A new session and process group; on a wall-clock timeout, and always once the main process
-  ends, every process of the group (and of the sandbox's own uid, below) is killed.
+  ends, every process of the group (and of the sandbox's own uid, below) is killed. The main
+  process is also killed when the process that started it dies (``PR_SET_PDEATHSIG``).
 - When running as root, the code runs under a uid of its own (``UID_BASE + pid``), so the
   process limit counts only its processes, it cannot write the caller's files, and no process
   that escaped the group survives. As another user the process limit is the user's current
   process count plus ``max_processes``.
+- Each run's directories live under a scratch root (:func:`set_scratch_root`) together with a
+  record of its process group and uid, so a supervisor that kills the calling process can kill
+  what it left running and delete its files with :func:`reap_scratch_root`.
 - A new, empty network namespace (``unshare(CLONE_NEWNET)``; for non-root users together with a
   new user namespace) when the kernel allows it; ``SandboxResult.network_isolated`` says whether
   it was in effect.
@@ -34,11 +41,19 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+
+from areal_jax.rewards import _jail
 
 MINIMAL_PATH = "/usr/local/bin:/usr/bin:/bin"
 UID_BASE = 2_000_000_000
 _CLONE_NEWNET = 0x40000000
 _CLONE_NEWUSER = 0x10000000
+_CLONE_NEWNS = 0x00020000
+_PR_SET_PDEATHSIG = 1
+_RECORD = "pid"  # "<process group> <uid or -1>", written by the child before it runs any code
+_scratch_root: str | None = None
+_libc = _jail.libc
 
 
 class SandboxError(RuntimeError):
@@ -88,6 +103,7 @@ class SandboxResult:
     elapsed_s: float
     network_isolated: bool
     uid_isolated: bool
+    fs_isolated: bool
 
     @property
     def ok(self) -> bool:
@@ -99,6 +115,10 @@ class _Isolation:
     as_root: bool
     unshare_flags: int  # 0 when no namespace could be created
 
+    @property
+    def jail(self) -> bool:
+        return self.as_root and bool(self.unshare_flags & _CLONE_NEWNS)
+
 
 def run_python(source: str, stdin: str = "", limits: SandboxLimits | None = None) -> SandboxResult:
     """Run ``source`` as ``main.py`` with ``stdin`` under ``limits``; never raises for bad code."""
@@ -106,48 +126,54 @@ def run_python(source: str, stdin: str = "", limits: SandboxLimits | None = None
     iso = _isolation()
     python = limits.python or _default_python(iso.as_root)
     nproc = limits.max_processes if iso.as_root else _own_process_count() + limits.max_processes
-    workdir = tempfile.mkdtemp(prefix="areal-sandbox-")
+    run_dir = tempfile.mkdtemp(prefix="areal-sandbox-", dir=_scratch_root)
     try:
-        with tempfile.TemporaryDirectory(prefix="areal-sandbox-io-") as io_dir:
-            with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8") as f:
-                f.write(source)
-            stdin_path = os.path.join(io_dir, "stdin")
-            with open(stdin_path, "w", encoding="utf-8") as f:
-                f.write(stdin)
-            with (
-                open(stdin_path, "rb") as fin,
-                open(os.path.join(io_dir, "stdout"), "w+b") as fout,
-                open(os.path.join(io_dir, "stderr"), "w+b") as ferr,
-            ):
-                setup = functools.partial(_child_setup, limits, nproc, iso)
-                start = time.monotonic()
-                try:
-                    proc = subprocess.Popen(
-                        [python, "-I", "-B", "main.py"],
-                        cwd=workdir,
-                        env={"PATH": MINIMAL_PATH},
-                        stdin=fin,
-                        stdout=fout,
-                        stderr=ferr,
-                        start_new_session=True,
-                        preexec_fn=setup,
-                        close_fds=True,
-                    )
-                except (OSError, subprocess.SubprocessError) as e:
-                    raise SandboxError(f"cannot start {python} in the sandbox: {e}") from e
-                uid = UID_BASE + proc.pid if iso.as_root else None
-                timed_out = False
-                try:
-                    proc.wait(timeout=limits.timeout_s)
-                except subprocess.TimeoutExpired:
-                    timed_out = True
-                finally:
-                    _kill_everything(proc, uid)
-                elapsed = time.monotonic() - start
-                stdout = _read(fout, limits.max_file_bytes)
-                stderr = _read(ferr, limits.max_file_bytes)
+        os.chmod(run_dir, 0o711)  # the sandbox uid may reach work/, not list or read the rest
+        workdir, io_dir, jail = (os.path.join(run_dir, d) for d in ("work", "io", "jail"))
+        for d in (workdir, io_dir, jail):
+            os.mkdir(d, 0o700)
+        with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8") as f:
+            f.write(source)
+        stdin_path = os.path.join(io_dir, "stdin")
+        with open(stdin_path, "w", encoding="utf-8") as f:
+            f.write(stdin)
+        with (
+            open(stdin_path, "rb") as fin,
+            open(os.path.join(io_dir, "stdout"), "w+b") as fout,
+            open(os.path.join(io_dir, "stderr"), "w+b") as ferr,
+        ):
+            setup = functools.partial(
+                _child_setup, limits, nproc, iso, os.path.join(run_dir, _RECORD), os.getpid(),
+                (jail, workdir, _jail.read_only_paths(python)) if iso.jail else None,
+            )
+            start = time.monotonic()
+            try:
+                proc = subprocess.Popen(
+                    [python, "-I", "-B", "main.py"],
+                    cwd=workdir,
+                    env={"PATH": MINIMAL_PATH},
+                    stdin=fin,
+                    stdout=fout,
+                    stderr=ferr,
+                    start_new_session=True,
+                    preexec_fn=setup,
+                    close_fds=True,
+                )
+            except (OSError, subprocess.SubprocessError) as e:
+                raise SandboxError(f"cannot start {python} in the sandbox: {e}") from e
+            timed_out = False
+            try:
+                proc.wait(timeout=limits.timeout_s)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+            finally:
+                _kill_tree(proc.pid, _sandbox_uid(iso, proc.pid))
+                proc.wait()
+            elapsed = time.monotonic() - start
+            stdout = _read(fout, limits.max_file_bytes)
+            stderr = _read(ferr, limits.max_file_bytes)
     finally:
-        _remove_tree(workdir)
+        _remove_tree(run_dir)
     return SandboxResult(
         returncode=proc.returncode,
         stdout=stdout,
@@ -156,7 +182,45 @@ def run_python(source: str, stdin: str = "", limits: SandboxLimits | None = None
         elapsed_s=elapsed,
         network_isolated=bool(iso.unshare_flags & _CLONE_NEWNET),
         uid_isolated=iso.as_root,
+        fs_isolated=iso.jail,
     )
+
+
+def set_scratch_root(path: str | None) -> None:
+    """Create the directories of this process's later runs under ``path`` (None: the temp dir).
+
+    Give each process that runs sandboxes its own root; after killing such a process, call
+    :func:`reap_scratch_root` on it.
+    """
+    global _scratch_root
+    _scratch_root = path
+
+
+def reap_scratch_root(path: str) -> None:
+    """Kill every sandboxed process recorded under ``path``, then delete ``path``.
+
+    For a supervisor whose sandbox-running process was killed mid-run: the runs it left behind
+    (own session, own uid) and their directories would otherwise survive.
+    """
+    if not os.path.isdir(path):
+        return
+    for name in os.listdir(path):
+        try:
+            with open(os.path.join(path, name, _RECORD)) as f:
+                pgid, uid = (int(v) for v in f.read().split())
+        except (OSError, ValueError):  # no record: the child never started
+            continue
+        _kill_tree(pgid, uid if uid >= 0 else None)
+    _remove_tree(path)
+
+
+def filesystem_isolation_available() -> bool:
+    """Whether runs get the filesystem jail on this machine, as this user (root only)."""
+    return _isolation().jail
+
+
+def _sandbox_uid(iso: _Isolation, pid: int) -> int | None:
+    return UID_BASE + pid if iso.as_root else None
 
 
 def network_isolation_available() -> bool:
@@ -164,10 +228,26 @@ def network_isolation_available() -> bool:
     return bool(_isolation().unshare_flags & _CLONE_NEWNET)
 
 
-def _child_setup(limits: SandboxLimits, nproc: int, iso: _Isolation) -> None:
-    """Runs in the forked child before exec (as the caller's user)."""
+def _child_setup(
+    limits: SandboxLimits,
+    nproc: int,
+    iso: _Isolation,
+    record: str,
+    parent: int,
+    jail: tuple[str, str, tuple[str, ...]] | None,
+) -> None:
+    """Runs in the forked child before exec (as the caller's user), in this order: record the
+    process group and uid for the reaper, isolate, limit, drop to the sandbox uid, die with the
+    parent."""
+    uid = _sandbox_uid(iso, os.getpid())
+    with open(record + ".tmp", "w") as f:
+        f.write(f"{os.getpid()} {-1 if uid is None else uid}\n")
+    os.rename(record + ".tmp", record)
     if iso.as_root and iso.unshare_flags:
         _unshare(iso.unshare_flags)
+    if jail is not None:
+        jail_dir, workdir, read_only = jail
+        _jail.enter(jail_dir, workdir, read_only, limits.max_file_bytes)
     cpu = limits.cpu_seconds
     for which, value in (
         (resource.RLIMIT_CPU, (cpu, cpu + 1)),
@@ -178,19 +258,16 @@ def _child_setup(limits: SandboxLimits, nproc: int, iso: _Isolation) -> None:
         (resource.RLIMIT_CORE, (0, 0)),
     ):
         resource.setrlimit(which, value)
-    if iso.as_root:
-        uid = UID_BASE + os.getpid()
+    if uid is not None:
         os.chown(".", uid, uid)
         os.setgroups([])
         os.setgid(uid)
         os.setuid(uid)
     elif iso.unshare_flags:
         _unshare(iso.unshare_flags)
-
-
-@functools.cache
-def _libc():
-    return ctypes.CDLL(None, use_errno=True)
+    # Last: changing credentials clears the parent-death signal.
+    if _libc().prctl(_PR_SET_PDEATHSIG, signal.SIGKILL) != 0 or os.getppid() != parent:
+        os._exit(1)
 
 
 def _unshare(flags: int) -> None:
@@ -201,24 +278,41 @@ def _unshare(flags: int) -> None:
 
 @functools.cache
 def _isolation() -> _Isolation:
-    """Probe once per process which namespaces this kernel and user may create."""
+    """Probe once per process which namespaces (and, as root, whether the jail) work here."""
     as_root = os.geteuid() == 0
-    flags = _CLONE_NEWNET if as_root else _CLONE_NEWNET | _CLONE_NEWUSER
     if sys.platform != "linux":
         return _Isolation(as_root, 0)
     _libc()  # load before forking
-    try:
-        subprocess.run(
-            [sys.executable, "-I", "-c", ""],
-            preexec_fn=functools.partial(_unshare, flags),
-            env={"PATH": MINIMAL_PATH},
-            check=True,
-            capture_output=True,
-            timeout=30,
-        )
-    except (OSError, subprocess.SubprocessError):
-        flags = 0
-    return _Isolation(as_root, flags)
+    if as_root and _probe(_probe_jail):
+        return _Isolation(as_root, _CLONE_NEWNET | _CLONE_NEWNS)
+    flags = _CLONE_NEWNET if as_root else _CLONE_NEWNET | _CLONE_NEWUSER
+    return _Isolation(as_root, flags if _probe(lambda _: _unshare(flags)) else 0)
+
+
+def _probe(setup: Callable[[str], None]) -> bool:
+    """Whether this interpreter starts after ``setup(scratch dir)`` ran in the child."""
+    with tempfile.TemporaryDirectory(prefix="areal-sandbox-probe-") as d:
+        try:
+            subprocess.run(
+                [sys.executable, "-I", "-c", ""],
+                cwd=d,
+                preexec_fn=functools.partial(setup, d),
+                env={"PATH": MINIMAL_PATH},
+                check=True,
+                capture_output=True,
+                timeout=30,
+            )
+        except (OSError, subprocess.SubprocessError):
+            return False
+    return True
+
+
+def _probe_jail(scratch: str) -> None:
+    _unshare(_CLONE_NEWNET | _CLONE_NEWNS)
+    jail, work = os.path.join(scratch, "jail"), os.path.join(scratch, "work")
+    os.mkdir(jail)
+    os.mkdir(work)
+    _jail.enter(jail, work, _jail.read_only_paths(sys.executable), 1 << 20)
 
 
 def _default_python(as_root: bool) -> str:
@@ -276,12 +370,10 @@ def _own_process_count() -> int:
     return sum(1 for *_, owner in _proc_entries() if owner == uid)
 
 
-def _kill_everything(proc: subprocess.Popen, uid: int | None) -> None:
-    """SIGKILL the whole process group and every process of the sandbox uid, then reap."""
-    pgid = proc.pid
+def _kill_tree(pgid: int, uid: int | None) -> None:
+    """SIGKILL process group ``pgid`` and every process of ``uid`` until none is left."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGKILL)
-    proc.wait()
     for _ in range(200):
         alive = [
             pid

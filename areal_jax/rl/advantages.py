@@ -22,7 +22,10 @@ _ESTIMATORS: dict[str, Estimator] = {}
 
 
 def register_advantage(name: str) -> Callable[[Estimator], Estimator]:
-    """Register ``fn(groups: list[np.ndarray [G_i]], *, eps) -> list[np.ndarray [G_i]]``."""
+    """Register ``fn(groups: list[np.ndarray [G_i]], *, eps, std_ddof) -> list[np.ndarray [G_i]]``.
+
+    ``std_ddof`` is the delta degrees of freedom of any group std (1: unbiased, 0: population).
+    """
 
     def wrap(fn: Estimator) -> Estimator:
         if name in _ESTIMATORS:
@@ -38,10 +41,24 @@ def advantage_estimators() -> tuple[str, ...]:
     return tuple(sorted(_ESTIMATORS))
 
 
+GroupStd = Literal["unbiased", "population"]
+_DDOF = {"unbiased": 1, "population": 0}
+
+
 def compute_advantages(
-    name: str, rewards_per_group: Sequence[Sequence[float]], *, eps: float = 1e-6
+    name: str,
+    rewards_per_group: Sequence[Sequence[float]],
+    *,
+    eps: float = 1e-6,
+    group_std: GroupStd = "unbiased",
 ) -> list[np.ndarray]:
-    """One advantage per response, group by group, with the estimator registered as ``name``."""
+    """One advantage per response, group by group, with the estimator registered as ``name``.
+
+    ``group_std``: the group std of GRPO is the unbiased one (ddof=1, as in AReaL and TRL) or
+    the population one (ddof=0).
+    """
+    if group_std not in _DDOF:
+        raise ValueError(f"group_std must be unbiased or population, got {group_std!r}")
     if name not in _ESTIMATORS:
         raise ValueError(
             f"unknown advantage estimator {name!r}; registered: {', '.join(advantage_estimators())}"
@@ -52,23 +69,27 @@ def compute_advantages(
             raise ValueError(f"rewards_per_group[{i}] must be a non-empty 1-D list, got {g.shape}")
         if not np.all(np.isfinite(g)):
             raise ValueError(f"rewards_per_group[{i}] holds a non-finite reward: {g.tolist()}")
-    return [a.astype(np.float32) for a in _ESTIMATORS[name](groups, eps=eps)]
+    advantages = _ESTIMATORS[name](groups, eps=eps, std_ddof=_DDOF[group_std])
+    return [a.astype(np.float32) for a in advantages]
 
 
 @register_advantage("grpo")
-def _grpo(groups, *, eps):
-    """``(r - mean) / (std + eps)`` with the population std (ddof=0) of the group."""
-    return [(g - g.mean()) / (g.std(ddof=0) + eps) for g in groups]
+def _grpo(groups, *, eps, std_ddof):
+    """``(r - mean) / (std + eps)`` per group; a group of one (no spread to estimate) gets 0."""
+    return [
+        (g - g.mean()) / ((g.std(ddof=std_ddof) if g.size > std_ddof else 0.0) + eps)
+        for g in groups
+    ]
 
 
 @register_advantage("dr_grpo")
-def _dr_grpo(groups, *, eps):
+def _dr_grpo(groups, **_):
     """``r - mean`` of the group (no std division)."""
     return [g - g.mean() for g in groups]
 
 
 @register_advantage("rloo")
-def _rloo(groups, *, eps):
+def _rloo(groups, **_):
     """``r - mean of the other samples`` of the group; needs groups of at least 2."""
     for i, g in enumerate(groups):
         if g.size < 2:
@@ -77,7 +98,7 @@ def _rloo(groups, *, eps):
 
 
 @register_advantage("reinforce")
-def _reinforce(groups, *, eps):
+def _reinforce(groups, **_):
     """``r - mean over the whole batch`` (REINFORCE with a batch-mean baseline)."""
     mean = np.concatenate(groups).mean()
     return [g - mean for g in groups]
@@ -89,10 +110,12 @@ class AdvantageConfig:
 
     Overlong penalty: on when ``overlong_window`` W > 0 (needs the generation budget L_max).
     KL to a reference: on when ``kl_beta`` > 0 (needs per-token KL terms).
+    ``group_std``: GRPO's group std, unbiased (ddof=1, the AReaL/TRL default) or population.
     """
 
     estimator: str = "grpo"
     eps: float = 1e-6
+    group_std: GroupStd = "unbiased"
     reward_bias: float = 0.0
     reward_scale: float = 1.0
     reward_clip: float | None = None
@@ -110,6 +133,10 @@ class AdvantageConfig:
             )
         if self.eps <= 0:
             raise ValueError(f"eps must be > 0, got {self.eps}")
+        if self.group_std not in _DDOF:
+            raise ValueError(
+                f"group_std must be unbiased or population, got {self.group_std!r}"
+            )
         if self.reward_clip is not None and self.reward_clip <= 0:
             raise ValueError(f"reward_clip must be > 0 or null, got {self.reward_clip}")
         if self.overlong_window < 0:
@@ -201,7 +228,9 @@ def trajectory_advantages(
     rewards = shape_rewards(rewards, cfg.reward_bias, cfg.reward_scale, cfg.reward_clip)
     bounds = np.cumsum([0] + [len(g.trajectories) for g in groups])
     per_group = [rewards[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
-    scalar = np.concatenate(compute_advantages(cfg.estimator, per_group, eps=cfg.eps))
+    scalar = np.concatenate(
+        compute_advantages(cfg.estimator, per_group, eps=cfg.eps, group_std=cfg.group_std)
+    )
 
     if cfg.kl_beta > 0 and kl is None:
         raise ValueError("kl_beta > 0 needs per-token KL terms (kl=)")

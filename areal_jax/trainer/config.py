@@ -7,6 +7,7 @@ from typing import Literal
 
 from areal_jax.config import ConfigError
 from areal_jax.parallel import MeshConfig
+from areal_jax.protocol import GREEDY_TEMPERATURE
 from areal_jax.rl import AdvantageConfig, LossConfig, MicroBatchConfig
 
 
@@ -68,6 +69,10 @@ class TrainerConfig:
                 f"export_dtype must be source, float32 or bfloat16, got {self.export_dtype!r}"
             )
         _positive(self, "lr", "adam_eps", "temperature")
+        if self.temperature < GREEDY_TEMPERATURE:
+            raise ConfigError(
+                f"temperature: {self.temperature:g} is below {GREEDY_TEMPERATURE:g}, which "
+                "samples greedily and reports log-probs at temperature 1: set 1.0")
         _at_least(self, 0, "warmup_steps", "total_steps", "weight_decay")
         _at_least(self, 1, "ppo_n_minibatches", "logprob_chunk_size", "checkpoint_keep",
                   "export_keep")

@@ -1,7 +1,9 @@
 """Publishing a policy version: an atomic Hugging Face export per version, old ones pruned.
 
 Exports live in ``<exports_dir>/v{version:06d}``; rollout servers load them by path. A
-directory only appears once complete (``export_hf`` writes a temporary sibling and renames).
+directory only appears once complete (the export writes a temporary sibling and renames).
+Publishing can be split: ``hf_state_dict`` snapshots the parameters to host arrays on the
+training thread, and ``publish_tensors`` writes and prunes on another thread.
 """
 
 from __future__ import annotations
@@ -10,7 +12,9 @@ import re
 import shutil
 from pathlib import Path
 
-from areal_jax.models import Transformer, export_hf
+import numpy as np
+
+from areal_jax.models import ModelConfig, Transformer, export_hf_tensors, hf_state_dict
 
 _EXPORT_NAME = re.compile(r"v(\d{6,})")
 
@@ -22,6 +26,26 @@ def export_path(exports_dir: str | Path, version: int) -> Path:
     return Path(exports_dir) / f"v{version:06d}"
 
 
+def publish_tensors(
+    tensors: dict[str, np.ndarray],
+    cfg: ModelConfig,
+    exports_dir: str | Path,
+    version: int,
+    *,
+    keep: int,
+    tokenizer_dir: str | Path | None = None,
+) -> Path:
+    """Write host ``tensors`` (from ``hf_state_dict``) as ``version`` (with tokenizer files if
+    ``tokenizer_dir``), then prune all but the ``keep`` highest versions; the export just
+    written is never pruned. Touches no device: safe on a background thread."""
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    out = export_hf_tensors(tensors, cfg, export_path(exports_dir, version),
+                            tokenizer_dir=tokenizer_dir)
+    prune_exports(exports_dir, keep, protect=out)
+    return out
+
+
 def publish_version(
     model: Transformer,
     exports_dir: str | Path,
@@ -31,13 +55,9 @@ def publish_version(
     dtype="float32",
     tokenizer_dir: str | Path | None = None,
 ) -> Path:
-    """Export ``model`` as ``version`` (with tokenizer files if ``tokenizer_dir``), then prune
-    all but the ``keep`` highest versions; the export just written is never pruned."""
-    if keep < 1:
-        raise ValueError(f"keep must be >= 1, got {keep}")
-    out = export_hf(model, export_path(exports_dir, version), dtype=dtype, tokenizer_dir=tokenizer_dir)
-    prune_exports(exports_dir, keep, protect=out)
-    return out
+    """``publish_tensors(hf_state_dict(model, dtype), model.cfg, ...)`` in one call."""
+    return publish_tensors(hf_state_dict(model, dtype), model.cfg, exports_dir, version,
+                           keep=keep, tokenizer_dir=tokenizer_dir)
 
 
 def prune_exports(exports_dir: str | Path, keep: int, protect: Path | None = None) -> list[Path]:

@@ -16,6 +16,10 @@ from typing import Any
 from rollout.engine import EngineError
 
 
+class UnreachableError(EngineError):
+    """The server could not be reached or did not answer (as opposed to an HTTP error status)."""
+
+
 class JsonHttpClient:
     """``await client.request("POST", "/generate", payload)`` gives ``(status, JSON body)``."""
 
@@ -33,7 +37,7 @@ class JsonHttpClient:
     async def request(
         self, method: str, path: str, payload: Any = None, timeout_s: float | None = None
     ) -> tuple[int, Any]:
-        """Send ``payload`` as JSON; ``EngineError`` when the server cannot be reached."""
+        """Send ``payload`` as JSON; ``UnreachableError`` when the server cannot be reached."""
         loop = asyncio.get_running_loop()
         timeout = self._timeout_s if timeout_s is None else timeout_s
         call = lambda: self._request(method, path, payload, timeout)  # noqa: E731
@@ -50,7 +54,7 @@ class JsonHttpClient:
             response = conn.getresponse()
             raw = response.read()
         except (OSError, http.client.HTTPException) as e:
-            raise EngineError(f"{method} {self.base_url}{path} failed: {e}") from e
+            raise UnreachableError(f"{method} {self.base_url}{path} failed: {e}") from e
         finally:
             conn.close()
         try:

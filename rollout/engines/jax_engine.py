@@ -137,6 +137,10 @@ class JaxEngine(GenerationEngine):
     def paused(self) -> bool:
         return self._paused
 
+    @property
+    def failure(self) -> EngineError | None:
+        return self._worker.error if self._worker is not None else None
+
     async def start(self) -> None:
         if self._worker is not None:
             return

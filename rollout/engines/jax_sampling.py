@@ -5,8 +5,9 @@ key, so requests with different sampling parameters share one batch and one comp
 
 Conventions:
 - The reported log-prob of a sampled token is ``log_softmax(logits / temperature)`` over the
-  full vocabulary, taken before top-k/top-p filtering; greedy rows (temperature 0) report
-  ``log_softmax(logits)``. The trainer recomputes exactly this.
+  full vocabulary, taken before top-k/top-p filtering; greedy rows (temperature below
+  ``areal_jax.protocol.GREEDY_TEMPERATURE``, 0 included) report ``log_softmax(logits)``. The
+  trainer recomputes exactly this.
 - Top-k is applied first, then top-p on the top-k distribution renormalised (as SGLang and
   vLLM do). Tokens tied with the last kept one are kept too.
 - The random key of a token depends only on the request's seed and the token's position in
@@ -17,6 +18,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from areal_jax.protocol import GREEDY_TEMPERATURE
 
 _MASKED = -jnp.inf
 
@@ -95,10 +98,10 @@ def sample(
 ) -> tuple[jax.Array, jax.Array]:
     """Sample one token per row and return (tokens [B] int32, log-probs [B] float32).
 
-    logits [B, V] float32; temperature [B] (0 = greedy); top_k [B] int32; top_p [B] float32;
-    keys [B] random keys. See the module docstring for the log-prob convention.
+    logits [B, V] float32; temperature [B] (below ``GREEDY_TEMPERATURE``: greedy); top_k [B]
+    int32; top_p [B] float32; keys [B] random keys. See the module docstring for the log-prob convention.
     """
-    greedy = temperature <= 0
+    greedy = temperature < GREEDY_TEMPERATURE
     inv_temp = 1.0 / jnp.where(greedy, 1.0, temperature).astype(jnp.float32)
     scaled = logits.astype(jnp.float32) * inv_temp[:, None]
     logp_all = jax.nn.log_softmax(scaled, axis=-1)

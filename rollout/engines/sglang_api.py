@@ -7,6 +7,7 @@ this module is what changes.
 from __future__ import annotations
 
 import dataclasses
+import urllib.parse
 from typing import Any
 
 from rollout.engine import FinishReason, SamplingParams
@@ -139,6 +140,15 @@ def parse_generate_response(body: Any) -> GenerateOutput:
     )
 
 
+def request_rid(request_id: str, attempt: int) -> str:
+    """SGLang ``rid`` of one submission of a request: ``<quoted id>#<attempt>$``.
+
+    SGLang aborts every request whose rid starts with the rid it is given, so no rid may prefix
+    another: ``$`` ends each one and appears nowhere else (the request id is percent-quoted).
+    """
+    return f"{urllib.parse.quote(request_id, safe='')}#{attempt}$"
+
+
 PAUSE_PAYLOAD = {"mode": "abort"}  # running requests return at once with finish_reason abort
 CONTINUE_PAYLOAD: dict = {}
 ABORT_ALL_PAYLOAD = {"rid": "", "abort_all": True}
@@ -154,7 +164,11 @@ def update_weights_payload(path: str, version: int) -> dict[str, Any]:
 
 
 def update_succeeded(status: int, body: Any) -> tuple[bool, str]:
-    """``(ok, message)`` of an update answer; HTTP 400 means the old weights are still loaded."""
+    """``(ok, message)`` of an update answer.
+
+    A failure does not mean the old weights are intact: SGLang records the new path before
+    loading, and a load that fails part-way "rolls back" from that new path.
+    """
     message = body.get("message", "") if isinstance(body, dict) else str(body or "")
     ok = status == 200 and isinstance(body, dict) and bool(body.get("success"))
     return ok, message or f"HTTP {status}"

@@ -4,10 +4,16 @@ Weight updates follow the interrupt-and-resubmit pattern: pause generation in ab
 running request returns its partial output), load the checkpoint from disk with the new
 ``weight_version``, continue; each interrupted request is resubmitted with
 ``input_ids = prompt + output so far`` and ``max_new_tokens`` reduced by what was produced. A
-token's version is the ``weight_version`` SGLang reports with the answer that produced it
-(reliable because an abort-mode pause returns only once every running request has answered,
-before the load). Pause works the same way: interrupted requests wait and are resubmitted after
+token's version is the ``weight_version`` SGLang reports with the answer that produced it, except
+for an answer a pause interrupted: its tokens carry the version recorded when it was submitted
+(older SGLang returns from the pause before such answers are built, so they may report the
+post-swap version). Pause works the same way: interrupted requests wait and are resubmitted after
 resume.
+
+A failed load may leave SGLang partly updated (it records the new path before loading and "rolls
+back" from it), so after one the previous checkpoint is loaded again with the previous version;
+if that fails too, the engine has failed for good (``failure``). So does a launched server that
+exits, or one that no longer answers at all.
 
 Needs a GPU machine with SGLang installed (the ``sglang`` extra); it is tested here against a
 protocol double of the HTTP API.
@@ -35,10 +41,11 @@ from rollout.engine import (
     WeightLoadError,
 )
 from rollout.engines import sglang_api as api
-from rollout.engines.http_json import JsonHttpClient
+from rollout.engines.http_json import JsonHttpClient, UnreachableError
 from rollout.engines.sglang_launch import SGLangProcess, free_port, wait_ready
 
 log = logging.getLogger(__name__)
+PROBE_TIMEOUT_S = 10.0  # a server that does not answer /model_info within this is gone
 
 
 @dataclasses.dataclass
@@ -102,8 +109,9 @@ class SGLangEngine(GenerationEngine):
 
     def __init__(self, options: SGLangOptions, model_path: str, version: int):
         self.options = options
-        self._model_path = model_path
+        self._model_path = model_path  # the checkpoint SGLang serves, as ``_version``
         self._version = version
+        self._failure: EngineError | None = None
         self._vocab_size, self._context_len = _model_dims(model_path, options.context_length)
         self.process: SGLangProcess | None = None
         self._client: JsonHttpClient | None = None
@@ -133,6 +141,16 @@ class SGLangEngine(GenerationEngine):
     @property
     def paused(self) -> bool:
         return not self._running.is_set()
+
+    @property
+    def failure(self) -> EngineError | None:
+        if self._failure is None and not self._closed and self.process is not None:
+            code = self.process.exit_code()
+            if code is not None:
+                self._failure = EngineError(
+                    f"SGLang exited with code {code}; last log lines:\n{self.process.log_tail()}"
+                )
+        return self._failure
 
     async def start(self) -> None:
         opts = self.options
@@ -171,15 +189,29 @@ class SGLangEngine(GenerationEngine):
             await self._release()
             raise
 
-    async def _read_version(self) -> None:
-        """Adopt the attached server's ``weight_version`` when it is an integer."""
+    async def _model_info(self) -> dict:
+        """``GET /model_info`` (or its older name); {} when neither answers with an object."""
         for path in api.MODEL_INFO:
-            status, body = await self._client.request("GET", path)
+            status, body = await self._client.request("GET", path, timeout_s=PROBE_TIMEOUT_S)
             if status == 200 and isinstance(body, dict):
-                version = api.parse_version(body.get("weight_version"))
-                if version is not None:
-                    self._version = version
-                return
+                return body
+        return {}
+
+    async def _read_version(self) -> None:
+        """Adopt the attached server's checkpoint path and integer ``weight_version``."""
+        info = await self._model_info()
+        version = api.parse_version(info.get("weight_version"))
+        if version is not None:
+            self._version = version
+        if isinstance(info.get("model_path"), str):
+            self._model_path = info["model_path"]
+
+    async def _probe(self) -> None:
+        """After a request could not reach SGLang: if nothing answers, fail for good."""
+        try:
+            await self._model_info()
+        except UnreachableError as e:
+            self._failure = self._failure or EngineError(f"SGLang does not answer: {e}")
 
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str
@@ -190,20 +222,26 @@ class SGLangEngine(GenerationEngine):
             if self._closed:
                 yield GenerationChunk((), (), (), "abort")
                 return
+            if self.failure is not None:
+                raise self.failure
             epoch, version = self._pause_epoch, self._version
-            rid = request_id if attempt == 0 else f"{request_id}#resume{attempt}"
+            rid = api.request_rid(request_id, attempt)
             try:
                 out = await self._post_generate(context, params, remaining, rid)
-            except EngineError:
-                if not self._closed:
-                    raise
-                yield GenerationChunk((), (), (), "abort")
-                return
+            except EngineError as e:
+                if self._closed:
+                    yield GenerationChunk((), (), (), "abort")
+                    return
+                if isinstance(e, UnreachableError):
+                    await self._probe()
+                raise self.failure or e from None
             n = len(out.token_ids)
             finish = out.finish_reason
-            if finish == "abort" and epoch != self._pause_epoch and not self._closed:
-                finish = "length" if n >= remaining else None  # interrupted: resubmit
-            token_version = version if out.weight_version is None else out.weight_version
+            interrupted = finish == "abort" and epoch != self._pause_epoch and not self._closed
+            if interrupted:
+                finish = "length" if n >= remaining else None  # resubmit the rest
+            reported = out.weight_version
+            token_version = version if interrupted or reported is None else reported
             yield GenerationChunk(
                 tuple(out.token_ids), tuple(out.logprobs), (token_version,) * n, finish
             )
@@ -279,17 +317,30 @@ class SGLangEngine(GenerationEngine):
             if not was_paused:
                 await self._pause_backend()
             try:
-                payload = api.update_weights_payload(path, version)
-                status, body = await self._client.request(
-                    "POST", api.UPDATE_WEIGHTS_FROM_DISK, payload
-                )
-                ok, message = api.update_succeeded(status, body)
+                ok, message = await self._load(path, version)
                 if not ok:
+                    await self._restore()
                     raise WeightLoadError(f"SGLang did not load {path}: {message}")
-                self._version = version
+                self._model_path, self._version = path, version
             finally:
                 if not was_paused:
                     await self._resume_backend()
+
+    async def _load(self, path: str, version: int) -> tuple[bool, str]:
+        payload = api.update_weights_payload(path, version)
+        status, body = await self._client.request("POST", api.UPDATE_WEIGHTS_FROM_DISK, payload)
+        return api.update_succeeded(status, body)
+
+    async def _restore(self) -> None:
+        """Load the served checkpoint again after a failed load, which may have left SGLang
+        partly updated; if even that fails, the engine has failed for good."""
+        ok, message = await self._load(self._model_path, self._version)
+        if not ok:
+            self._failure = EngineError(
+                f"SGLang may be partly updated: reloading {self._model_path} as version "
+                f"{self._version} after a failed load failed too: {message}"
+            )
+            raise self._failure
 
     async def shutdown(self) -> None:
         if self._closed:

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import ctypes
+import functools
 import logging
 import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -17,6 +20,7 @@ from rollout.engines import sglang_api as api
 from rollout.engines.http_json import JsonHttpClient
 
 log = logging.getLogger(__name__)
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -26,8 +30,23 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def _die_with(parent: int) -> None:
+    """In the child, before exec: be SIGKILLed when the thread that started it ends (Linux).
+
+    SGLang's own worker processes exit when their parent (this child) dies.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0 or os.getppid() != parent:
+        os._exit(1)  # could not arm it, or the parent is already gone
+
+
 class SGLangProcess:
-    """An SGLang server in its own process group, its output in ``log_path``."""
+    """An SGLang server in its own process group, its output in ``log_path``.
+
+    On Linux it dies with the process that started it, even one that was SIGKILLed: call
+    ``start`` from a thread that lives as long as that process (the event loop's), since the
+    kernel signals the child when the starting thread ends.
+    """
 
     def __init__(self, argv: list[str], log_path: Path):
         self.argv = argv
@@ -38,9 +57,19 @@ class SGLangProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as out:
             self._proc = subprocess.Popen(
-                self.argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                self.argv,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=functools.partial(_die_with, os.getpid())
+                if sys.platform == "linux"
+                else None,
             )
         log.info("started SGLang (pid %d), log in %s", self._proc.pid, self.log_path)
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
 
     def exit_code(self) -> int | None:
         """None while running."""

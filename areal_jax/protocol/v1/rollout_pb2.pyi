@@ -134,12 +134,14 @@ class GenerateChunk(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., versions: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ...) -> None: ...
 
 class UpdateWeightsRequest(_message.Message):
-    __slots__ = ("path", "version")
+    __slots__ = ("path", "version", "force")
     PATH_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
     path: str
     version: int
-    def __init__(self, path: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+    force: bool
+    def __init__(self, path: _Optional[str] = ..., version: _Optional[int] = ..., force: _Optional[bool] = ...) -> None: ...
 
 class UpdateWeightsResponse(_message.Message):
     __slots__ = ("version", "load_s")
@@ -158,12 +160,14 @@ class WeightFile(_message.Message):
     def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
 
 class WeightsHeader(_message.Message):
-    __slots__ = ("version", "files")
+    __slots__ = ("version", "files", "force")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     FILES_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
     version: int
     files: _containers.RepeatedCompositeFieldContainer[WeightFile]
-    def __init__(self, version: _Optional[int] = ..., files: _Optional[_Iterable[_Union[WeightFile, _Mapping]]] = ...) -> None: ...
+    force: bool
+    def __init__(self, version: _Optional[int] = ..., files: _Optional[_Iterable[_Union[WeightFile, _Mapping]]] = ..., force: _Optional[bool] = ...) -> None: ...
 
 class FileChunk(_message.Message):
     __slots__ = ("name", "offset", "data")

@@ -1,0 +1,89 @@
+"""The reward pool kills what a killed worker's sandboxes left, and sizes code calls' limits."""
+
+import asyncio
+import os
+import tempfile
+import textwrap
+import uuid
+
+from areal_jax.rewards import RewardPool
+from areal_jax.rewards.code_tests import time_budget_s
+from areal_jax.rewards.sandbox import SandboxLimits, run_python
+
+
+def sandboxed(completion: str, metadata: dict) -> float:
+    """Runs the completion in the sandbox with a limit far beyond the pool's call timeout."""
+    return float(run_python(completion, limits=SandboxLimits(timeout_s=120)).ok)
+
+
+def _sleepers(mark: str, escape: bool) -> str:
+    """A program that becomes a marked sleeper, after forking one that leaves its session."""
+    return textwrap.dedent(
+        f"""
+        import os, sys
+        argv = [sys.executable, "-c", "import time; time.sleep(120)", {mark!r}]
+        if {escape!r} and os.fork() == 0:
+            os.setsid()
+            os.execv(sys.executable, argv)
+        os.execv(sys.executable, argv)
+        """
+    )
+
+
+def _marked(mark: str) -> list[int]:
+    """Live (non-zombie) processes whose command line holds ``mark``."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                cmdline = f.read()
+            with open(f"/proc/{name}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if mark.encode() in cmdline and state not in ("Z", "X"):
+            found.append(int(name))
+    return found
+
+
+def test_pool_timeout_kills_the_sandboxed_processes_and_removes_their_files(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the pool's workers keep runs
+    mark = f"areal-leak-{uuid.uuid4().hex}"
+    escape = os.geteuid() == 0  # a process leaving its session is found by uid only as root
+    expected = 2 if escape else 1
+
+    async def main(pool):
+        call = asyncio.ensure_future(pool.score("sandboxed", _sleepers(mark, escape), {}))
+        for _ in range(200):
+            if len(_marked(mark)) == expected or call.done():
+                break
+            await asyncio.sleep(0.05)
+        return len(_marked(mark)), await call
+
+    custom = {"sandboxed": f"{__name__}:sandboxed"}
+    with RewardPool(num_workers=1, timeout_s=4.0, custom=custom) as pool:
+        assert pool.score_sync("sandboxed", "pass", {}) == 1.0  # the worker is up
+        running, reward = asyncio.run(main(pool))
+        assert running == expected  # the sandboxed programs were running when the call timed out
+        assert (reward, pool.num_timeouts) == (0.0, 1)
+        assert _marked(mark) == []
+        # Only the replacement worker's empty scratch directory is left.
+        assert [list(d.iterdir()) for d in tmp_path.iterdir()] == [[]]
+        assert pool.score_sync("sandboxed", "pass", {}) == 1.0
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_code_call_limit_covers_every_test_of_a_slow_correct_solution():
+    tests = [{"input": str(i), "output": str(2 * i)} for i in range(3)]
+    metadata = {"tests": tests, "timeout_s": 4}
+    assert time_budget_s(metadata) == 3 * (4 + 1.0)
+    assert time_budget_s({"tests": "assert True"}) == SandboxLimits().timeout_s + 1.0
+    slow = "```python\nimport time\ntime.sleep(0.8)\nprint(int(input()) * 2)\n```"
+    with RewardPool(num_workers=1, timeout_s=1.0) as pool:
+        assert pool.score_sync("code", slow, metadata) == 1.0
+        assert pool.score_sync("code_fraction", slow, metadata) == 1.0
+        assert pool.num_timeouts == 0

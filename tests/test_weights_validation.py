@@ -1,0 +1,132 @@
+"""Loaded weights must be exactly what the model expects, or the load fails and changes nothing."""
+
+import asyncio
+import json
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from _hf_models import edit_weights, hf_greedy, hf_logits, hf_model, save_hf_model
+from areal_jax.models import CheckpointError, load_hf_model
+from rollout.config import EngineConfig
+from rollout.engine import SamplingParams, WeightLoadError
+from rollout.engines import create_engine
+
+Q0 = "model.layers.0.self_attn.q_proj.weight"
+K0 = "model.layers.0.self_attn.k_proj.weight"
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+    return save_hf_model(hf_model("qwen2", seed=8), tmp_path_factory.mktemp("src"))
+
+
+def _variant(src, dst, edit):
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    edit_weights(dst, edit)
+    return dst
+
+
+def _set(name, fn):
+    def edit(tensors):
+        tensors[name] = fn(tensors[name])
+    return edit
+
+
+def _poison(value, index=(1, 3)):
+    def fn(t):
+        t = t.copy()
+        t[index] = value
+        return t
+    return fn
+
+
+BAD = {
+    # Same element count, another shape: used to be silently reshaped.
+    "shape": (_set(K0, lambda t: t.reshape(t.shape[1], t.shape[0])),
+              rf"tensor {K0} has shape \(32, 16\), the config implies \(16, 32\)"),
+    "bias-shape": (_set("model.layers.1.self_attn.k_proj.bias", lambda t: t.reshape(2, -1)),
+                   r"tensor model.layers.1.self_attn.k_proj.bias has shape \(2, 8\), "
+                   r"the config implies \(16,\)"),
+    # An int32 header over float bytes: used to be cast to float.
+    "int-dtype": (_set(Q0, lambda t: t.view(np.int32)),
+                  rf"tensor {Q0} has dtype int32; supported: float32, bfloat16, float16"),
+    "nan": (_set("model.layers.1.mlp.down_proj.weight", _poison(np.nan)),
+            r"tensor model.layers.1.mlp.down_proj.weight has 1 non-finite values"),
+    "inf-bf16": (_set("model.norm.weight",
+                      lambda t: _poison(np.inf, (5,))(t.astype(ml_dtypes.bfloat16))),
+                 r"tensor model.norm.weight has 1 non-finite values"),
+    "unused": (lambda t: t.update({"model.layers.0.self_attn.o_proj.bias": np.ones(32, np.float32),
+                                   "model.layers.9.mlp.up_proj.weight": np.ones(2, np.float32)}),
+               r"has tensors the qwen2 config does not use: model.layers.0.self_attn.o_proj.bias, "
+               r"model.layers.9.mlp.up_proj.weight"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_weights_are_refused_naming_the_tensor(src, tmp_path, case):
+    edit, message = BAD[case]
+    with pytest.raises(CheckpointError, match=message):
+        load_hf_model(_variant(src, tmp_path / case, edit))
+
+
+def test_tied_head_that_differs_from_the_embedding_is_refused(tmp_path):
+    path = save_hf_model(hf_model("qwen2", tie=True, seed=8), tmp_path / "tied")
+    edit_weights(path, lambda t: t.update(
+        {"lm_head.weight": t["model.embed_tokens.weight"] + np.float32(0.5)}))
+    with pytest.raises(CheckpointError, match="tensor lm_head.weight differs from "
+                       "model.embed_tokens.weight, but tie_word_embeddings is true"):
+        load_hf_model(path)
+
+
+def test_harmless_extras_are_tolerated(tmp_path):
+    """Rotary buffers and a tied head written out equal to the embedding load as without them."""
+    ref = hf_model("qwen3", tie=True, seed=9)
+    path = save_hf_model(ref, tmp_path / "m")
+    edit_weights(path, lambda t: t.update({
+        "lm_head.weight": t["model.embed_tokens.weight"].copy(),
+        "model.layers.0.self_attn.rotary_emb.inv_freq": np.ones(8, np.float32)}))
+    model, dtypes = load_hf_model(path)
+    assert "lm_head.weight" not in dtypes
+    tokens = np.random.RandomState(1).randint(0, 97, size=(1, 16))
+    ours = np.asarray(model.forward_logits(tokens, np.ones_like(tokens), np.arange(16)[None]))
+    np.testing.assert_allclose(ours, hf_logits(ref, tokens), atol=1e-4, rtol=0)
+
+
+def test_index_naming_a_tensor_its_file_lacks_is_refused(src, tmp_path):
+    path = _variant(src, tmp_path / "idx", lambda t: None)
+    index = {"weight_map": {Q0: "model.safetensors", "extra.weight": "model.safetensors"}}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="the index lists tensor extra.weight in "
+                                              "model.safetensors, which lacks it"):
+        load_hf_model(path)
+
+
+def test_engine_refuses_bad_weights_and_keeps_serving_the_old_ones(src, tmp_path):
+    ref = hf_model("qwen2", seed=8)
+    bad = {c: _variant(src, tmp_path / c, BAD[c][0]) for c in ("nan", "unused", "shape")}
+    greedy = SamplingParams(max_new_tokens=12, temperature=0.0)
+    prompt = [5, 17, 3, 88, 41]
+
+    async def main():
+        engine = create_engine(EngineConfig(kind="jax", model_path=str(src), options=dict(
+            num_slots=2, max_seq_len=32, decode_steps_per_call=4)))
+        await engine.start()
+        errors = {}
+        for case, path in bad.items():
+            with pytest.raises(WeightLoadError) as e:
+                await engine.update_weights(str(path), 7)
+            errors[case] = str(e.value)
+        out = await engine.generate_full(prompt, greedy, "after")
+        await engine.shutdown()
+        return errors, out
+
+    errors, out = asyncio.run(main())
+    assert "model.layers.1.mlp.down_proj.weight has 1 non-finite values" in errors["nan"]
+    assert "model.layers.9.mlp.up_proj.weight" in errors["unused"]
+    assert K0 in errors["shape"]
+    assert set(out.versions) == {0}
+    assert out.output_ids == hf_greedy(ref, prompt, 12)

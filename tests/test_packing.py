@@ -1,5 +1,7 @@
 """Dynamic micro-batching (Algorithm 1), minibatch splits and packing into [R, T] rows."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -213,3 +215,111 @@ def test_random_minibatches_shapes_bounded_and_content_exact():
             assert (b.loss_mask[b.seq_index < 0] == 0).all()
     assert len(seen) <= len(allowed)
     assert len(seen) >= 3  # the random batches really did use several buckets
+
+
+def test_fixed_mode_rows_are_sequences_padded_to_the_longest():
+    lengths = [(3, 5), (2, 2), (4, 20), (1, 6), (5, 3), (2, 9), (6, 1)]  # (prompt, output)
+    trajs = [_traj(p, o, seed=i) for i, (p, o) in enumerate(lengths)]
+    cfg = MicroBatchConfig(token_budget=96, row_buckets=(16, 32, 96), mode="fixed",
+                           num_micro_batches=3)
+    batches = pack_micro_batches(trajs, [float(i) for i in range(7)], cfg)
+    # In order, sizes 3, 2, 2; T is the smallest bucket over the longest; R on the row ladder.
+    assert [b.traj_index.tolist() for b in batches] == [[0, 1, 2], [3, 4], [5, 6]]
+    assert [b.shape for b in batches] == [(3, 32), (2, 16), (2, 16)]
+    for b in batches:
+        for row, g in enumerate(b.traj_index):
+            t, n = trajs[g], trajs[g].length
+            np.testing.assert_array_equal(b.placements[row], [row, 0, len(t.prompt_ids),
+                                                              len(t.output_ids)])
+            np.testing.assert_array_equal(b.tokens[row, :n], np.r_[t.prompt_ids, t.output_ids])
+            assert (b.segment_ids[row, :n] == 1).all() and (b.segment_ids[row, n:] == 0).all()
+            assert (b.seq_index[row, :n] == row).all() and (b.seq_index[row, n:] == -1).all()
+    # More micro-batches than sequences: one sequence each.
+    cfg6 = MicroBatchConfig(token_budget=96, row_buckets=(16, 32, 96), mode="fixed",
+                            num_micro_batches=6)
+    assert [len(b.traj_index) for b in pack_micro_batches(trajs[:2], [0.0, 0.0], cfg6)] == [1, 1]
+
+
+def test_fixed_mode_carries_the_same_tokens_as_dynamic_packing():
+    """Every trajectory placed once with the same per-token values, so the loss normaliser
+    (valid tokens, sequences of the minibatch) and the summed gradient do not depend on it."""
+    rng = np.random.default_rng(3)
+    trajs = [_traj(int(rng.integers(1, 30)), int(rng.integers(1, 200)), seed=i)
+             for i in range(13)]
+    advs = [rng.normal(size=len(t.output_ids)) for t in trajs]
+    out = {}
+    for mode in ("dynamic", "fixed"):
+        cfg = MicroBatchConfig(token_budget=1024, mode=mode, num_micro_batches=4)
+        batches = pack_micro_batches(trajs, advs, cfg)
+        per_traj = {}
+        for b in batches:
+            for name in ("advantages", "behav_logprobs", "versions", "loss_mask"):
+                for g, v in zip(b.traj_index, unpack_outputs(getattr(b, name), b.placements)):
+                    per_traj[(int(g), name)] = v
+        totals = (sum(b.n_valid_tokens for b in batches), sum(b.n_sequences for b in batches))
+        out[mode] = (per_traj, totals, len(batches))
+    assert out["fixed"][2] == 4 and out["dynamic"][2] < 4
+    assert out["fixed"][1] == out["dynamic"][1]
+    assert out["fixed"][0].keys() == out["dynamic"][0].keys()
+    for key, value in out["fixed"][0].items():
+        np.testing.assert_array_equal(value, out["dynamic"][0][key])
+
+
+def test_fixed_mode_errors_name_the_field():
+    trajs = [_traj(10, 90, seed=i) for i in range(4)]  # 100 tokens each
+    cfg = MicroBatchConfig(token_budget=256, mode="fixed", num_micro_batches=1)
+    message = r"num_micro_batches=1: micro-batch 0 holds 4 sequences padded to 100 tokens, 400"
+    with pytest.raises(ValueError, match=message + r".* token_budget 256"):
+        pack_micro_batches(trajs, [0.0] * 4, cfg)
+    two = dataclasses.replace(cfg, num_micro_batches=2)
+    assert len(pack_micro_batches(trajs, [0.0] * 4, two)) == 2
+    with pytest.raises(ValueError, match="no sequences to split"):
+        pack_micro_batches([], [], two)
+    with pytest.raises(ConfigError, match="mode: 'static' is not one of"):
+        from_dict(MicroBatchConfig, {"mode": "static"})
+    with pytest.raises(ValueError, match="mode must be dynamic or fixed, got 'static'"):
+        MicroBatchConfig(mode="static")
+    with pytest.raises(ConfigError, match="num_micro_batches must be >= 1"):
+        from_dict(MicroBatchConfig, {"mode": "fixed", "num_micro_batches": 0})
+
+
+def test_possible_shapes_cover_the_fixed_mode():
+    cfg = MicroBatchConfig(token_budget=8, row_buckets=(2, 4, 8), mode="fixed")
+    # T=2: up to 8 sequences of 1 token; T=4 (longest >= 3): 2; T=8 (longest >= 5): 1.
+    assert possible_shapes(cfg) == {
+        (1, 2), (2, 2), (3, 2), (4, 2), (6, 2), (8, 2), (1, 4), (2, 4), (1, 8),
+    }  # fmt: skip
+    rng = np.random.default_rng(4)
+    for trial in range(60):
+        cfg = MicroBatchConfig(token_budget=1024, mode="fixed",
+                               row_multiple=int(rng.integers(1, 3)),
+                               num_micro_batches=int(rng.integers(1, 6)))
+        allowed = possible_shapes(cfg)
+        trajs = [_traj(int(rng.integers(1, 30)), int(rng.integers(1, 220)), seed=trial * 50 + i)
+                 for i in range(int(rng.integers(1, 4 * cfg.num_micro_batches + 1)))]
+        for b in pack_micro_batches(trajs, [0.0] * len(trajs), cfg):
+            assert b.shape in allowed
+
+
+def test_fixed_and_dynamic_micro_batches_give_the_same_update():
+    from _trainer_kit import (
+        assert_params_close, host_params, one_device_mesh, tiny_model, toy_groups,
+    )  # fmt: skip
+
+    from areal_jax.trainer import Trainer, TrainerConfig
+
+    model, groups = tiny_model(seed=5), toy_groups(seed=1, n_groups=3, group_size=4)
+    results = []
+    for mb in (MicroBatchConfig(token_budget=256, row_buckets=(256,)),
+               MicroBatchConfig(token_budget=256, row_buckets=(16, 256), mode="fixed",
+                                num_micro_batches=3)):
+        # A large Adam eps keeps near-zero gradients linear, so summation order cannot matter.
+        cfg = TrainerConfig(lr=1e-2, ppo_n_minibatches=2, micro_batch=mb, grad_clip=None,
+                            adam_eps=1e-3)
+        trainer = Trainer(cfg, mesh=one_device_mesh(), model=model)
+        results.append((trainer.train_on_batch(groups), host_params(trainer)))
+    (m_dyn, p_dyn), (m_fix, p_fix) = results
+    for key in ("loss", "grad_norm", "ppo/approx_kl", "ppo/clip_frac"):
+        assert m_fix[key] == pytest.approx(m_dyn[key], rel=1e-5, abs=1e-6), key
+    assert_params_close(p_fix, p_dyn, atol=1e-5)  # float32 summation order; steps are ~1e-2
+    assert m_dyn["grad_norm"] > 1e-3  # a real update was compared

@@ -1,5 +1,6 @@
 """The synthetic arithmetic task: generation, split, step distribution and its reward."""
 
+import dataclasses
 import json
 import re
 
@@ -75,6 +76,29 @@ def test_step_counts_are_long_tailed(train):
     assert max(lengths) > 5 * min(lengths)
 
 
+LONG = SyntheticConfig(num_train=3000, num_test=50, min_steps=2, max_steps=64, step_alpha=1.5,
+                       seed=3)
+
+
+def test_long_tailed_option_bounds_tail_and_determinism():
+    problems = generate_split(LONG, "train")
+    steps = np.array([p.steps for p in problems])
+    assert steps.min() == 2 and steps.max() <= 64
+    assert np.quantile(steps, 0.5) <= 6  # most answers stay short...
+    assert np.quantile(steps, 0.99) >= 40 and steps.max() >= 56  # ...a few are very long
+    assert 0.05 < np.mean(steps >= 32) < 0.12
+    probs = step_probabilities(64, 1.5, min_steps=2)
+    assert len(probs) == 63 and sum(probs) == pytest.approx(1.0)
+    assert np.mean(steps == 2) == pytest.approx(probs[0], abs=0.03)
+    solutions = [len(p.solution) for p in problems]
+    assert max(solutions) > 400 and max(solutions) > 8 * np.median(solutions)
+    for p in problems[:300]:
+        assert _evaluate(p.question) == p.answer and p.solution.endswith(f"Answer: {p.answer}")
+    assert generate_split(LONG, "train") == problems
+    reseeded = generate_split(dataclasses.replace(LONG, seed=4), "train")
+    assert [p.question for p in reseeded] != [p.question for p in problems]
+
+
 def test_reference_solutions_score_one(train, test_split):
     reward = get_reward("synthetic_arith")
     for prompt, response in sft_pairs(train[:500] + test_split):
@@ -130,6 +154,10 @@ def test_config_is_validated():
         SyntheticConfig(max_value=5)
     with pytest.raises(ValueError, match="synthetic.test_fraction"):
         SyntheticConfig(test_fraction=1.0)
+    with pytest.raises(ValueError, match="synthetic.min_steps must be >= 1"):
+        SyntheticConfig(min_steps=0)
+    with pytest.raises(ValueError, match=r"synthetic.max_steps must be >= min_steps \(8\)"):
+        SyntheticConfig(min_steps=8, max_steps=4)
     with pytest.raises(ValueError, match="split must be"):
         generate_split(CFG, "val")
 

@@ -98,6 +98,12 @@ def test_train_resume_and_export(tmp_path, capsys):
     for name in a.keys():
         np.testing.assert_array_equal(a.get(name), b.get(name).astype(a.dtype(name)))
 
+    # The export evaluates through a fresh local server like any HF checkpoint.
+    capsys.readouterr()
+    assert main(["eval", "--config", str(cfg), "--model", str(tmp_path / "hf")]) == 0
+    evaluated = json.loads(capsys.readouterr().out)
+    assert evaluated["eval/num_prompts"] == 8 and evaluated["eval/failed"] == 0
+
     assert main(["plot", str(run_dir), "--out", str(tmp_path / "curves.png")]) == 0
     assert (tmp_path / "curves.png").stat().st_size > 10_000
 

@@ -340,7 +340,8 @@ class RolloutPool:
     async def _send_weights(self, stub, w: _Weights, force: bool, timeout: float | None = None):
         timeout = timeout or self.options.update_timeout_s
         if w.push:
-            return await stub.PushWeights(push_weight_requests(w.path, w.version, force=force),
+            chunks = push_weight_requests(w.path, w.version, force=force)
+            return await stub.PushWeights(_read_off_loop(chunks),
                                           timeout=timeout, metadata=self._metadata)
         request = pb.UpdateWeightsRequest(path=w.path, version=w.version, force=force)
         return await stub.UpdateWeights(request, timeout=timeout, metadata=self._metadata)
@@ -410,3 +411,10 @@ class RolloutPool:
 
 def _code_enum(number: int) -> grpc.StatusCode:
     return next((c for c in grpc.StatusCode if c.value[0] == number), grpc.StatusCode.UNKNOWN)
+
+
+async def _read_off_loop(iterator):
+    """Yield from a blocking iterator (file reads) without blocking the event loop."""
+    done = object()
+    while (item := await asyncio.to_thread(next, iterator, done)) is not done:
+        yield item

@@ -3,9 +3,11 @@
 A problem is a chain of single-digit additions and subtractions, e.g. question
 ``"Compute 7+5-3+8."`` with the reference chain of thought
 ``"7+5=12. 12-3=9. 9+8=17. Answer: 17"``. The number of steps k follows a truncated power law,
-``P(k) ∝ k^-step_alpha`` for ``1 <= k <= max_steps`` (about half the problems have one step, a
-few percent have ten or more), so response lengths vary widely. Every intermediate result stays
-within ``[0, max_value]``.
+``P(k) ∝ k^-step_alpha`` for ``min_steps <= k <= max_steps`` (by default 1 to 12: about half
+the problems have one step, a few percent ten or more), so response lengths vary widely. A step
+is about 6-7 tokens of solution (2 of question) with the tiny kit's tokenizer, so ``min_steps:
+2, max_steps: 64, step_alpha: 1.5`` gives the long tail of reasoning: median 5 steps, 1% over
+58, up to about 420 solution tokens. Every intermediate result stays within ``[0, max_value]``.
 
 The train/test split partitions the space of questions by a hash of the question text, so no
 question can appear in both splits, whatever the seed; within a split problems are drawn i.i.d.
@@ -32,6 +34,7 @@ class SyntheticConfig:
 
     num_train: int = 20000
     num_test: int = 500
+    min_steps: int = 1
     max_steps: int = 12
     step_alpha: float = 1.6
     max_value: int = 40
@@ -42,8 +45,12 @@ class SyntheticConfig:
         for name in ("num_train", "num_test"):
             if getattr(self, name) < 0:
                 raise ValueError(f"synthetic.{name} must be >= 0, got {getattr(self, name)}")
-        if self.max_steps < 1:
-            raise ValueError(f"synthetic.max_steps must be >= 1, got {self.max_steps}")
+        if self.min_steps < 1:
+            raise ValueError(f"synthetic.min_steps must be >= 1, got {self.min_steps}")
+        if self.max_steps < self.min_steps:
+            raise ValueError(
+                f"synthetic.max_steps must be >= min_steps ({self.min_steps}), got {self.max_steps}"
+            )
         if self.step_alpha < 0:
             raise ValueError(f"synthetic.step_alpha must be >= 0, got {self.step_alpha}")
         if self.max_value < 10:
@@ -60,9 +67,9 @@ class ArithProblem:
     steps: int
 
 
-def step_probabilities(max_steps: int, alpha: float) -> list[float]:
-    """P(k) for k = 1..max_steps, proportional to k^-alpha."""
-    weights = [k**-alpha for k in range(1, max_steps + 1)]
+def step_probabilities(max_steps: int, alpha: float, min_steps: int = 1) -> list[float]:
+    """P(k) for k = min_steps..max_steps, proportional to k^-alpha."""
+    weights = [k**-alpha for k in range(min_steps, max_steps + 1)]
     total = sum(weights)
     return [w / total for w in weights]
 
@@ -70,7 +77,8 @@ def step_probabilities(max_steps: int, alpha: float) -> list[float]:
 def sample_problem(rng: random.Random, cfg: SyntheticConfig) -> ArithProblem:
     """One problem drawn from ``rng``."""
     steps = rng.choices(
-        range(1, cfg.max_steps + 1), step_probabilities(cfg.max_steps, cfg.step_alpha)
+        range(cfg.min_steps, cfg.max_steps + 1),
+        step_probabilities(cfg.max_steps, cfg.step_alpha, cfg.min_steps),
     )[0]
     value = rng.randint(1, 9)
     expression, lines = str(value), []

@@ -1,5 +1,8 @@
 """Dynamic micro-batching (AReaL Algorithm 1) and packing of trajectories into [R, T] rows.
 
+The ``fixed`` mode is the paper's baseline for comparison: a fixed count of micro-batches of
+about equal sequence count, one sequence per row, each padded to its longest sequence.
+
 A PPO minibatch is split into micro-batches of at most ``token_budget`` tokens each; a
 micro-batch is then packed into ``R`` rows of ``T`` tokens, several sequences per row, with
 ``T`` taken from a fixed set of row-length buckets and ``R`` rounded up to the ladder 1, 2, 3,
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Literal
 
 import numpy as np
 
@@ -25,6 +29,11 @@ from areal_jax.trajectory import Trajectory, TrajectoryGroup
 class MicroBatchConfig:
     """How a minibatch is cut into micro-batches and padded into rows.
 
+    ``mode``: ``dynamic`` packs micro-batches of at most ``token_budget`` tokens (Algorithm 1,
+    at least ``min_micro_batches`` of them); ``fixed`` cuts the minibatch, in its order, into
+    ``num_micro_batches`` micro-batches of about equal sequence count (fewer when there are
+    fewer sequences), one sequence per row, each padded to its longest sequence; there a
+    micro-batch of more than ``token_budget`` padded tokens (sequences x longest) is an error.
     ``row_buckets``: allowed row lengths T (ascending); empty means ``default_row_buckets``.
     ``row_multiple``: R is always a multiple of it (e.g. the data-parallel size).
     ``attention_break_even``: the row length at which a token's attention costs as much as its
@@ -34,13 +43,18 @@ class MicroBatchConfig:
 
     token_budget: int = 16384
     min_micro_batches: int = 1
+    mode: Literal["dynamic", "fixed"] = "dynamic"
+    num_micro_batches: int = 1
     row_buckets: tuple[int, ...] = ()
     bucket_base: int = 128
     row_multiple: int = 1
     attention_break_even: int | None = None
 
     def __post_init__(self):
-        for name in ("token_budget", "min_micro_batches", "bucket_base", "row_multiple"):
+        if self.mode not in ("dynamic", "fixed"):
+            raise ValueError(f"mode must be dynamic or fixed, got {self.mode!r}")
+        for name in ("token_budget", "min_micro_batches", "num_micro_batches", "bucket_base",
+                     "row_multiple"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.attention_break_even is not None and self.attention_break_even < 1:
@@ -131,6 +145,33 @@ def plan_micro_batches(
     return [sorted(b) for b in batches]
 
 
+def plan_fixed_micro_batches(
+    lengths: Sequence[int], count: int, token_budget: int
+) -> list[list[int]]:
+    """The fixed-count baseline: sequence indices in order, cut into ``min(count, N)`` runs
+    whose sizes differ by at most one (the first ones larger).
+
+    Each run, padded to its longest sequence, must hold at most ``token_budget`` tokens.
+    """
+    if count < 1:
+        raise ValueError(f"num_micro_batches must be >= 1, got {count}")
+    for i, n in enumerate(lengths):
+        if n < 1:
+            raise ValueError(f"sequence {i} has length {n}; lengths must be >= 1")
+    if not lengths:
+        raise ValueError("no sequences to split into micro-batches")
+    runs = np.array_split(np.arange(len(lengths)), min(count, len(lengths)))
+    for j, run in enumerate(runs):
+        longest = max(lengths[i] for i in run)
+        if len(run) * longest > token_budget:
+            raise ValueError(
+                f"num_micro_batches={count}: micro-batch {j} holds {len(run)} sequences padded "
+                f"to {longest} tokens, {len(run) * longest} in all, more than token_budget "
+                f"{token_budget}; raise num_micro_batches or token_budget"
+            )
+    return [run.tolist() for run in runs]
+
+
 def split_minibatches(
     items: Sequence[Trajectory | TrajectoryGroup], n: int
 ) -> list[list[Trajectory | TrajectoryGroup]]:
@@ -205,15 +246,36 @@ def choose_row_layout(
     return best[1], best[2]
 
 
-def possible_shapes(cfg: MicroBatchConfig) -> set[tuple[int, int]]:
-    """Every (R, T) that packing a micro-batch of <= ``cfg.token_budget`` tokens can produce.
+def padded_row_layout(
+    lengths: Sequence[int], buckets: Sequence[int]
+) -> tuple[int, list[list[int]]]:
+    """One sequence per row, in order, rows of the smallest bucket T that holds the longest."""
+    longest = max(lengths)
+    row_len = next((t for t in buckets if t >= longest), None)
+    if row_len is None:
+        raise ValueError(
+            f"a sequence of {longest} tokens exceeds the largest row bucket {buckets[-1]}"
+        )
+    return row_len, [[i] for i in range(len(lengths))]
 
-    First-fit leaves at most one row at most half full, so k rows of length T hold more than
-    (k - 1) * T / 2 tokens: k <= ceil(2 * budget / T).
+
+def possible_shapes(cfg: MicroBatchConfig) -> set[tuple[int, int]]:
+    """Every (R, T) that packing a micro-batch under ``cfg`` can produce.
+
+    dynamic: first-fit leaves at most one row at most half full, so k rows of length T hold
+    more than (k - 1) * T / 2 tokens: k <= ceil(2 * budget / T). fixed: rows of bucket T hold
+    sequences longer than the bucket below it (p), so k * (p + 1) <= budget.
     """
     shapes = set()
+    below = 0
     for t in cfg.buckets:
-        max_rows = max(1, -(-2 * cfg.token_budget // t))
+        if cfg.mode == "fixed":
+            max_rows = cfg.token_budget // (below + 1)
+            below = t
+            if max_rows < 1:
+                continue
+        else:
+            max_rows = max(1, -(-2 * cfg.token_budget // t))
         shapes.update((r, t) for r in _row_count_ladder(max_rows, cfg.row_multiple))
     return shapes
 
@@ -285,11 +347,12 @@ def pack_micro_batch(
     buckets: Sequence[int],
     row_multiple: int = 1,
     attention_break_even: int | None = None,
+    one_per_row: bool = False,
 ) -> PackedBatch:
     """Pack one micro-batch of trajectories into [R, T] rows (see ``PackedBatch``).
 
     ``advantages[i]`` is a scalar or a per-output-token array [O_i] for ``trajectories[i]``;
-    the layout is ``choose_row_layout``'s.
+    the layout is ``choose_row_layout``'s, or ``padded_row_layout``'s with ``one_per_row``.
     """
     if not trajectories:
         raise ValueError("cannot pack an empty micro-batch")
@@ -298,7 +361,10 @@ def pack_micro_batch(
             f"advantages has {len(advantages)} entries for {len(trajectories)} trajectories"
         )
     lengths = [t.length for t in trajectories]
-    row_len, rows = choose_row_layout(lengths, buckets, row_multiple, attention_break_even)
+    if one_per_row:
+        row_len, rows = padded_row_layout(lengths, buckets)
+    else:
+        row_len, rows = choose_row_layout(lengths, buckets, row_multiple, attention_break_even)
     n_rows = row_count_bucket(len(rows), row_multiple)
     shape = (n_rows, row_len)
     out = {
@@ -345,7 +411,8 @@ def pack_micro_batches(
     advantages: Sequence[float | np.ndarray],
     cfg: MicroBatchConfig,
 ) -> list[PackedBatch]:
-    """Plan micro-batches over a minibatch (Algorithm 1) and pack each one.
+    """Plan micro-batches over a minibatch (Algorithm 1, or the fixed count of ``cfg.mode``)
+    and pack each one.
 
     Each result's ``traj_index`` maps its local trajectory index to the position in
     ``trajectories``.
@@ -354,9 +421,12 @@ def pack_micro_batches(
         raise ValueError(
             f"advantages has {len(advantages)} entries for {len(trajectories)} trajectories"
         )
-    plan = plan_micro_batches(
-        [t.length for t in trajectories], cfg.token_budget, cfg.min_micro_batches
-    )
+    lengths = [t.length for t in trajectories]
+    fixed = cfg.mode == "fixed"
+    if fixed:
+        plan = plan_fixed_micro_batches(lengths, cfg.num_micro_batches, cfg.token_budget)
+    else:
+        plan = plan_micro_batches(lengths, cfg.token_budget, cfg.min_micro_batches)
     packed = []
     for members in plan:
         batch = pack_micro_batch(
@@ -365,6 +435,7 @@ def pack_micro_batches(
             cfg.buckets,
             cfg.row_multiple,
             cfg.attention_break_even,
+            one_per_row=fixed,
         )
         batch.traj_index = np.asarray(members, dtype=np.int32)
         packed.append(batch)

@@ -1,0 +1,146 @@
+"""Staleness ablation: final accuracy for each bound η, standard PPO against decoupled PPO.
+
+Every run trains the same number of versions from one SFT warm start on the long-tailed task,
+asynchronously with ``schedule.max_staleness=η`` (η = 0 reproduces synchronous training's
+data) and ``trainer.loss.policy_loss`` = ``ppo`` (π_prox := π_behav) or ``decoupled_ppo``;
+held-out accuracy is measured every ``--eval-every`` versions. ``schedule.max_in_flight`` is
+raised to (η + 1) x batch size so the gate, not the in-flight cap, bounds staleness; the
+staleness actually trained on (p90 of per-token staleness) is reported, since it only reaches
+η when generation outpaces training. Paper (AIME24, standard -> decoupled): η=1 41.8 -> 42.1,
+η=2 40.0 -> 41.8, η=4 23.3 -> 42.2, η=8 35.7 -> 41.0, η=16 35.8 -> 38.7; η=0: 42.0.
+
+Usage: PYTHONPATH=. python benchmarks/paper/staleness_ablation.py [--seeds 0 1 2 --versions 60]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+
+from areal_jax.config import load_config
+from areal_jax.experiment import ExperimentConfig
+from benchmarks.paper import common
+
+LOSSES = {"ppo": "standard PPO", "decoupled_ppo": "decoupled PPO"}
+PAPER = {0: (42.0, 42.0), 1: (41.8, 42.1), 2: (40.0, 41.8), 4: (23.3, 42.2), 8: (35.7, 41.0),
+         16: (35.8, 38.7)}  # AIME24 accuracy (%), (standard PPO, decoupled PPO)
+
+
+def curves_plot(path: Path, runs: dict, etas: list[int], stats: dict) -> Path:
+    """Final accuracy vs η per objective, and the median learning curve of each run kind."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4), dpi=100)
+    for loss, label in LOSSES.items():
+        s = [stats[(loss, e)] for e in etas]
+        med = [x["median"] for x in s]
+        axes[0].errorbar([str(e) for e in etas], med, capsize=4, marker="o", label=label,
+                         yerr=[[m - x["min"] for m, x in zip(med, s)],
+                               [x["max"] - m for m, x in zip(med, s)]])
+    axes[0].set(title="Final held-out accuracy (median, min-max)", xlabel="η", ylabel="accuracy")
+    axes[0].legend()
+    for ax, (loss, label) in zip(axes[1:], LOSSES.items()):
+        for e in etas:
+            by_step: dict[int, list[float]] = {}
+            for run in runs[f"{loss} η={e}"]:
+                for step, acc in run["curve"]:
+                    by_step.setdefault(step, []).append(acc)
+            steps = sorted(by_step)
+            ax.plot(steps, [statistics.median(by_step[s]) for s in steps], marker=".",
+                    label=f"η={e}")
+        ax.set(title=f"{label}: accuracy (median over seeds)", xlabel="version",
+               ylabel="accuracy")
+        ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=common.CONFIG)
+    parser.add_argument("--etas", type=int, nargs="+", default=[0, 1, 2, 4, 8, 16])
+    parser.add_argument("--losses", nargs="+", choices=list(LOSSES), default=list(LOSSES))
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--versions", type=int, default=60, help="RL versions per run")
+    parser.add_argument("--eval-every", type=int, default=10, help="versions between evals")
+    parser.add_argument("--trainer-cpus", type=int, default=None)
+    parser.add_argument("--work-dir", type=Path, default=Path("runs/paper/staleness_ablation"))
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="config overrides for every run, SFT included")
+    common.add_out_argument(parser)
+    args = parser.parse_args()
+
+    before = common.machine()
+    cfg = load_config(ExperimentConfig, args.config, args.set)
+    pins = common.pinning(*common.cpu_split(args.trainer_cpus))
+    start = common.warm_start(args.config, args.work_dir, args.set)
+    runs: dict[str, list[dict]] = {f"{loss} η={e}": [] for loss in args.losses for e in args.etas}
+    for seed in args.seeds:
+        for loss in args.losses:
+            for eta in args.etas:
+                in_flight = max(cfg.schedule.max_in_flight, (eta + 1) * cfg.schedule.batch_size)
+                overrides = [*args.set, *pins, "schedule.mode=async",
+                             f"schedule.max_staleness={eta}", f"schedule.max_in_flight={in_flight}",
+                             f"trainer.loss.policy_loss={loss}",
+                             f"schedule.total_steps={args.versions}", f"seed={seed}",
+                             f"trainer.seed={seed}", "checkpoint_every=0",
+                             f"eval.every_steps={args.eval_every}"]
+                run = common.rl_run(args.config, args.work_dir / f"{loss}_eta{eta}_seed{seed}",
+                                    start, overrides)
+                curve = sorted({int(r["step"]): r["eval/accuracy"] for r in run["eval"]}.items())
+                train = run["train"]
+                result = {"seed": seed, "accuracy": run["results"]["after"]["eval/accuracy"],
+                          "curve": curve,
+                          "staleness_p90": statistics.mean(r["staleness/p90"] for r in train),
+                          "reward_last10": statistics.mean(r["reward/mean"] for r in train[-10:])}
+                runs[f"{loss} η={eta}"].append(result)
+                print(f"{LOSSES[loss]}, η={eta}, seed {seed}: accuracy {result['accuracy']:.3f}, "
+                      f"staleness p90 {result['staleness_p90']:.1f}", flush=True)
+
+    stats = {(loss, e): common.spread([r["accuracy"] for r in runs[f"{loss} η={e}"]])
+             for loss in args.losses for e in args.etas}
+    rows = []
+    for e in args.etas:
+        row = [str(e)]
+        for loss in LOSSES:
+            if loss in args.losses:
+                rs = runs[f"{loss} η={e}"]
+                row += [common.fmt_spread(stats[(loss, e)], 3),
+                        f"{statistics.median(r['staleness_p90'] for r in rs):.1f}"]
+            else:
+                row += ["-", "-"]
+        paper = PAPER.get(e)
+        row.append(f"{paper[0]} -> {paper[1]}" if paper else "-")
+        rows.append(row)
+    info = common.with_load_after(before)
+    png = curves_plot(args.out / "staleness_ablation.png", runs, args.etas, stats)
+    measured = "; ".join(
+        f"{LOSSES[loss]} η={e}: {common.fmt_spread(stats[(loss, e)], 3)}"
+        for loss in args.losses for e in (min(args.etas), max(args.etas)))
+    sections = [
+        f"## Final held-out accuracy ({len(args.seeds)} seed(s), {args.versions} versions; "
+        "median [min-max])\n\n" + common.table(
+            ["η", "standard PPO", "staleness p90", "decoupled PPO", "staleness p90",
+             "paper AIME24 % (standard -> decoupled)"], rows),
+        f"![curves]({png.name})",
+    ]
+    payload = {"machine": info, "args": common.arguments(args),
+               "runs": runs, "stats": {f"{k[0]} η={k[1]}": v for k, v in stats.items()},
+               "summary": [common.summary_row(
+                   "staleness ablation, standard vs decoupled PPO (paper Table 2)",
+                   "standard PPO falls with η (η=4: 23.3 vs 42.2); decoupled holds to η=8 "
+                   "(41.0 vs 42.0 at η=0)",
+                   "decoupled at η <= 8 within seed spread of η=0; standard PPO below it "
+                   "at large η", measured, info)]}
+    common.write_report(args.out, "staleness_ablation", "Staleness ablation", sections, payload)
+
+
+if __name__ == "__main__":
+    main()

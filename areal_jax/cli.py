@@ -45,10 +45,11 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from areal_jax.models.hf_io import CheckpointError
     from areal_jax.models.safetensors_io import SafetensorsError
     from areal_jax.rewards.registry import RewardNotFoundError
-    from areal_jax.trainer.checkpoint import CheckpointMismatchError
+    from areal_jax.trainer.checkpoint import CheckpointCorruptError, CheckpointMismatchError
 
     return (ConfigError, DatasetError, ModelConfigError, CheckpointError, SafetensorsError,
-            RewardNotFoundError, CheckpointMismatchError, ServerExitedError,
+            RewardNotFoundError, CheckpointMismatchError, CheckpointCorruptError,
+            ServerExitedError,
             RolloutRejectedError, NoLiveServerError, RequestFailedError,
             WeightsRejectedError)  # fmt: skip
 

@@ -15,7 +15,7 @@ from _rollout_fakes import ArithmeticEngine, ExactAnswerScorer, encode, make_tok
 from _rollout_fakes import write_checkpoint
 
 from areal_jax.config import from_dict
-from areal_jax.controller.ledger import read_ledger, trained_batches
+from areal_jax.controller.ledger import RunLedger, read_ledger, trained_batches
 from areal_jax.controller.loop import RLLoop
 from areal_jax.controller.rollout_pool import PoolOptions, RolloutPool
 from areal_jax.data.dataset import PromptItem
@@ -161,3 +161,25 @@ def assert_nothing_lost(ledger_path: Path, prompts, seed: int = 0, shuffle: bool
     want = collections.Counter(yielded) - collections.Counter(rejected)
     assert got == want, (got - want, want - got)
     return batches
+
+
+def run_on_servers(tmp_path: Path, engines: list[ArithmeticEngine], cfg: ExperimentConfig,
+                   trainer: RecordingTrainer, prompts: list[PromptItem], steps: int,
+                   during=None, options: PoolOptions | None = None, state: dict | None = None):
+    """``run_loop`` over in-process servers for ``engines``, with the run ledger at
+    ``tmp_path/ledger.jsonl``; ``during(loop, pool, servers)`` runs alongside. The servers
+    (including any ``during`` appends to the list) are stopped at the end."""
+
+    async def main():
+        servers = await start_servers(tmp_path, engines)
+        ledger = RunLedger(tmp_path / "ledger.jsonl")
+        side = (lambda loop, pool: during(loop, pool, servers)) if during else None
+        try:
+            return await run_loop(tmp_path, cfg, trainer, servers, prompts, steps,
+                                  options=options, state=state, ledger=ledger, during=side)
+        finally:
+            ledger.close()
+            for s in servers:
+                await s.stop(grace=0.5)
+
+    return asyncio.run(main())

@@ -64,7 +64,12 @@ def set_on_policy(trainer, groups) -> None:
 
 def host_params(trainer) -> dict[str, np.ndarray]:
     """The trainer's parameters as host arrays by path."""
-    flat = jax.tree_util.tree_flatten_with_path(nnx.state(trainer.model, nnx.Param))[0]
+    return model_params(trainer.model)
+
+
+def model_params(model) -> dict[str, np.ndarray]:
+    """A model's parameters as host arrays by path."""
+    flat = jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]
     return {jax.tree_util.keystr(p): np.asarray(v) for p, v in flat}
 
 
@@ -78,3 +83,14 @@ def one_device_mesh():
     from areal_jax.parallel import MeshConfig, make_mesh
 
     return make_mesh(MeshConfig(fsdp=1), devices=jax.devices()[:1])
+
+
+def checkpoint_array_files(step_dir) -> list:
+    """Every data file of a checkpoint's arrays (Orbax leaves some unreferenced: damage all)."""
+    return [p for p in (step_dir / "state").rglob("*") if p.is_file() and p.parent.name == "d"]
+
+
+def truncate_checkpoint(step_dir) -> None:
+    """Cut every array data file of a checkpoint in half."""
+    for path in checkpoint_array_files(step_dir):
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])

@@ -1,4 +1,8 @@
-"""Orbax checkpoints: exact resume, restore onto another mesh, keep-N, errors."""
+"""Orbax checkpoints: exact resume, restore onto another mesh, keep-N, damage, errors."""
+
+import logging
+import re
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -8,9 +12,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from areal_jax.parallel import MeshConfig, make_mesh
 from areal_jax.rl import MicroBatchConfig
-from areal_jax.trainer import CheckpointMismatchError, Checkpointer, Trainer, TrainerConfig
+from areal_jax.trainer import (
+    CheckpointCorruptError, CheckpointMismatchError, Checkpointer, Trainer, TrainerConfig,
+)  # fmt: skip
 
-from _trainer_kit import assert_params_close, host_params, tiny_model, toy_groups
+from _trainer_kit import (
+    assert_params_close, checkpoint_array_files, host_params, tiny_model, toy_groups,
+    truncate_checkpoint,
+)  # fmt: skip
 
 
 def _config(run_dir):
@@ -82,3 +91,64 @@ def test_checkpointer_keeps_the_newest_n_and_replaces_a_step(tmp_path):
                            match=r"checkpoint 3 in .* does not fit this trainer"):
             ckpt.restore(wrong)
     ckpt.close()
+
+
+def _flip_bytes(step_dir):
+    for path in checkpoint_array_files(step_dir):
+        data = bytearray(path.read_bytes())
+        for i in range(len(data) // 2, len(data) // 2 + 4):
+            data[i] ^= 0x5A
+        path.write_bytes(bytes(data))
+
+
+def _swap_arrays(step_dir):
+    """Readable arrays that are not the ones saved here: checkpoint 1's, under 2's meta."""
+    shutil.rmtree(step_dir / "state")
+    shutil.copytree(step_dir.parent / "1" / "state", step_dir / "state")
+
+
+def _delete_item(step_dir):
+    shutil.rmtree(step_dir / "state")
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(tmp_path_factory):
+    """A run directory with checkpoints 1 and 2, and the parameters saved at 1."""
+    run_dir = tmp_path_factory.mktemp("two_checkpoints")
+    trainer = Trainer(_config(run_dir), mesh=make_mesh(MeshConfig(fsdp=8)), model=tiny_model(3))
+    trainer.train_on_batch(toy_groups(seed=0, n_groups=2, group_size=4))
+    trainer.save({"data_position": 1})
+    at_one = host_params(trainer)
+    trainer.train_on_batch(toy_groups(seed=1, n_groups=2, group_size=4))
+    trainer.save({"data_position": 2})
+    trainer.close()
+    return run_dir, at_one
+
+
+@pytest.mark.parametrize("damage, reason", [
+    (truncate_checkpoint, "cannot be read"),
+    (_flip_bytes, "(cannot be read|holds altered data)"),  # altered data where bytes stay decodable
+    (_swap_arrays, r"holds altered data: the checksums written with opt_state\.1\.0\.count, "),
+    (_delete_item, "its array metadata cannot be read"),
+])  # fmt: skip
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(
+    tmp_path, caplog, two_checkpoints, damage, reason
+):
+    pristine, at_one = two_checkpoints
+    shutil.copytree(pristine / "checkpoints", tmp_path / "checkpoints")
+    damage(tmp_path / "checkpoints" / "2")
+
+    trainer = Trainer(_config(tmp_path), mesh=make_mesh(MeshConfig(fsdp=8)), model=tiny_model(4))
+    with caplog.at_level(logging.WARNING, logger="areal_jax.trainer.checkpoint"):
+        assert trainer.restore() == {"data_position": 1}
+    assert trainer.version == 1
+    assert_params_close(host_params(trainer), at_one, atol=0)
+    assert re.search(rf"skipping damaged checkpoint 2: checkpoint 2 in .*{reason}", caplog.text)
+    assert "does not fit" not in caplog.text
+    with pytest.raises(CheckpointCorruptError, match=f"checkpoint 2 in .*{reason}"):
+        trainer.restore(2)
+
+    truncate_checkpoint(tmp_path / "checkpoints" / "1")
+    with pytest.raises(CheckpointCorruptError, match=r"no intact checkpoint in .* \(2 damaged\)"):
+        trainer.restore()
+    trainer.close()

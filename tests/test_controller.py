@@ -5,30 +5,17 @@ double whose versions advance like the real one's."""
 import asyncio
 
 import pytest
-from _loop_kit import RecordingTrainer, assert_nothing_lost, config, exports_dir, items, run_loop
-from _loop_kit import start_servers, trained_ids
+from _loop_kit import RecordingTrainer, assert_nothing_lost, config, exports_dir, items
+from _loop_kit import run_on_servers, trained_ids
 from _rollout_fakes import ArithmeticEngine
-
-from areal_jax.controller.ledger import RunLedger
 
 
 @pytest.mark.parametrize("mode,eta", [("async", 1), ("async", 0), ("sync", 0)])
 def test_loop_respects_staleness_and_loses_nothing(tmp_path, mode, eta):
     prompts = items(40)
     trainer = RecordingTrainer(exports_dir(tmp_path))
-
-    async def main():
-        servers = await start_servers(tmp_path, [ArithmeticEngine(step_s=0.002) for _ in range(2)])
-        cfg = config(tmp_path, {"mode": mode, "max_staleness": eta})
-        ledger = RunLedger(tmp_path / "ledger.jsonl")
-        try:
-            await run_loop(tmp_path, cfg, trainer, servers, prompts, 6, ledger=ledger)
-        finally:
-            ledger.close()
-            for s in servers:
-                await s.stop(grace=0.5)
-
-    asyncio.run(main())
+    run_on_servers(tmp_path, [ArithmeticEngine(step_s=0.002) for _ in range(2)],
+                   config(tmp_path, {"mode": mode, "max_staleness": eta}), trainer, prompts, 6)
     assert len(trainer.batches) == 6
     for version, groups in trainer.batches:
         assert len(groups) == 3
@@ -49,26 +36,15 @@ def test_dead_server_groups_are_resubmitted_elsewhere(tmp_path):
     prompts = items(60)
     trainer = RecordingTrainer(exports_dir(tmp_path))
 
-    async def main():
-        servers = await start_servers(tmp_path, [ArithmeticEngine(step_s=0.01) for _ in range(2)])
+    async def kill_one(loop, pool, servers):
+        while len(trainer.batches) < 1:
+            await asyncio.sleep(0.01)
+        await servers[0].stop(grace=0)
 
-        async def kill_one(loop, pool):
-            while len(trainer.batches) < 1:
-                await asyncio.sleep(0.01)
-            await servers[0].stop(grace=0)
-
-        ledger = RunLedger(tmp_path / "ledger.jsonl")
-        try:
-            loop = await run_loop(tmp_path, config(tmp_path, {"max_staleness": 2}), trainer,
-                                  servers, prompts, 5, ledger=ledger, during=kill_one)
-            live = loop.live_at_end
-        finally:
-            ledger.close()
-            await servers[1].stop(grace=0.5)
-        return live, loop
-
-    live, loop = asyncio.run(main())
-    assert len(live) == 1
+    loop = run_on_servers(tmp_path, [ArithmeticEngine(step_s=0.01) for _ in range(2)],
+                          config(tmp_path, {"max_staleness": 2}), trainer, prompts, 5,
+                          during=kill_one)
+    assert len(loop.live_at_end) == 1
     ids = trained_ids(trainer)
     assert len(ids) == len(set(ids)) == 15
     assert loop.gate.submitted == loop.gate.in_flight + len(loop._buffer) + 15
@@ -78,20 +54,12 @@ def test_dead_server_groups_are_resubmitted_elsewhere(tmp_path):
 def test_resume_resubmits_pending_groups_first(tmp_path):
     prompts = items(30)
     cfg = config(tmp_path, {"max_staleness": 1})
-
-    async def run(trainer, state, steps):
-        servers = await start_servers(tmp_path, [ArithmeticEngine()])
-        try:
-            return await run_loop(tmp_path, cfg, trainer, servers, prompts, steps, state=state)
-        finally:
-            await servers[0].stop(grace=0.5)
-
     first = RecordingTrainer(exports_dir(tmp_path))
-    asyncio.run(run(first, None, 2))
+    run_on_servers(tmp_path, [ArithmeticEngine()], cfg, first, prompts, 2)
     version, state = first.saved[-1]
     assert version == 2 and state["pending"], state
     second = RecordingTrainer(exports_dir(tmp_path), version=2)
-    asyncio.run(run(second, state, 6))
+    run_on_servers(tmp_path, [ArithmeticEngine()], cfg, second, prompts, 6, state=state)
     resumed = trained_ids(second)
     # Every group pending at the checkpoint is trained after the restart, nothing trained
     # before is trained again, and the data position carries on.

@@ -13,7 +13,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 from _loop_kit import RecordingTrainer, assert_nothing_lost, config, exports_dir, items, run_loop
 
 from areal_jax.controller.ledger import RunLedger, read_ledger

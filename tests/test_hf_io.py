@@ -2,7 +2,6 @@
 
 import json
 
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest

@@ -9,36 +9,18 @@ import os
 import subprocess
 import sys
 
-import yaml
+from _e2e_kit import tiny_experiment, write_experiment
 
 from areal_jax.controller.local_servers import free_port
 
 
 def test_two_trainer_processes_train_through_a_local_rollout_server(tmp_path):
     run_dir = tmp_path / "run"
-    cfg = {
-        "run_dir": str(run_dir), "model_path": "tiny",
-        "tiny": {"hidden_size": 32, "intermediate_size": 64, "num_layers": 2, "num_heads": 4,
-                 "num_kv_heads": 2, "max_position_embeddings": 256, "tokenizer_vocab_size": 300},
-        "synthetic": {"num_train": 64, "num_test": 8, "max_steps": 3},
-        "dataset": {"path": "{run_dir}/data/train.jsonl", "id_field": "id",
-                    "reward": "synthetic_arith", "max_prompt_tokens": 64,
-                    "metadata_fields": {"answer": "answer", "solution": "solution"}},
-        "eval": {"dataset": {"path": "{run_dir}/data/test.jsonl", "id_field": "id",
-                             "reward": "synthetic_arith", "shuffle": False},
-                 "max_new_tokens": 16},
-        "sft": {"steps": 2, "batch_size": 8, "trainer": {"lr": 1e-3, "ppo_n_minibatches": 1}},
-        "trainer": {"lr": 1e-4, "ppo_n_minibatches": 1, "micro_batch": {"token_budget": 1024},
-                    "checkpoint_async": False},
-        "sampling": {"group_size": 2, "max_new_tokens": 16},
-        "schedule": {"batch_size": 2, "max_staleness": 1, "max_in_flight": 4, "total_steps": 3},
-        "rollout": {"server": {"engine": {"options": {"num_slots": 4, "max_seq_len": 128}},
-                               "rewards": {"num_workers": 1}}},
-        "checkpoint_every": 3,
-        "distributed": True,
-    }
-    path = tmp_path / "exp.yaml"
-    path.write_text(yaml.safe_dump(cfg))
+    cfg = tiny_experiment(tmp_path, total_steps=3)
+    cfg["sft"]["steps"] = 2
+    cfg["checkpoint_every"] = 3
+    cfg["distributed"] = True
+    path = write_experiment(tmp_path / "exp.yaml", cfg)
     port = free_port()
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
     procs = []

@@ -1,6 +1,8 @@
 """The public Trainer: learning signal, SFT, proximal modes, KL reference, exports, errors."""
 
+import dataclasses
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -8,13 +10,15 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from areal_jax.config import ConfigError, from_dict
+from areal_jax.models import load_hf_model
 from areal_jax.rl import AdvantageConfig, LossConfig, MicroBatchConfig
 from areal_jax.trainer import Trainer, TrainerConfig
 from areal_jax.trajectory import Trajectory, TrajectoryGroup
 
 from _hf_models import hf_logits, hf_model, save_hf_model
 from _trainer_kit import (
-    assert_params_close, host_params, one_device_mesh, set_on_policy, tiny_model, toy_groups,
+    assert_params_close, host_params, model_params, one_device_mesh, set_on_policy, tiny_model,
+    toy_groups,
 )  # fmt: skip
 
 MICRO = MicroBatchConfig(token_budget=64, row_buckets=(64,))
@@ -142,6 +146,25 @@ def test_publish_exports_what_transformers_loads_and_prunes_old_versions(tmp_pat
         trainer.publish(7)
 
 
+def test_a_publish_snapshot_keeps_its_version_while_the_next_step_trains(model, tmp_path):
+    trainer = _trainer(model, run_dir=str(tmp_path), export_keep=1)
+    examples = [([5, 6, 7], [8, 9, 10, 11]), ([20, 21], [22, 23, 24])]
+    trainer.sft_on_batch(examples)
+    at_one = host_params(trainer)
+    snapshot = trainer.snapshot_for_publish()
+    trainer.sft_on_batch(examples)  # donates the arrays of version 1
+    with ThreadPoolExecutor(1) as pool:
+        path = pool.submit(snapshot.write).result()
+    assert (snapshot.version, trainer.version) == (1, 2)
+    assert path == tmp_path / "exports" / "v000001"
+    assert_params_close(model_params(load_hf_model(path)[0]), at_one, atol=0)
+    assert not np.allclose(host_params(trainer)["['embed'].value"], at_one["['embed'].value"])
+    with pytest.raises(RuntimeError, match="only process 0 holds the snapshot's tensors"):
+        dataclasses.replace(snapshot, tensors=None).write()
+    with pytest.raises(ValueError, match="cannot publish version 1: the parameters are version 2"):
+        trainer.snapshot_for_publish(1)
+
+
 def test_config_errors_name_the_field():
     with pytest.raises(ConfigError, match="lr must be > 0"):
         TrainerConfig(lr=0.0)
@@ -169,10 +192,18 @@ def test_bad_batches_are_rejected_before_any_update(model):
     silent = Trajectory([1, 2], [3, 4], np.zeros(2), np.zeros(2), output_mask=[0, 0])
     with pytest.raises(ValueError, match="no trained token"):
         trainer.train_on_batch([TrajectoryGroup("g", [silent])])
-    with pytest.raises(ValueError, match="ppo_n_minibatches=4 is more than the 2 trajectories"):
-        trainer.train_on_batch(toy_groups(seed=1, n_groups=1, group_size=2))
-    with pytest.raises(ValueError, match=r"examples\[1\] has an empty response"):
-        trainer.sft_on_batch([([1], [2]), ([3], [])])
+    few = toy_groups(seed=1, n_groups=1, group_size=2)
+    twice = [TrajectoryGroup("g", few[0].trajectories * 2)]
+    for check in (trainer.check_batch, trainer.train_on_batch):  # the check runs no step
+        with pytest.raises(ValueError, match="ppo_n_minibatches=4 is more than the 2 trajectories"):
+            check(few)
+        with pytest.raises(ValueError, match="the same Trajectory object appears twice"):
+            check(twice)
+        with pytest.raises(ValueError, match="groups is empty"):
+            check([])
+    for check in (trainer.check_sft, trainer.sft_on_batch):
+        with pytest.raises(ValueError, match=r"examples\[1\] has an empty response"):
+            check([([1], [2]), ([3], [])])
     with pytest.raises(ConfigError, match="run_dir is not set"):
         trainer.save({})
     assert trainer.version == 0

@@ -26,6 +26,7 @@ from areal_jax.models.hf_names import (
 )
 from areal_jax.models.safetensors_io import save_safetensors
 from areal_jax.models.transformer import Transformer
+from areal_jax.parallel.multihost import host_array
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -67,14 +68,6 @@ def _hf_layout(m: TensorMap, x: jax.Array, dtype: np.dtype) -> jax.Array:
     return x if m.stacked else x[0]
 
 
-def _to_host(x: jax.Array) -> np.ndarray:
-    if not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
-
-        x = multihost_utils.process_allgather(x, tiled=True)
-    return np.asarray(jax.device_get(x))
-
-
 def hf_state_dict(model: Transformer, dtype="float32") -> dict[str, np.ndarray]:
     """Host copies of all tensors in HF names and layout.
 
@@ -91,11 +84,11 @@ def hf_state_dict(model: Transformer, dtype="float32") -> dict[str, np.ndarray]:
         targets = [export_dtype(dtype.get(n, "float32") if isinstance(dtype, dict) else dtype)
                    for n in names]
         if len(set(targets)) == 1:
-            host = _to_host(_hf_layout(m, value, targets[0]))
+            host = host_array(_hf_layout(m, value, targets[0]))
             out.update(zip(names, host if m.stacked else [host]))
         else:  # layers of one parameter in different dtypes
             for i, (name, target) in enumerate(zip(names, targets)):
-                out[name] = _to_host(_hf_layout(m, value[i : i + 1], target))[0]
+                out[name] = host_array(_hf_layout(m, value[i : i + 1], target))[0]
     return out
 
 

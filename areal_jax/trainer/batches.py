@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -35,6 +36,17 @@ def batch_axis_size(mesh: Mesh, rules=None) -> int:
     return math.prod(mesh.shape[a] for a in axes if a in mesh.shape)
 
 
+def check_split(trajs: Sequence[Trajectory], n_minibatches: int) -> None:
+    """Reject a batch that cannot be split into ``n_minibatches`` minibatches."""
+    if len({id(t) for t in trajs}) != len(trajs):
+        raise ValueError("the same Trajectory object appears twice in the batch")
+    if n_minibatches > len(trajs):
+        raise ValueError(
+            f"ppo_n_minibatches={n_minibatches} is more than the {len(trajs)} trajectories "
+            f"of the batch"
+        )
+
+
 def minibatch_plan(
     trajs: Sequence[Trajectory],
     advantages: Sequence[np.ndarray],
@@ -48,14 +60,8 @@ def minibatch_plan(
     so equal-sized samples land in different minibatches from step to step. Each PackedBatch's
     ``traj_index`` indexes ``trajs``.
     """
+    check_split(trajs, n_minibatches)
     position = {id(t): i for i, t in enumerate(trajs)}
-    if len(position) != len(trajs):
-        raise ValueError("the same Trajectory object appears twice in the batch")
-    if n_minibatches > len(trajs):
-        raise ValueError(
-            f"ppo_n_minibatches={n_minibatches} is more than the {len(trajs)} trajectories "
-            f"of the batch"
-        )
     plan = []
     for members in split_minibatches([trajs[i] for i in order], n_minibatches):
         index = np.array([position[id(t)] for t in members], dtype=np.int32)
@@ -67,11 +73,21 @@ def minibatch_plan(
 
 
 def pack_all(trajs: Sequence[Trajectory], cfg: MicroBatchConfig) -> list[PackedBatch]:
-    """Micro-batches of ``trajs`` with zero advantages (for forward passes only)."""
-    return pack_micro_batches(list(trajs), [0.0] * len(trajs), cfg)
+    """Micro-batches of ``trajs`` with zero advantages (for forward passes only).
+
+    Always packed dynamically: the fixed-count mode is a baseline for training updates, and a
+    whole batch in a minibatch's count of micro-batches could exceed the token budget.
+    """
+    dynamic = dataclasses.replace(cfg, mode="dynamic")
+    return pack_micro_batches(list(trajs), [0.0] * len(trajs), dynamic)
 
 
 def put_batch(batch: PackedBatch, mesh: Mesh, rules=None) -> dict[str, jax.Array]:
-    """The [R, T] arrays of ``batch`` on ``mesh``, rows split over the "batch" axes."""
+    """The [R, T] arrays of ``batch`` on ``mesh``, rows split over the "batch" axes.
+
+    Every process holds the whole batch and fills only its own devices' rows (no exchange).
+    """
     rows = logical_to_spec(("batch",), batch.shape[:1], mesh, rules)
-    return jax.device_put(batch.arrays(), NamedSharding(mesh, PartitionSpec(*rows, None)))
+    sharding = NamedSharding(mesh, PartitionSpec(*rows, None))
+    return {k: jax.make_array_from_callback(v.shape, sharding, v.__getitem__)
+            for k, v in batch.arrays().items()}  # fmt: skip

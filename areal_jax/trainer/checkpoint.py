@@ -2,26 +2,48 @@
 
 Each checkpoint holds the array tree (parameters, optimiser state, update count, RNG key) and
 ``meta``: a JSON-able dict (the trainer's version and what the controller owns, e.g. its data
-position). Restoring takes an abstract tree whose leaves carry the target shardings, so a
-checkpoint written on one mesh restores onto any other.
+position) plus checksums of the arrays. Restoring takes an abstract tree whose leaves carry the
+target shardings, so a checkpoint written on one mesh restores onto any other.
+
+A checkpoint that does not fit the trainer (other model or optimiser) raises
+``CheckpointMismatchError``; one whose files are damaged (truncated, altered, missing) is
+``CheckpointCorruptError``, and restoring the latest falls back to the newest intact one.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
+
+from areal_jax.parallel.multihost import all_processes
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointMismatchError(ValueError):
     """A checkpoint's parameters or optimiser state do not fit the restoring trainer."""
 
 
+class CheckpointCorruptError(ValueError):
+    """A checkpoint's files are damaged: truncated, altered or missing."""
+
+
+_CHECKSUMS = "_array_checksums"  # meta key of the checksums written with the arrays
+_UINTS = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
+
+
 class Checkpointer:
-    """Keeps the newest ``keep`` checkpoints under ``directory``; saves asynchronously if asked."""
+    """Keeps the newest ``keep`` checkpoints under ``directory``; saves asynchronously if asked.
+
+    With several processes every process calls every method (each writes and reads its own
+    shards; process 0 writes the shared metadata); ``directory`` must be shared by all.
+    """
 
     def __init__(self, directory: str | Path, keep: int, async_save: bool = True):
         options = ocp.CheckpointManagerOptions(
@@ -29,14 +51,22 @@ class Checkpointer:
         )
         self.directory = Path(directory).absolute()
         self._manager = ocp.CheckpointManager(self.directory, options=options)
+        # Restores read through the item handlers: unlike the manager they hold no cross-process
+        # barrier, so a process that fails to read cannot leave the others waiting in one.
+        self._state_reader = ocp.StandardCheckpointHandler()
+        self._meta_reader = ocp.JsonCheckpointHandler()
 
     def save(self, step: int, state: Any, meta: dict) -> None:
         """Write ``state`` (array pytree) and ``meta`` as checkpoint ``step``; replaces an
-        existing checkpoint of the same step. Returns once arrays are copied off the device."""
+        existing checkpoint of the same step. Returns once arrays are copied off the device.
+
+        Checksums of the arrays go into the stored meta, so altered bytes are caught on restore.
+        """
         try:
             json.dumps(meta)
         except (TypeError, ValueError) as e:
             raise ValueError(f"checkpoint meta must be JSON-serialisable: {e}") from e
+        meta = {**meta, _CHECKSUMS: checksums(state)}
         if step in self._manager.all_steps():
             self._manager.wait_until_finished()
             self._manager.delete(step)
@@ -46,32 +76,32 @@ class Checkpointer:
         )
 
     def restore(self, abstract_state: Any, step: int | None = None) -> tuple[Any, dict] | None:
-        """(state, meta) of checkpoint ``step`` (default: the latest), or None if there is none.
+        """(state, meta) of checkpoint ``step``, or None if there is no checkpoint.
 
+        Without ``step``: the newest intact checkpoint; damaged newer ones are skipped with a
+        warning, and ``CheckpointCorruptError`` is raised when none is intact.
         ``abstract_state``: the saved tree's structure with ``jax.ShapeDtypeStruct`` leaves
         carrying the shardings to restore onto.
         """
-        step = self.latest_step() if step is None else step
-        if step is None:
-            return None
         self._manager.wait_until_finished()
-        if step not in self._manager.all_steps():
-            raise ValueError(f"no checkpoint for step {step} in {self.directory}")
-        try:
-            out = self._manager.restore(
-                step,
-                args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()
-                ),
-            )
-        except ValueError as e:  # Orbax: tree structure or array shapes differ
-            raise CheckpointMismatchError(
-                f"checkpoint {step} in {self.directory} does not fit this trainer: it was saved "
-                f"with another model or optimiser configuration (model size, grad_clip, "
-                f"weight decay, ...). Restore with the configuration it was saved with, or use "
-                f"a new run_dir. Details: {e}"
-            ) from e
-        return out.state, out.meta
+        steps = sorted(self._manager.all_steps(), reverse=True)
+        if step is not None:
+            if step not in steps:
+                raise ValueError(f"no checkpoint for step {step} in {self.directory}")
+            return self._restore_step(abstract_state, step)
+        damaged = []
+        for s in steps:
+            try:
+                return self._restore_step(abstract_state, s)
+            except CheckpointCorruptError as e:
+                log.warning("skipping damaged checkpoint %d: %s", s, e)
+                damaged.append(e)
+        if damaged:
+            raise CheckpointCorruptError(
+                f"no intact checkpoint in {self.directory} ({len(damaged)} damaged); "
+                f"the newest: {damaged[0]}"
+            ) from damaged[0]
+        return None
 
     def latest_step(self) -> int | None:
         """The newest checkpoint's step (after any pending save finishes), or None."""
@@ -85,6 +115,103 @@ class Checkpointer:
     def close(self) -> None:
         """Finish pending saves and release the manager."""
         self._manager.close()
+        self._state_reader.close()
+        self._meta_reader.close()
+
+    def _restore_step(self, abstract_state: Any, step: int) -> tuple[Any, dict]:
+        """Every process reads its shards; all of them fail together if any one fails."""
+        where = f"checkpoint {step} in {self.directory}"
+        step_dir = self.directory / str(step)  # the manager's default step naming
+        error = self._fit_error(abstract_state, step_dir, where)
+        if not all_processes(error is None):
+            raise error or CheckpointCorruptError(f"{where} is damaged (read on another process)")
+        try:
+            state = self._state_reader.restore(
+                step_dir / "state", args=ocp.args.StandardRestore(abstract_state)
+            )
+            meta = dict(self._meta_reader.restore(step_dir / "meta", args=ocp.args.JsonRestore()))
+        except Exception as e:  # noqa: BLE001 - the structure fits, so any failure is damage
+            error = CheckpointCorruptError(f"{where} cannot be read: {_first_line(e)}")
+            error.__cause__ = e
+        if not all_processes(error is None):
+            raise error or CheckpointCorruptError(f"{where} cannot be read on another process")
+        expected = meta.pop(_CHECKSUMS, None)
+        if expected is not None:
+            found = checksums(state)
+            altered = [name for name in expected if found.get(name) != expected[name]]
+            if altered:
+                more = f" and {len(altered) - 3} more arrays" if len(altered) > 3 else ""
+                raise CheckpointCorruptError(
+                    f"{where} holds altered data: the checksums written with "
+                    f"{', '.join(altered[:3])}{more} do not match"
+                )
+        return state, meta
+
+    def _fit_error(self, abstract_state: Any, step_dir: Path, where: str) -> ValueError | None:
+        """Why ``abstract_state`` cannot take the checkpoint (from its metadata), or None."""
+        try:
+            leaves = jax.tree.leaves(self._state_reader.metadata(step_dir / "state"))
+            saved = {leaf.name: tuple(leaf.shape) for leaf in leaves}
+        except Exception as e:  # noqa: BLE001 - unreadable metadata is damage
+            return CheckpointCorruptError(f"{where}: its array metadata cannot be read: "
+                                          f"{_first_line(e)}")  # fmt: skip
+        wanted = {_name(path): tuple(x.shape) for path, x in _flat(abstract_state)}
+        if saved == wanted:
+            return None
+        diff = sorted(k for k in saved.keys() | wanted.keys() if saved.get(k) != wanted.get(k))
+        details = "; ".join(f"{k}: saved {saved.get(k)}, here {wanted.get(k)}" for k in diff[:3])
+        return CheckpointMismatchError(
+            f"{where} does not fit this trainer: it was saved with another model or optimiser "
+            f"configuration (model size, grad_clip, weight decay, ...). Restore with the "
+            f"configuration it was saved with, or use a new run_dir. Differences: {details}"
+        )
+
+
+def checksums(tree: Any) -> dict[str, list[int]]:
+    """Two uint32 checksums per array of ``tree`` (plain and position-weighted sums of the bits),
+    computed on the devices; keys are the arrays' dotted paths."""
+    sums = jax.device_get(_device_checksums(tree))
+    return {_name(path): [int(v) for v in s] for path, s in _flat(sums)}
+
+
+@jax.jit
+def _device_checksums(tree):
+    def one(x):
+        if x.dtype.itemsize not in _UINTS:
+            raise TypeError(f"no checksum for {x.dtype} arrays")
+        bits = jax.lax.bitcast_convert_type(x, _UINTS[x.dtype.itemsize]).astype(jnp.uint32)
+        index = jnp.ones(x.shape, jnp.uint32)
+        stride = 1
+        for d in reversed(range(x.ndim)):
+            index += jax.lax.broadcasted_iota(jnp.uint32, x.shape, d) * jnp.uint32(stride)
+            stride *= x.shape[d]
+        return jnp.stack([jnp.sum(bits, dtype=jnp.uint32), jnp.sum(bits * index, dtype=jnp.uint32)])
+
+    return jax.tree.map(one, tree)
+
+
+def _flat(tree):
+    return jax.tree_util.tree_flatten_with_path(tree)[0]
+
+
+def _name(path) -> str:
+    """Orbax's name of an array: its key path joined by dots (``params.embed.value``)."""
+    parts = []
+    for k in path:
+        for attr in ("key", "idx", "name"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+    return ".".join(parts)
+
+
+def _first_line(e: BaseException) -> str:
+    """The first line of the innermost cause (Orbax wraps the TensorStore error that names the
+    file)."""
+    while (e.__cause__ or e.__context__) is not None:
+        e = e.__cause__ or e.__context__
+    text = str(e).strip() or type(e).__name__
+    return text.splitlines()[0][:300]
 
 
 def abstract_like(tree: Any) -> Any:

@@ -21,17 +21,45 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from areal_jax.config import ConfigError
-from areal_jax.models import Transformer, abstract_model, load_hf_model
+from areal_jax.models import (
+    ModelConfig, Transformer, abstract_model, hf_state_dict, load_hf_model,
+)  # fmt: skip
 from areal_jax.parallel import make_mesh, model_shardings
+from areal_jax.parallel.multihost import host_array, is_leader
 from areal_jax.rl import kl_penalty, loss_normalizer, trajectory_advantages, unpack_outputs
 from areal_jax.trainer import batches
 from areal_jax.trainer.checkpoint import Checkpointer, abstract_like
 from areal_jax.trainer.config import TrainerConfig
 from areal_jax.trainer.optimizer import lr_schedule, make_optimizer
-from areal_jax.trainer.publish import publish_version
+from areal_jax.trainer.publish import publish_tensors
 from areal_jax.trainer.stats import batch_metrics, loss_metrics
 from areal_jax.trainer.step import TrainState, compile_steps
 from areal_jax.trajectory import Trajectory, TrajectoryGroup
+
+
+@dataclasses.dataclass(frozen=True)
+class PublishSnapshot:
+    """One version's parameters on the host in HF names and the export dtype.
+
+    ``tensors`` is None on processes other than 0: they took part in the gather only.
+    """
+
+    version: int
+    tensors: dict[str, np.ndarray] | None
+    model_cfg: ModelConfig
+    exports_dir: Path
+    keep: int
+    tokenizer_dir: str | None
+
+    def write(self) -> Path:
+        """Write ``<exports_dir>/v{version:06d}`` and prune old versions; host work only, so it
+        may run on a background thread while the next step trains."""
+        if self.tensors is None:
+            raise RuntimeError("only process 0 holds the snapshot's tensors and writes exports")
+        return publish_tensors(
+            self.tensors, self.model_cfg, self.exports_dir, self.version,
+            keep=self.keep, tokenizer_dir=self.tokenizer_dir,
+        )  # fmt: skip
 
 
 class Trainer:
@@ -117,6 +145,14 @@ class Trainer:
         metrics["throughput/tokens_per_s"] = metrics["tokens"] / (time.perf_counter() - start)
         return metrics
 
+    def check_batch(self, groups: Sequence[TrajectoryGroup]) -> None:
+        """Raise the error ``train_on_batch(groups)`` would raise for bad input (no step runs)."""
+        batches.check_split(batches.flatten_groups(groups), self.config.ppo_n_minibatches)
+
+    def check_sft(self, examples: Sequence[tuple[Sequence[int], Sequence[int]]]) -> None:
+        """Raise the error ``sft_on_batch(examples)`` would raise for bad input."""
+        _sft_trajectories(examples, self._version)
+
     def sft_on_batch(
         self, examples: Sequence[tuple[Sequence[int], Sequence[int]]]
     ) -> dict[str, float]:
@@ -178,10 +214,11 @@ class Trainer:
         """Version of the newest checkpoint, or None."""
         return self._require_checkpoints().latest_step()
 
-    def publish(self, version: int | None = None) -> Path:
-        """Export the current parameters as ``<run_dir>/exports/v{version:06d}`` (HF format).
+    def snapshot_for_publish(self, version: int | None = None) -> PublishSnapshot:
+        """Copy the current parameters to the host in the export dtype, for ``write()`` later.
 
-        ``version`` defaults to, and must equal, the current version.
+        ``version`` defaults to, and must equal, the current version. With several processes
+        every process takes part in the gather and only process 0 keeps the tensors.
         """
         version = self._version if version is None else version
         if version != self._version:
@@ -194,11 +231,17 @@ class Trainer:
             dtype = self._source_dtypes or "float32"
         else:
             dtype = self.config.export_dtype
-        return publish_version(
-            self.model, Path(self.config.run_dir) / "exports", version,
-            keep=self.config.export_keep, dtype=dtype,
-            tokenizer_dir=self.config.tokenizer_path or self.config.model_path,
+        tensors = hf_state_dict(self.model, dtype)
+        return PublishSnapshot(
+            version, tensors if is_leader() else None, self.model.cfg,
+            Path(self.config.run_dir) / "exports", self.config.export_keep,
+            self.config.tokenizer_path or self.config.model_path,
         )  # fmt: skip
+
+    def publish(self, version: int | None = None) -> Path:
+        """Export the current parameters as ``<run_dir>/exports/v{version:06d}`` (HF format):
+        ``snapshot_for_publish(version).write()``."""
+        return self.snapshot_for_publish(version).write()
 
     def close(self) -> None:
         """Finish pending checkpoint writes."""
@@ -264,7 +307,7 @@ class Trainer:
         packed = batches.pack_all(trajs, self._mb_cfg)
         outs = [self._steps.logprobs(params, batches.put_batch(b, self.mesh)) for b in packed]
         result: list[np.ndarray] = [np.empty(0)] * len(trajs)
-        for b, logp in zip(packed, jax.device_get(outs)):
+        for b, logp in zip(packed, [host_array(x) for x in outs]):
             for i, values in zip(b.traj_index, unpack_outputs(logp, b.placements)):
                 result[i] = values
         return result

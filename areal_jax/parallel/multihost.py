@@ -1,0 +1,61 @@
+"""Several JAX processes as one trainer: start-up, the leader, and the few host collectives.
+
+Every process runs the same jitted programs on one global mesh; process 0 (the leader) owns the
+controller and sends the others what to run. The helpers here are collectives: every process
+calls them in the same order (with one process they are local no-ops).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+
+def initialize_distributed(
+    coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None
+) -> None:
+    """Join the process group; call before any JAX computation.
+
+    Arguments left out are read from the cluster's environment by ``jax.distributed`` (TPU pod
+    metadata, SLURM ``SLURM_*`` variables, Open MPI). CPU processes exchange collectives over
+    gloo (TCP).
+    """
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=coordinator, num_processes=num_processes, process_id=process_id
+    )
+
+
+def is_leader() -> bool:
+    """True on process 0, the one that runs the controller and writes shared files."""
+    return jax.process_index() == 0
+
+
+def broadcast_bytes(data: bytes | None) -> bytes:
+    """The leader's ``data`` on every process (the others pass None)."""
+    if jax.process_count() == 1:
+        return data
+    if is_leader() and data is None:
+        raise ValueError("the leader must pass the bytes to broadcast")
+    size = int(multihost_utils.broadcast_one_to_all(np.array([len(data or b"")], np.int64))[0])
+    # Padded to a power of two so the broadcast compiles once per size class, not per message.
+    buffer = np.zeros(max(256, 1 << (size - 1).bit_length()), np.uint8)
+    if is_leader():
+        buffer[:size] = np.frombuffer(data, np.uint8)
+    return multihost_utils.broadcast_one_to_all(buffer)[:size].tobytes()
+
+
+def all_processes(flag: bool) -> bool:
+    """True when ``flag`` is true on every process."""
+    if jax.process_count() == 1:
+        return flag
+    flags = multihost_utils.process_allgather(np.array([flag], np.int32))
+    return bool(np.all(flags))
+
+
+def host_array(x: jax.Array) -> np.ndarray:
+    """The whole of ``x`` on this host (gathered from the other processes when needed)."""
+    if not x.is_fully_addressable and not x.is_fully_replicated:
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(jax.device_get(x))

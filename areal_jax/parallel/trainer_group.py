@@ -1,0 +1,115 @@
+"""One trainer spread over several processes, driven by the leader's controller.
+
+The leader (process 0) calls a ``TrainerGroup`` exactly like a ``Trainer``; each call first
+sends the command and its inputs to the other processes, then runs it locally. The others sit
+in ``follow()``, running every command they receive, so all processes execute the same jitted
+steps on the same batch in the same order. With one process the group is a pass-through.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import jax
+
+from areal_jax.parallel import wire
+from areal_jax.parallel.multihost import broadcast_bytes, is_leader
+
+if TYPE_CHECKING:
+    from areal_jax.trainer.trainer import PublishSnapshot, Trainer
+    from areal_jax.trajectory import TrajectoryGroup
+
+
+class TrainerGroup:
+    """A ``Trainer`` on every process of the group, commanded by the leader.
+
+    The leader's calls must not overlap (one at a time, from any thread): each is a sequence of
+    collectives that every process runs in the same order.
+    """
+
+    def __init__(self, trainer: Trainer):
+        self.trainer = trainer
+        self._multi = jax.process_count() > 1
+
+    @property
+    def version(self) -> int:
+        """Completed updates of the policy (the same on every process)."""
+        return self.trainer.version
+
+    def train_on_batch(self, groups: Sequence[TrajectoryGroup]) -> dict[str, float]:
+        """``Trainer.train_on_batch`` on every process; the metrics (identical everywhere)."""
+        self.trainer.check_batch(groups)  # bad input raises here, before the others see it
+        self._send("train", *wire.groups_to_message(groups))
+        return self.trainer.train_on_batch(groups)
+
+    def sft_on_batch(self, examples) -> dict[str, float]:
+        """``Trainer.sft_on_batch`` on every process."""
+        self.trainer.check_sft(examples)
+        self._send("sft", *wire.examples_to_message(examples))
+        return self.trainer.sft_on_batch(examples)
+
+    def save(self, extra: dict | None = None) -> None:
+        """Checkpoint on every process (each writes its own shards)."""
+        self._send("save", {"extra": extra})
+        self.trainer.save(extra)
+
+    def restore(self, version: int | None = None) -> dict | None:
+        """Restore on every process; all land on the same version."""
+        self._send("restore", {"version": version})
+        return self.trainer.restore(version)
+
+    def snapshot_for_publish(self, version: int | None = None) -> PublishSnapshot:
+        """Gather the parameters to the leader's host (every process takes part)."""
+        self._send("snapshot", {"version": version})
+        return self.trainer.snapshot_for_publish(version)
+
+    def publish(self, version: int | None = None) -> Path:
+        """Snapshot on every process, then the leader writes the export."""
+        return self.snapshot_for_publish(version).write()
+
+    def close(self) -> None:
+        """Release the other processes from ``follow()``, then finish checkpoint writes."""
+        self._send("close", {})
+        self.trainer.close()
+
+    def follow(self) -> None:
+        """On a process other than the leader: run the leader's commands until ``close``.
+
+        A command that raises ends the follower with that error rather than letting the
+        processes diverge; the leader, running the same command, normally raises too (bad
+        batches are refused on the leader before they are sent), and ``jax.distributed``'s
+        heartbeats stop any process still waiting on the one that ended.
+        """
+        if is_leader():
+            raise RuntimeError("follow() runs on the processes other than 0; the leader commands")
+        while True:
+            header, arrays = wire.unpack_message(broadcast_bytes(None))
+            command = header.pop("command")
+            self._run(command, header, arrays)
+            if command == "close":
+                return
+
+    def _send(self, command: str, header: dict, arrays=()) -> None:
+        if self._multi:
+            if not is_leader():
+                raise RuntimeError(f"{command}: only the leader (process 0) commands the group")
+            broadcast_bytes(wire.pack_message({"command": command, **header}, arrays))
+
+    def _run(self, command: str, header: dict, arrays) -> None:
+        t = self.trainer
+        if command == "train":
+            t.train_on_batch(wire.groups_from_message(header, arrays))
+        elif command == "sft":
+            t.sft_on_batch(wire.examples_from_message(header, arrays))
+        elif command == "save":
+            t.save(header["extra"])
+        elif command == "restore":
+            t.restore(header["version"])
+        elif command == "snapshot":
+            t.snapshot_for_publish(header["version"])
+        elif command == "close":
+            t.close()
+        else:
+            raise RuntimeError(f"unknown trainer-group command {command!r}")

@@ -59,7 +59,6 @@ def train(cfg: ExperimentConfig) -> dict:
         prepare_base_model(cfg)
         check_fingerprint(cfg)
     barrier("run directory prepared")
-    t0 = time.monotonic()
     with TrainingProgress(enabled=leader) as progress:
         base = base_model_path(cfg)
         tokenizer = AutoTokenizer.from_pretrained(base)
@@ -81,6 +80,7 @@ def train(cfg: ExperimentConfig) -> dict:
         try:
             if extra is not None:
                 print(f"resumed from checkpoint at version {trainer.version}", flush=True)
+            t0 = time.monotonic()
             results = asyncio.run(run_rl(cfg, group, tokenizer, progress, extra))
         finally:
             group.close()  # releases the other processes, closes the trainer

@@ -173,3 +173,12 @@ def test_a_restored_trainer_takes_servers_ahead_back_to_its_version(tmp_path):
         for g in groups:
             for t in g.trajectories:
                 assert int(t.versions.max()) <= version, (version, t.versions)
+
+
+def test_a_server_that_never_answers_at_start_is_named():
+    from areal_jax.controller.local_servers import free_port
+    from areal_jax.controller.rollout_pool import NoLiveServerError
+
+    address = f"127.0.0.1:{free_port()}"
+    with pytest.raises(NoLiveServerError, match=f"{address} did not answer within 1 s"):
+        asyncio.run(RolloutPool([address]).start(ready_timeout_s=1))

@@ -126,6 +126,10 @@ class RolloutPool:
             channel = self._new_channel(server.address)
             try:
                 await asyncio.wait_for(channel.channel_ready(), ready_timeout_s)
+            except TimeoutError:
+                await channel.close()
+                raise NoLiveServerError(f"rollout server {server.address} did not answer within "
+                                        f"{ready_timeout_s:.0f} s") from None
             except BaseException:
                 await channel.close()
                 raise

@@ -1,17 +1,22 @@
 """JAX generation engine throughput on this machine; records numbers, asserts nothing.
 
-1. Decode throughput: the JAX engine against transformers ``generate`` on the same model, the
-   same prompts, batch size and token budget, greedy and sampled, timed round-robin. Each side
-   is warmed up first; the engine's compile time (first run minus a warm run) is reported on
-   its own. transformers runs with one torch thread and with its default; the faster counts.
+1. Decode throughput, for each of two qwen2-shaped models with random weights (0.6M
+   parameters: hidden 128, 4 layers, MLP 256; 23M: hidden 512, 8 layers, MLP 1408; both
+   vocabulary 512, 8 heads / 2 KV heads, tied embeddings, no end-of-sequence id so every
+   request runs to its token budget):
+   - the JAX engine against transformers ``generate`` on the same prompts, batch and token
+     budget, greedy and T=1 (transformers with one torch thread and with its default; the
+     faster counts);
+   - the engine on ragged requests (twice as many as slots, outputs uniform from 1/8 of the
+     budget to all of it) against the same requests at equal lengths (the mean), greedy, with
+     the share of wall time spent in prefill calls.
+   All sides are timed round-robin in one process; medians; the engine's compile time (first
+   run minus a warm run) is reported on its own.
 2. Weight swaps under load: closed-loop clients keep a stream of requests going (prompts of 16
    to 128 tokens, outputs long-tailed as in RL: log-uniform from 16 to 768 tokens) while a new
    checkpoint arrives every ``--update-every`` seconds; tokens/s with interruptible swaps
-   (re-prefill and continue) against wait-for-drain swaps, in alternating segments.
-
-The model (random weights, no end-of-sequence id so every request runs to its token budget):
-qwen2 architecture, hidden 256, 4 layers, 8 heads / 4 KV heads, MLP 768, vocabulary 2048,
-untied head (4.2M parameters).
+   (re-prefill and continue) against wait-for-drain swaps, in alternating segments, on a 4.2M
+   model (hidden 256, 4 layers, 8 heads / 4 KV heads, MLP 768, vocabulary 2048, untied).
 
 Usage: PYTHONPATH=. python benchmarks/engine.py [--reps 5 --duration 60 --update-every 2]
 """
@@ -40,18 +45,26 @@ from rollout.config import EngineConfig
 from rollout.engine import SamplingParams
 from rollout.engines import create_engine
 
-MODEL = {"model_type": "qwen2", "vocab_size": 2048, "hidden_size": 256, "intermediate_size": 768,
-         "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
-         "max_position_embeddings": 1024, "tie_word_embeddings": False,
+SHAPE = {"model_type": "qwen2", "vocab_size": 512, "num_attention_heads": 8,
+         "num_key_value_heads": 2, "max_position_embeddings": 1024, "tie_word_embeddings": True,
          "eos_token_id": None}  # fmt: skip
+DECODE_MODELS = {  # the decode benchmark's models, by parameter count
+    "0.6M": {**SHAPE, "hidden_size": 128, "num_hidden_layers": 4, "intermediate_size": 256},
+    "23M": {**SHAPE, "hidden_size": 512, "num_hidden_layers": 8, "intermediate_size": 1408},
+}
+VOCAB = SHAPE["vocab_size"]
+SWAP_MODEL = {"model_type": "qwen2", "vocab_size": 2048, "hidden_size": 256,
+              "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 8,
+              "num_key_value_heads": 4, "max_position_embeddings": 1024,
+              "tie_word_embeddings": False, "eos_token_id": None}  # fmt: skip
 RESULTS = Path(__file__).parent / "results" / "engine.md"
 MAX_PROMPT = 128  # prompts of the swap benchmark: 16 to 128 tokens
 
 
-def write_models(root: Path) -> list[str]:
-    """Two random checkpoints of the benchmark model (the swap benchmark alternates them)."""
-    cfg = ModelConfig.from_hf_dict(MODEL)
-    models = [init_model(cfg, seed=s, dtype=jnp.float32) for s in (0, 1)]
+def write_models(root: Path, model: dict, count: int) -> list[str]:
+    """``count`` random checkpoints of ``model`` (the swap benchmark alternates two)."""
+    cfg = ModelConfig.from_hf_dict(model)
+    models = [init_model(cfg, seed=s, dtype=jnp.float32) for s in range(count)]
     return [str(export_hf(m, root / f"m{i}")) for i, m in enumerate(models)]
 
 
@@ -64,21 +77,21 @@ async def engine_for(path: str, **options):
 # 1. Decode throughput -----------------------------------------------------------------------
 
 
-SAMPLING = {"greedy": {}, "T=1": {"temperature": 1.0},
-            "T=1, top-p 0.9": {"temperature": 1.0, "top_p": 0.9}}  # fmt: skip
+SAMPLING = {"greedy": {}, "T=1": {"temperature": 1.0}}
 
 
 def sampling(kind: str, n: int) -> SamplingParams:
     return SamplingParams(n, **{"temperature": 0.0, **SAMPLING[kind]})
 
 
-async def jax_batch(engine, prompts, kind: str, n: int) -> float:
-    """Seconds to generate ``n`` tokens for every prompt at once."""
+async def jax_batch(engine, prompts, kind: str, lengths: list[int]) -> float:
+    """Seconds to generate ``lengths[i]`` tokens for every prompt ``i``, all submitted at once."""
     start = time.perf_counter()
     results = await asyncio.gather(*[
-        engine.generate_full(p, sampling(kind, n), f"b{i}") for i, p in enumerate(prompts)])
+        engine.generate_full(p, sampling(kind, n), f"b{i}")
+        for i, (p, n) in enumerate(zip(prompts, lengths))])
     elapsed = time.perf_counter() - start
-    assert all(len(r.output_ids) == n for r in results)
+    assert [len(r.output_ids) for r in results] == lengths
     return elapsed
 
 
@@ -98,51 +111,65 @@ def hf_batch(model, prompts, kind: str, n: int) -> float:
     return elapsed
 
 
-async def decode_benchmark(path, args) -> tuple[list[dict], list[dict]]:
-    """Throughput rows and compile-time rows. Sides are timed round-robin (median of
-    ``--reps`` rounds), so load from other processes hits every side alike."""
+async def decode_benchmark(path, args) -> tuple[list[dict], list[dict], list[dict]]:
+    """Rows of three tables: the JAX engine against transformers (equal lengths), the engine
+    on ragged against equal lengths, and compile times. All sides are timed round-robin
+    (median of ``--reps`` rounds), so load from other processes hits every side alike."""
     import torch
     from transformers import AutoModelForCausalLM
 
     rng = np.random.default_rng(0)
-    prompts = rng.integers(1, MODEL["vocab_size"], (args.batch, args.prompt_len)).tolist()
+    prompts = rng.integers(1, VOCAB, (args.batch, args.prompt_len)).tolist()
+    # Ragged: twice as many requests as slots, outputs uniform in [new/8, new]; equal: the same
+    # requests with every output the mean length (the same number of tokens).
+    ragged = rng.integers(args.new_tokens // 8, args.new_tokens + 1, 2 * args.batch).tolist()
+    equal = [round(statistics.mean(ragged))] * len(ragged)
+    ragged_prompts = rng.integers(1, VOCAB, (len(ragged), args.prompt_len)).tolist()
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     thread_counts = sorted({1, torch.get_num_threads()})  # one thread is often faster here
-    engines, compile_rows = {}, []
-    for steps in args.steps_per_call:
-        engines[steps] = await engine_for(path, num_slots=args.batch,
-                                          max_seq_len=args.prompt_len * 4,
-                                          decode_steps_per_call=steps)
-        first = await jax_batch(engines[steps], prompts, "greedy", args.new_tokens)
-        warm = await jax_batch(engines[steps], prompts, "greedy", args.new_tokens)
-        compile_rows.append({"steps/call": steps, "first run s": first, "warm run s": warm,
-                             "compile s (difference)": first - warm})
-        print(f"JAX engine, {steps} steps/call: first run {first:.1f} s, warm {warm:.2f} s",
-              flush=True)
+    engine = await engine_for(path, num_slots=args.batch,
+                              max_seq_len=1 << (args.prompt_len + args.new_tokens - 1).bit_length(),
+                              decode_steps_per_call=args.steps_per_call)
+    n = [args.new_tokens] * args.batch
+    first = await jax_batch(engine, prompts, "greedy", n)
+    warm = await jax_batch(engine, prompts, "greedy", n)
+    compile_rows = [{"first run s": first, "warm run s": warm,
+                     "compile s (difference)": first - warm}]
     for kind in SAMPLING:
         for threads in thread_counts:
             torch.set_num_threads(threads)
             hf_batch(hf, prompts, kind, 8)  # warm-up
-        for steps, engine in engines.items():
-            await jax_batch(engine, prompts, kind, 8)  # warm-up
+        await jax_batch(engine, prompts, kind, [8] * args.batch)
+    await jax_batch(engine, ragged_prompts, "greedy", ragged)
     times: dict[tuple, list[float]] = {}
+    prefill: dict[str, list[float]] = {}
     for rep in range(args.reps):
         for kind in SAMPLING:
             for threads in thread_counts:
                 torch.set_num_threads(threads)
                 t = hf_batch(hf, prompts, kind, args.new_tokens)
-                name = f"transformers generate, {threads} torch thread(s)"
-                times.setdefault((name, kind), []).append(t)
-            for steps, engine in engines.items():
-                t = await jax_batch(engine, prompts, kind, args.new_tokens)
-                times.setdefault((f"JAX engine, {steps} steps/call", kind), []).append(t)
+                times.setdefault((f"transformers, {threads} thread(s)", kind), []).append(t)
+            times.setdefault(("JAX engine", kind), []).append(
+                await jax_batch(engine, prompts, kind, n))
+        for name, lengths in (("equal", equal), ("ragged", ragged)):
+            before = engine.stats()["prefill_seconds"]
+            t = await jax_batch(engine, ragged_prompts, "greedy", lengths)
+            times.setdefault(("JAX engine", name), []).append(t)
+            prefill.setdefault(name, []).append((engine.stats()["prefill_seconds"] - before) / t)
         print(f"round {rep + 1}/{args.reps} done", flush=True)
-    for engine in engines.values():
-        await engine.shutdown()
-    tokens = args.batch * args.new_tokens
-    rows = [{"engine": name, "sampling": kind, "tokens/s": tokens / statistics.median(ts)}
-            for (name, kind), ts in times.items()]
-    return rows, compile_rows
+    await engine.shutdown()
+    rate = lambda key, tokens: tokens / statistics.median(times[key])
+    rows = []
+    for kind in SAMPLING:
+        hf_best = max(rate((f"transformers, {t} thread(s)", kind), sum(n)) for t in thread_counts)
+        jax_rate = rate(("JAX engine", kind), sum(n))
+        rows.append({"sampling": kind, "transformers tokens/s (faster thread count)": hf_best,
+                     "JAX engine tokens/s": jax_rate, "JAX / transformers": jax_rate / hf_best})
+    ragged_rows = [{"lengths": name, "requests": len(lengths), "tokens": sum(lengths),
+                    "tokens/s": rate(("JAX engine", name), sum(lengths)),
+                    "prefill share of wall time": statistics.median(prefill[name])}
+                   for name, lengths in (("equal", equal), ("ragged", ragged))]
+    return rows, ragged_rows, compile_rows
 
 
 # 2. Weight swaps under load -----------------------------------------------------------------
@@ -154,7 +181,7 @@ async def swap_segment(paths, mode: str, seconds: float, seed: int, warm: bool, 
     ``warm`` first compiles every prefill bucket and decode window (compiled programs are
     shared by later engines in the process)."""
     seq_len = 1 << (MAX_PROMPT + args.max_new - 1).bit_length()
-    engine = await engine_for(paths[0], num_slots=args.batch, max_seq_len=seq_len,
+    engine = await engine_for(paths[0], num_slots=args.swap_slots, max_seq_len=seq_len,
                               decode_steps_per_call=8, swap_mode=mode)
     if warm:
         for bucket in engine.options.prefill_buckets:
@@ -169,7 +196,7 @@ async def swap_segment(paths, mode: str, seconds: float, seed: int, warm: bool, 
         nonlocal counted
         while time.perf_counter() < stop:
             length = rng.randint(16, MAX_PROMPT)
-            prompt = [rng.randrange(1, MODEL["vocab_size"]) for _ in range(length)]
+            prompt = [rng.randrange(1, SWAP_MODEL["vocab_size"]) for _ in range(length)]
             n = int(math.exp(rng.uniform(math.log(args.min_new), math.log(args.max_new))))
             params = SamplingParams(n, temperature=1.0, seed=rng.randrange(2**31))
             async with contextlib.aclosing(engine.generate(prompt, params, f"c{i}")) as chunks:
@@ -234,15 +261,19 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def decode_goal(rows: list[dict]) -> list[str]:
-    """Goal: the JAX engine at >= 3x transformers, per sampling kind, met or not."""
-    lines = []
-    for kind in SAMPLING:
-        best = lambda prefix: max(r["tokens/s"] for r in rows  # noqa: E731
-                                  if r["sampling"] == kind and r["engine"].startswith(prefix))
-        ratio = best("JAX") / best("transformers")
-        lines.append(f"- {kind}: JAX engine {ratio:.2f}x the faster transformers setting "
-                     f"(goal >= 3x: {'met' if ratio >= 3 else 'NOT met'})")
+GOALS = {"0.6M": 5.0, "23M": 2.5}  # JAX engine / transformers, per model
+RAGGED_GOAL = 0.85  # ragged / equal tokens/s
+
+
+def decode_goal(name: str, rows: list[dict], ragged_rows: list[dict]) -> list[str]:
+    """Goals met or not: the engine's speed-up over transformers, and ragged against equal."""
+    lines = [f"- {name}, {r['sampling']}: JAX engine {r['JAX / transformers']:.2f}x "
+             f"transformers (goal >= {GOALS[name]:g}x: "
+             f"{'met' if r['JAX / transformers'] >= GOALS[name] else 'NOT met'})" for r in rows]
+    by = {r["lengths"]: r["tokens/s"] for r in ragged_rows}
+    ratio = by["ragged"] / by["equal"]
+    lines.append(f"- {name}, ragged / equal lengths: {ratio:.2f} (goal >= {RAGGED_GOAL:g}: "
+                 f"{'met' if ratio >= RAGGED_GOAL else 'NOT met'})")
     return lines
 
 
@@ -256,15 +287,18 @@ def swap_goal(rows: list[dict]) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=8, help="requests at once = engine slots")
-    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=32, help="requests at once = engine slots")
+    parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--steps-per-call", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--steps-per-call", type=int, default=8)
+    parser.add_argument("--models", nargs="+", choices=list(DECODE_MODELS),
+                        default=list(DECODE_MODELS))
     parser.add_argument("--duration", type=float, default=60.0, help="seconds per swap mode")
     parser.add_argument("--segments", type=int, default=3, help="alternating stretches per mode")
     parser.add_argument("--update-every", type=float, default=2.0, help="seconds between updates")
     parser.add_argument("--clients", type=int, default=16, help="closed-loop request streams")
+    parser.add_argument("--swap-slots", type=int, default=8, help="engine slots, swap benchmark")
     parser.add_argument("--min-new", type=int, default=16, help="swap benchmark output lengths: "
                         "log-uniform from --min-new to --max-new (long-tailed, as in RL)")
     parser.add_argument("--max-new", type=int, default=768)
@@ -274,18 +308,25 @@ def main() -> None:
     args = parser.parse_args()
 
     sections, summary = [], []
+    loads = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory() as root:
-        paths = write_models(Path(root))
         if "decode" in args.parts:
-            decode_rows, compile_rows = asyncio.run(decode_benchmark(paths[0], args))
-            sections.append(
-                f"## Decode throughput ({args.batch} requests, prompt {args.prompt_len}, "
-                f"{args.new_tokens} new tokens each, median of {args.reps} round-robin rounds)"
-                f"\n\n{table(decode_rows)}\n\nCompile time (first run minus a warm run, "
-                f"greedy):\n\n{table(compile_rows)}")
-            summary += decode_goal(decode_rows)
+            for name in args.models:
+                (path,) = write_models(Path(root) / name, DECODE_MODELS[name], 1)
+                rows, ragged_rows, compile_rows = asyncio.run(decode_benchmark(path, args))
+                loads.append(os.getloadavg()[0])
+                sections.append(
+                    f"## Decode, {name} model ({args.batch} slots, prompt {args.prompt_len}, "
+                    f"{args.new_tokens} new tokens, {args.steps_per_call} steps per call, "
+                    f"median of {args.reps} round-robin rounds)\n\n{table(rows)}\n\n"
+                    f"Ragged against equal lengths ({2 * args.batch} requests, greedy):\n\n"
+                    f"{table(ragged_rows)}\n\nCompile time (greedy, {args.batch} requests):"
+                    f"\n\n{table(compile_rows)}")
+                summary += decode_goal(name, rows, ragged_rows)
         if "swap" in args.parts:
+            paths = write_models(Path(root) / "swap", SWAP_MODEL, 2)
             swap_rows = swap_benchmark(paths, args)
+            loads.append(os.getloadavg()[0])
             sections.append(
                 f"## Weight swaps under load ({args.clients} clients, prompts 16-{MAX_PROMPT}, "
                 f"outputs log-uniform {args.min_new}-{args.max_new} tokens, an update every "
@@ -299,7 +340,8 @@ def main() -> None:
     args.out.write_text(
         f"# JAX engine benchmark\n\nCommand: `{command}`\n\n"
         f"Machine: {platform.machine()} CPU, {os.cpu_count()} cores, {jax.device_count()} JAX "
-        f"device(s) ({jax.default_backend()}), JAX {jax.__version__}.\n\n"
+        f"device(s) ({jax.default_backend()}), JAX {jax.__version__}; 1-minute load average "
+        f"{' / '.join(f'{x:.1f}' for x in loads)} (start / after each part).\n\n"
         + "\n\n".join(sections) + "\n"
     )
     print(f"written to {args.out}")

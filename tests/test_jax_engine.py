@@ -17,7 +17,7 @@ from areal_jax.rl.logprobs import token_logprobs
 from rollout.config import EngineConfig
 from rollout.engine import EngineError, InvalidParamError, SamplingParams
 from rollout.engines import create_engine
-from rollout.engines.jax_sampling import filter_top_k_top_p, sample, token_keys
+from rollout.engines.jax_sampling import filter_top_k_top_p, sample
 
 OPTIONS = dict(num_slots=4, max_seq_len=64, decode_steps_per_call=4)
 PROMPTS = [[5, 17, 3, 88, 41], list(range(20, 31)), [int(x) for x in np.arange(19) * 7 % 97]]
@@ -86,10 +86,11 @@ def test_sampled_frequencies_follow_the_filtered_distribution():
     n, temperature = 10000, 0.7
     draw = jax.jit(sample)
     rows = lambda x, dtype: jnp.full((n,), x, dtype)  # noqa: E731
-    keys = token_keys(jnp.zeros((n, 2), jnp.uint32), jnp.arange(n, dtype=jnp.int32))
+    seeds, positions = jnp.zeros((n, 2), jnp.uint32), jnp.arange(n, dtype=jnp.int32)
     for top_k, top_p in [(-1, 1.0), (3, 1.0), (-1, 0.8), (4, 0.9)]:
         tokens, logprobs = draw(jnp.tile(logits, (n, 1)), rows(temperature, jnp.float32),
-                                  rows(top_k, jnp.int32), rows(top_p, jnp.float32), keys)
+                                  rows(top_k, jnp.int32), rows(top_p, jnp.float32), seeds,
+                                  positions)
         scaled = logits / temperature
         full = np.exp(scaled - scaled.max()) / np.exp(scaled - scaled.max()).sum()
         kept = sorted(kept_by_definition(scaled, top_k, top_p))
@@ -99,7 +100,7 @@ def test_sampled_frequencies_follow_the_filtered_distribution():
         np.testing.assert_allclose(freq, expected, atol=0.02)
         np.testing.assert_allclose(logprobs, np.log(full)[np.asarray(tokens)], atol=1e-6)
     greedy, logp = sample(jnp.asarray(logits)[None], jnp.zeros(1), jnp.full(1, -1, jnp.int32),
-                          jnp.ones(1), keys[:1])
+                          jnp.ones(1), seeds[:1], positions[:1])
     assert int(greedy[0]) == 0
     expected = float(jax.nn.log_softmax(jnp.asarray(logits))[0])
     assert float(logp[0]) == pytest.approx(expected, abs=1e-6)
@@ -124,7 +125,8 @@ def test_greedy_matches_transformers_alone_and_amid_other_requests(ref_model, mo
     alone, together = run(main())
     for exp, a, t, n in zip(expected, alone, together, lengths):
         assert a.output_ids == exp and t.output_ids == exp
-        assert a.logprobs == t.logprobs
+        # Company packs the prefill into a longer row: log-probs agree to rounding.
+        np.testing.assert_allclose(a.logprobs, t.logprobs, atol=1e-5, rtol=0)
         assert a.finish_reason == t.finish_reason == "length" and len(a.output_ids) == n
         assert a.versions == [0] * n
 
@@ -268,7 +270,8 @@ def test_no_recompiles_as_requests_come_and_go(model_dir):
 
     stats = run(main())
     assert compiles == []
-    assert stats["prefill_calls"] == 16 and stats["running_slots"] == 0
+    # Requests admitted together share a prefill call.
+    assert stats["prefill_calls"] < 16 and stats["running_slots"] == 0
 
 
 def test_pause_holds_tokens_until_resume(model_dir):

@@ -55,10 +55,14 @@ class Publisher:
         """Re-raise a failure of the background task (it stops publishing after one)."""
         if self._error is not None:
             raise self._error
+        if self._task.done():
+            raise RuntimeError("the publishing task ended unexpectedly")
 
     async def flush(self) -> None:
         """Wait until every submitted snapshot is published (or has been superseded)."""
-        await self._idle.wait()
+        idle = asyncio.ensure_future(self._idle.wait())
+        await asyncio.wait({idle, self._task}, return_when=asyncio.FIRST_COMPLETED)
+        idle.cancel()
         self.raise_error()
 
     async def publish_now(self, snapshot) -> None:
@@ -79,9 +83,12 @@ class Publisher:
                 t1 = time.monotonic()
                 await self._pool.update_weights(path, snapshot.version, push=self._push)
                 t2 = time.monotonic()
-            except Exception as e:  # noqa: BLE001 - surfaced to the loop by raise_error/flush
-                log.error("publishing version %d failed: %s", snapshot.version, e)
-                self._error = e
+            except (Exception, asyncio.CancelledError) as e:  # surfaced by raise_error/flush
+                if isinstance(e, asyncio.CancelledError) and asyncio.current_task().cancelling():
+                    raise  # close()
+                log.error("publishing version %d failed: %r", snapshot.version, e)
+                self._error = e if isinstance(e, Exception) else RuntimeError(
+                    f"publishing version {snapshot.version} was cancelled")
                 self._idle.set()
                 return
             self.published = snapshot.version

@@ -325,6 +325,12 @@ class RolloutPool:
                 return None
             try:
                 return await call(server.stub, timeout)
+            except asyncio.CancelledError:
+                if asyncio.current_task().cancelling():
+                    raise  # this task is being cancelled
+                # The call's channel was closed under it: the server left the pool meanwhile.
+                self._mark_dead(server, f"{name}: cancelled with its channel")
+                return None
             except grpc.aio.AioRpcError as e:
                 if e.code() == _S.UNAVAILABLE and attempt < self.options.rpc_retries:
                     await asyncio.sleep(min(0.2 * 2**attempt, 5.0))

@@ -102,9 +102,12 @@ def cached_attention(
     as earlier calls left it; segment_ids/positions [B, T]. Each row's real tokens must sit at
     consecutive positions p0, p0+1, ...: the query at position p sees cache entries 0..p0-1
     (entries from p0 on are stale, about to be overwritten) and this call's tokens at
-    positions <= p. Returns [B, T, Hq, Dh].
+    positions <= p. With S = 0 (nothing cached) this is ``packed_attention``: a row may then
+    pack several segments. Returns [B, T, Hq, Dh].
     """
     s = cache_k.shape[2]
+    if s == 0:
+        return packed_attention(q, k, v, segment_ids)
     real = segment_ids != 0
     first = jnp.min(jnp.where(real, positions, s), axis=1)  # [B]
     old = jnp.broadcast_to(
@@ -113,3 +116,26 @@ def cached_attention(
     new = real[:, :, None] & real[:, None, :] & (positions[:, :, None] >= positions[:, None, :])
     k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
     return _attend(q, [(cache_k.astype(q.dtype), cache_v.astype(q.dtype), old), (k, v, new)])
+
+
+def decode_attention(
+    q: jax.Array, cache_kt: jax.Array, cache_v: jax.Array, positions: jax.Array
+) -> jax.Array:
+    """One query per row over its cache entries 0..position (its own key already written).
+
+    q [B, 1, Hq, Dh]; cache_kt [B, Hkv, Dh, S] (keys transposed, so that both products are
+    plain, untransposed ones for XLA's CPU backend); cache_v [B, Hkv, S, Dh]; positions [B].
+    Returns [B, 1, Hq, Dh].
+    """
+    b, _, hq, dh = q.shape
+    hkv = cache_v.shape[1]
+    qg = q.reshape(b, hkv, hq // hkv, dh)
+    batch = ((0, 1), (0, 1))
+    scores = jax.lax.dot_general(qg, cache_kt.astype(q.dtype), (((3,), (2,)), batch),
+                                 preferred_element_type=jnp.float32) * (dh**-0.5)
+    mask = jnp.arange(cache_v.shape[2])[None, :] <= positions[:, None]
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(cache_v.dtype)
+    out = jax.lax.dot_general(probs, cache_v, (((3,), (2,)), batch),
+                              preferred_element_type=jnp.float32)
+    return out.reshape(b, 1, hq, dh).astype(q.dtype)

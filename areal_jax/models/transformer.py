@@ -3,17 +3,21 @@
 Layer weights are stacked along a leading ``layers`` axis and applied with ``jax.lax.scan``,
 so compile time does not grow with depth. ``scan_layers=False`` unrolls that loop in the packed
 forward: XLA then runs training steps faster (no stacked per-layer residual buffers to fill),
-but compile time grows with depth. Cached decoding always scans (unrolled, XLA copies each
-layer's weight and cache slices and a step ran twice as slow). Every parameter carries
-``logical_axes`` metadata that ``areal_jax.parallel.sharding`` maps to mesh axes.
+but compile time grows with depth. Every parameter carries ``logical_axes`` metadata that
+``areal_jax.parallel.sharding`` maps to mesh axes.
 
-Two call modes share one definition:
+Three call modes share one layer definition:
 - packed training: ``model(tokens, segment_ids, positions)``; attention stays inside segments;
-- cached decoding: ``model(tokens, segment_ids, positions, cache=KVCache)``; queries attend to
-  the cache entries before the call's first position plus the call's own keys, and the new
-  keys/values are then written at ``positions`` of each row's cache in one scatter after all
-  layers (the layer scan only reads the cache and never re-stacks it). Tokens with
-  segment id 0 are padding and write nothing.
+- cached calls: ``model(tokens, segment_ids, positions, cache=KVCache)``; queries attend to
+  the cache entries before the call's first position plus the call's own keys (same
+  segment), and the new keys/values are then written at ``positions`` of each row's cache in
+  one scatter after all layers (the layer scan only reads the cache and never re-stacks it).
+  Tokens with segment id 0 are padding and write nothing. ``extend`` returns the new
+  keys/values instead of writing them (the engine's packed prefill);
+- one-token decode steps, ``decode_step``: per-layer weight and cache buffers in an unrolled
+  loop. Inside a layer scan XLA on CPU copies every step's slice of the stacked weights and
+  cache before each matmul (about half of a 23M-parameter decode step); separate buffers are
+  read in place.
 """
 
 from __future__ import annotations
@@ -25,7 +29,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from areal_jax.models.attention import cached_attention, packed_attention
+from areal_jax.models.attention import (
+    cached_attention,
+    decode_attention,
+    packed_attention,
+)
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.rope import apply_rope, inverse_frequencies
 
@@ -95,8 +103,8 @@ class LayerStack(nnx.Module):
         return {k: v[...] for k, v in vars(self).items() if isinstance(v, nnx.Param)}
 
 
-def _write(cache: KVCache, ks, vs, segment_ids, positions) -> KVCache:
-    """The cache with new keys/values ks/vs [L, B, T, Hkv, Dh] stored at ``positions`` [B, T]."""
+def _write(cache: KVCache, new: KVCache, segment_ids, positions) -> KVCache:
+    """The cache with new keys/values [L, B, T, Hkv, Dh] stored at ``positions`` [B, T]."""
     # Padding tokens write to an out-of-range index, which the scatter drops.
     where = jnp.where(segment_ids != 0, positions, cache.k.shape[3])
     rows = jnp.arange(where.shape[0])[:, None]
@@ -104,7 +112,7 @@ def _write(cache: KVCache, ks, vs, segment_ids, positions) -> KVCache:
     def put(c, new):  # indexed as [B, T, L, Hkv, Dh]
         return c.at[:, rows, :, where].set(jnp.moveaxis(new, 0, 2).astype(c.dtype), mode="drop")
 
-    return KVCache(put(cache.k, ks), put(cache.v, vs))
+    return KVCache(put(cache.k, new.k), put(cache.v, new.v))
 
 
 class Transformer(nnx.Module):
@@ -147,33 +155,29 @@ class Transformer(nnx.Module):
         cache: KVCache | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
         """tokens/segment_ids/positions [B, T] -> (final-normed hidden [B, T, D], updated cache)."""
-        cfg, dtype = self.cfg, self.dtype
-        x = self.embed[...].astype(dtype)[tokens]
-        inv_freq, rope_scale = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        hidden, new = self.extend(tokens, segment_ids, positions, cache)
+        return hidden, None if cache is None else _write(cache, new, segment_ids, positions)
+
+    def extend(
+        self,
+        tokens: jax.Array,
+        segment_ids: jax.Array,
+        positions: jax.Array,
+        cache: KVCache | None = None,
+    ) -> tuple[jax.Array, KVCache | None]:
+        """As ``__call__``, but the cache is only read: returns (hidden [B, T, D], the call's
+        keys and values [L, B, T, Hkv, Dh]; None without a cache), for callers that store them
+        elsewhere."""
+        x = self.embed[...].astype(self.dtype)[tokens]
+        rope = inverse_frequencies(self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling)
 
         def layer(x, w, cache_k=None, cache_v=None):
-            cast = lambda a: a.astype(dtype)
-            h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
-            q = jnp.einsum("btd,dhk->bthk", h, cast(w["q_kernel"]))
-            k = jnp.einsum("btd,dhk->bthk", h, cast(w["k_kernel"]))
-            v = jnp.einsum("btd,dhk->bthk", h, cast(w["v_kernel"]))
-            if cfg.qkv_bias:
-                q, k, v = q + cast(w["q_bias"]), k + cast(w["k_bias"]), v + cast(w["v_bias"])
-            if cfg.qk_norm:
-                q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
-                k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
-            q = apply_rope(q, positions, inv_freq, rope_scale)
-            k = apply_rope(k, positions, inv_freq, rope_scale)
             if cache_k is None:
-                attn = packed_attention(q, k, v, segment_ids)
+                attend = lambda q, k, v: (packed_attention(q, k, v, segment_ids), (k, v))
             else:
-                attn = cached_attention(q, k, v, cache_k, cache_v, segment_ids, positions)
-            out = jnp.einsum("bthk,hkd->btd", attn, cast(w["o_kernel"]))
-            x = x + (out + cast(w["o_bias"]) if cfg.o_bias else out)
-            h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
-            gate = jnp.einsum("btd,df->btf", h, cast(w["gate_kernel"]))
-            up = jnp.einsum("btd,df->btf", h, cast(w["up_kernel"]))
-            x = x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, cast(w["down_kernel"]))
+                attend = lambda q, k, v: (
+                    cached_attention(q, k, v, cache_k, cache_v, segment_ids, positions), (k, v))
+            x, (k, v) = self._block(x, w, positions, rope, attend)
             return x, k, v
 
         if self.remat == "full":
@@ -190,16 +194,78 @@ class Transformer(nnx.Module):
                 return x, None
 
             x, _ = jax.lax.scan(step, x, weights, unroll=not self.scan_layers)
-            new_cache = None
+            new = None
         else:
             def step(x, xs):
                 w, ck, cv = xs
                 x, k, v = layer(x, w, ck, cv)
                 return x, (k, v)
 
-            x, (ks, vs) = jax.lax.scan(step, x, (weights, cache.k, cache.v))
-            new_cache = _write(cache, ks, vs, segment_ids, positions)
-        return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), new_cache
+            x, new = jax.lax.scan(step, x, (weights, cache.k, cache.v))
+            new = KVCache(*new)
+        return rms_norm(x, self.final_norm[...], self.cfg.rms_norm_eps), new
+
+    def decode_step(
+        self,
+        layers: list[dict[str, jax.Array]],
+        tokens: jax.Array,
+        positions: jax.Array,
+        active: jax.Array,
+        caches: list[KVCache],
+    ) -> tuple[jax.Array, list[KVCache]]:
+        """One token per row through per-layer weights and caches (separate buffers, which XLA
+        reads in place; slices of the stacked arrays are copied on every use).
+
+        layers: ``LayerStack.weights()`` split per layer; tokens/positions/active [B]; caches:
+        per layer, k [B, Hkv, Dh, S] (transposed) and v [B, Hkv, S, Dh], S > every active
+        position. Each layer first writes the active rows' key and value at their position,
+        then attends over entries 0..position. Returns (final-normed hidden [B, D], the
+        updated caches).
+        """
+        x = self.embed[...].astype(self.dtype)[tokens[:, None]]
+        rope = inverse_frequencies(self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling)
+        rows = jnp.arange(tokens.shape[0])
+        where = jnp.where(active, positions, caches[0].v.shape[2])  # inactive rows: dropped
+
+        def attend(cache):
+            def go(q, k, v):
+                ck = cache.k.at[rows, :, :, where].set(k[:, 0].astype(cache.k.dtype), mode="drop")
+                cv = cache.v.at[rows, :, where].set(v[:, 0].astype(cache.v.dtype), mode="drop")
+                return decode_attention(q, ck, cv, positions), KVCache(ck, cv)
+
+            return go
+
+        out = []
+        for w, cache in zip(layers, caches):
+            x, cache = self._block(x, w, positions[:, None], rope, attend(cache))
+            out.append(cache)
+        return rms_norm(x[:, 0], self.final_norm[...], self.cfg.rms_norm_eps), out
+
+    def _block(self, x, w, positions, rope, attend):
+        """One decoder layer on x [B, T, D] with weights ``w`` at ``positions`` [B, T];
+        ``attend(q, k, v)`` returns (attention [B, T, Hq, Dh], what to return beside x)."""
+        cfg, dtype = self.cfg, self.dtype
+        inv_freq, rope_scale = rope
+        cast = lambda a: a.astype(dtype)
+        h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
+        q = jnp.einsum("btd,dhk->bthk", h, cast(w["q_kernel"]))
+        k = jnp.einsum("btd,dhk->bthk", h, cast(w["k_kernel"]))
+        v = jnp.einsum("btd,dhk->bthk", h, cast(w["v_kernel"]))
+        if cfg.qkv_bias:
+            q, k, v = q + cast(w["q_bias"]), k + cast(w["k_bias"]), v + cast(w["v_bias"])
+        if cfg.qk_norm:
+            q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
+            k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
+        q = apply_rope(q, positions, inv_freq, rope_scale)
+        k = apply_rope(k, positions, inv_freq, rope_scale)
+        attn, extra = attend(q, k, v)
+        out = jnp.einsum("bthk,hkd->btd", attn, cast(w["o_kernel"]))
+        x = x + (out + cast(w["o_bias"]) if cfg.o_bias else out)
+        h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
+        gate = jnp.einsum("btd,df->btf", h, cast(w["gate_kernel"]))
+        up = jnp.einsum("btd,df->btf", h, cast(w["up_kernel"]))
+        x = x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, cast(w["down_kernel"]))
+        return x, extra
 
     def forward_logits(self, tokens, segment_ids, positions) -> jax.Array:
         """Full fp32 logits [B, T, V] of a packed batch (for evaluation and tests)."""

@@ -1,9 +1,10 @@
-"""The engine's two device programs: prefill one slot, and run several decode steps for all.
+"""The engine's two device programs: prefill newly filled slots, and run decode steps for all.
 
 Both are pure jitted functions of (params, KV cache, per-slot arrays) with static shapes, so
-requests coming and going never recompile anything: ``prefill`` compiles once per prompt bucket
-and ``decode`` once per attention window (the same buckets), since both read only as much of the
-cache as the longest sequence needs. The cache is donated to both and updated in place.
+requests coming and going never recompile anything: ``prefill`` packs the contexts of any
+number of slots into one row and compiles once per bucket of that row's length, ``decode`` once
+per attention window (the same buckets), reading only as much of the cache as the longest
+sequence needs. The cache is donated to both and updated in place.
 
 Each emitted token comes with a status code: ``RUNNING`` (the sequence goes on), ``STOP`` (a
 stop id was sampled), ``LENGTH`` (its last allowed token) or ``IDLE`` (the slot produced
@@ -20,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from areal_jax.models import KVCache
-from rollout.engines.jax_sampling import sample, token_keys
+from rollout.engines.jax_sampling import sample
 
 IDLE, RUNNING, STOP, LENGTH = 0, 1, 2, 3
 
@@ -54,41 +55,54 @@ def _status(tokens, remaining, stop_mask):
 def prefill(
     graphdef: nnx.GraphDef,
     params: nnx.State,
-    cache: KVCache,
+    cache: list[KVCache],
     stop_mask: jax.Array,
-    slot: jax.Array,
     tokens: jax.Array,
-    length: jax.Array,
-    request: SlotArrays,
-    stop_row: jax.Array,
+    segments: jax.Array,
+    positions: jax.Array,
+    slots: jax.Array,
+    last: jax.Array,
+    requests: SlotArrays,
+    stop_rows: jax.Array,
 ):
-    """Write a context into one slot's cache and sample the token after it.
+    """Write several contexts, packed into one row, into their slots' caches; sample the token
+    after each.
 
-    tokens [1, T] (the context padded to a bucket T <= S); length: real context length; slot:
-    which row of the cache [L, B, Hkv, S, Dh] and of stop_mask [B, V] to fill; request: that
-    slot's sampling fields with leading dim 1 (``tokens``/``positions``/``active`` unused);
-    stop_row [V] bool. Only the first T cache entries of the row are read or written.
-    Returns (cache, stop_mask, token [1], logprob [1], status [1]).
+    cache: per layer, k [B, Hkv, Dh, S] (transposed), v [B, Hkv, S, Dh].
+    tokens/segments/positions [1, T] (T a bucket <= S): context i (of at most R = B) is
+    segment i + 1, its positions counting from 0; 0 marks padding. slots [R]: the slot of
+    context i, B for unused rows (they write nothing); last [R]: where context i ends in the
+    row; requests: the contexts' sampling fields [R] (``tokens``/``positions``/``active``
+    unused); stop_rows [R, V] bool.
+    Returns (cache, stop_mask, tokens [R], logprobs [R], status [R]).
     """
     model = nnx.merge(graphdef, params)
-    t = tokens.shape[1]
-    corner = (0, slot, 0, 0, 0)
+    _, kv_heads, head_dim, _ = cache[0].k.shape
+    empty = jnp.zeros((len(cache), 1, kv_heads, 0, head_dim), cache[0].k.dtype)
+    hidden, new = model.extend(tokens, segments, positions, KVCache(empty, empty))
+    row = jnp.where(segments[0] > 0, slots[segments[0] - 1], slots.shape[0])  # [T]
 
-    def window(c):  # [L, 1, Hkv, T, Dh]: the slot's first T entries
-        return jax.lax.dynamic_slice(c, corner, (c.shape[0], 1, c.shape[2], t, c.shape[4]))
+    def put(c, new, where):  # indexed as [T, Hkv, Dh]; padding and unused rows are dropped
+        return c.at[where].set(new[0].astype(c.dtype), mode="drop")
 
-    positions = jnp.arange(t, dtype=jnp.int32)[None]
-    segments = (positions < length).astype(jnp.int32)
-    hidden, row = model(tokens, segments, positions, KVCache(window(cache.k), window(cache.v)))
-    cache = KVCache(
-        jax.lax.dynamic_update_slice(cache.k, row.k, corner),
-        jax.lax.dynamic_update_slice(cache.v, row.v, corner),
-    )
-    logits = model.logits(jax.lax.dynamic_index_in_dim(hidden[0], length - 1, keepdims=True))
-    keys = token_keys(request.seeds, jnp.reshape(length, (1,)))
-    token, logprob = sample(logits, request.temperature, request.top_k, request.top_p, keys)
-    stop_mask = jax.lax.dynamic_update_index_in_dim(stop_mask, stop_row, slot, axis=0)
-    return cache, stop_mask, token, logprob, _status(token, request.remaining, stop_row[None])
+    at = positions[0]
+    keys, values = (row, slice(None), slice(None), at), (row, slice(None), at)
+    cache = [KVCache(put(c.k, k, keys), put(c.v, v, values))
+             for c, k, v in zip(cache, new.k, new.v)]
+    logits = model.logits(hidden[0, last])
+    token, logprob = sample(logits, requests.temperature, requests.top_k, requests.top_p,
+                            requests.seeds, positions[0, last] + 1)
+    stop_mask = stop_mask.at[slots].set(stop_rows, mode="drop")
+    return cache, stop_mask, token, logprob, _status(token, requests.remaining, stop_rows)
+
+
+@functools.partial(jax.jit, static_argnames="graphdef")
+def split_layers(graphdef: nnx.GraphDef, params: nnx.State) -> list[dict[str, jax.Array]]:
+    """The model's stacked layer weights as one buffer per layer and weight (what ``decode``
+    reads: XLA would copy every slice of the stacked arrays at every step)."""
+    weights = nnx.merge(graphdef, params).layers.weights()
+    num_layers = next(iter(weights.values())).shape[0]
+    return [{k: w[i] for k, w in weights.items()} for i in range(num_layers)]
 
 
 @functools.partial(
@@ -99,28 +113,27 @@ def decode(
     steps: int,
     window: int,
     params: nnx.State,
-    cache: KVCache,
+    layers: list[dict[str, jax.Array]],
+    cache: list[KVCache],
     stop_mask: jax.Array,
     slots: SlotArrays,
 ):
     """Run ``steps`` decode steps for every active slot; finished slots stop writing.
 
-    Attention reads only the first ``window`` cache entries, so every position this call
-    writes must be below it: ``window >= max(active positions) + steps`` (or = S). Returns
-    (cache, slots after the last step, tokens [steps, B] int32, logprobs [steps, B] float32,
-    status [steps, B] int8). Steps after every slot finished are skipped.
+    layers: ``split_layers(params)``; cache: as for ``prefill``. Attention reads
+    only the first ``window`` cache entries, so every position this call writes must be below
+    it: ``window >= max(active positions) + steps`` (or = S). Returns (cache, slots after the
+    last step, tokens [steps, B] int32, logprobs [steps, B] float32, status [steps, B] int8).
+    Steps after every slot finished are skipped.
     """
     model = nnx.merge(graphdef, params)
     full = cache
-    cache = KVCache(full.k[:, :, :, :window], full.v[:, :, :, :window])
+    cache = [KVCache(c.k[..., :window], c.v[:, :, :window]) for c in full]
 
     def step(cache, s: SlotArrays):
-        hidden, cache = model(
-            s.tokens[:, None], s.active.astype(jnp.int32)[:, None], s.positions[:, None], cache
-        )
-        logits = model.logits(hidden[:, 0])
-        keys = token_keys(s.seeds, s.positions + 1)
-        token, logprob = sample(logits, s.temperature, s.top_k, s.top_p, keys)
+        hidden, cache = model.decode_step(layers, s.tokens, s.positions, s.active, cache)
+        logits = model.logits(hidden)
+        token, logprob = sample(logits, s.temperature, s.top_k, s.top_p, s.seeds, s.positions + 1)
         status = jnp.where(s.active, _status(token, s.remaining, stop_mask), IDLE)
         s = dataclasses.replace(
             s,
@@ -141,7 +154,8 @@ def decode(
         return (cache, s), (token, logprob, status)
 
     (cache, slots), (tokens, logprobs, status) = jax.lax.scan(body, (cache, slots), length=steps)
-    cache = KVCache(
-        full.k.at[:, :, :, :window].set(cache.k), full.v.at[:, :, :, :window].set(cache.v)
-    )
+    cache = [
+        KVCache(f.k.at[..., :window].set(c.k), f.v.at[:, :, :window].set(c.v))
+        for f, c in zip(full, cache)
+    ]
     return cache, slots, tokens, logprobs, status

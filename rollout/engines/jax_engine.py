@@ -242,6 +242,7 @@ class JaxEngine(GenerationEngine):
             "swaps": w.swaps,
             "reprefills": w.reprefills,
             "prefill_calls": w.prefill_calls,
+            "prefill_seconds": w.prefill_seconds,
             "decode_calls": w.decode_calls,
         }
 

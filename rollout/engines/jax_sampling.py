@@ -94,17 +94,18 @@ def sample(
     temperature: jax.Array,
     top_k: jax.Array,
     top_p: jax.Array,
-    keys: jax.Array,
+    seeds: jax.Array,
+    positions: jax.Array,
 ) -> tuple[jax.Array, jax.Array]:
     """Sample one token per row and return (tokens [B] int32, log-probs [B] float32).
 
     logits [B, V] float32; temperature [B] (below ``GREEDY_TEMPERATURE``: greedy); top_k [B]
-    int32; top_p [B] float32; keys [B] random keys. See the module docstring for the log-prob convention.
+    int32; top_p [B] float32; seeds [B, 2] and positions [B] give each row's random key (see
+    ``token_keys``). See the module docstring for the log-prob convention.
     """
     greedy = temperature < GREEDY_TEMPERATURE
     inv_temp = 1.0 / jnp.where(greedy, 1.0, temperature).astype(jnp.float32)
     scaled = logits.astype(jnp.float32) * inv_temp[:, None]
-    logp_all = jax.nn.log_softmax(scaled, axis=-1)
     vocab = logits.shape[-1]
     filtering = ~greedy & (((top_k >= 1) & (top_k < vocab)) | (top_p < 1))
 
@@ -112,11 +113,15 @@ def sample(
         candidates = jax.lax.cond(
             jnp.any(filtering), lambda: filter_top_k_top_p(scaled, top_k, top_p), lambda: scaled
         )
+        keys = token_keys(seeds, positions)
         return jax.vmap(jax.random.categorical)(keys, candidates).astype(jnp.int32)
 
-    # Filtering and drawing cost several passes over the vocabulary: skipped when no row needs
-    # them.
+    # Keys, filtering and drawing cost several passes over the vocabulary: skipped when no row
+    # needs them.
     drawn = jax.lax.cond(jnp.all(greedy), lambda: jnp.zeros_like(temperature, jnp.int32), draw)
     tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1).astype(jnp.int32), drawn)
-    logprobs = jnp.take_along_axis(logp_all, tokens[:, None], axis=-1)[:, 0]
-    return tokens, logprobs
+    # log_softmax(scaled) at the tokens only, with the same arithmetic.
+    top = jax.lax.stop_gradient(jnp.max(scaled, axis=-1))
+    norm = jnp.log(jnp.sum(jnp.exp(scaled - top[:, None]), axis=-1))
+    picked = jnp.take_along_axis(scaled, tokens[:, None], axis=-1)[:, 0]
+    return tokens, (picked - top) - norm

@@ -87,31 +87,30 @@ class SlotTable:
         self.unfilled[slot] = False
         self.arrays.active[slot] = False
 
-    def request_row(self, seq: Sequence) -> SlotArrays:
-        """The sampling fields of ``seq`` as a one-row ``SlotArrays`` (prefill input)."""
-        p = seq.params
-        return SlotArrays(
-            tokens=np.zeros(1, np.int32),
-            positions=np.zeros(1, np.int32),
-            remaining=np.array([p.max_new_tokens - len(seq.output)], np.int32),
-            active=np.ones(1, bool),
-            temperature=np.array([p.temperature], np.float32),
-            top_k=np.array([p.top_k], np.int32),
-            top_p=np.array([p.top_p], np.float32),
-            seeds=np.array([seed_words(seq.seed)], np.uint32),
-        )
+    @staticmethod
+    def requests(seqs: list[Sequence], rows: int) -> SlotArrays:
+        """The sampling fields of ``seqs`` in the first rows of a ``rows``-row ``SlotArrays``
+        (prefill input; the other rows are greedy and unused)."""
+        fields = SlotTable(rows).arrays
+        for i, seq in enumerate(seqs):
+            p = seq.params
+            fields.remaining[i] = p.max_new_tokens - len(seq.output)
+            fields.temperature[i], fields.top_k[i], fields.top_p[i] = (
+                p.temperature, p.top_k, p.top_p)
+            fields.seeds[i] = seed_words(seq.seed)
+        return fields
 
-    def filled(self, slot: int, token: int, logprob: float, status: int,
-               version: int) -> GenerationChunk:
-        """Record that prefilling ``slot`` sampled ``token``; the chunk to deliver."""
+    def filled(self, slot: int, row: int, requests: SlotArrays, token: int, logprob: float,
+               status: int, version: int) -> GenerationChunk:
+        """Record that prefilling ``slot`` (row ``row`` of ``requests``) sampled ``token``; the
+        chunk to deliver."""
         seq = self.seqs[slot]
-        row = self.request_row(seq)
-        for field in ("temperature", "top_k", "top_p", "seeds"):
-            getattr(self.arrays, field)[slot] = getattr(row, field)[0]
         a = self.arrays
+        for field in ("temperature", "top_k", "top_p", "seeds"):
+            getattr(a, field)[slot] = getattr(requests, field)[row]
         a.tokens[slot] = token
         a.positions[slot] = len(seq.context)
-        a.remaining[slot] = row.remaining[0] - 1
+        a.remaining[slot] = requests.remaining[row] - 1
         a.active[slot] = status == RUNNING
         self.unfilled[slot] = False
         return self._record(slot, [token], [logprob], status, version)

@@ -1,13 +1,15 @@
 """The JAX engine's worker thread: continuous batching over fixed slots, and the weight swap.
 
-The worker owns everything on the device (parameters, KV cache, stop masks) and is the only
+The worker owns everything on the device (parameters, their per-layer split that decode
+reads, the KV cache as one buffer per layer, stop masks) and is the only
 thread that calls the device programs, so the event loop never blocks on device work. It loops:
-run control commands, drop cancelled requests, swap weights when due, prefill queued requests
-into free slots (one call each, padded to a bucket), re-prefill slots whose cache a swap
-invalidated, then run decode calls of several steps for all slots, attending over the
-smallest bucket of cache entries that holds every sequence; while nothing on the host needs a
-turn, each decode call is dispatched before the previous one's tokens are read back. Chunks go
-back to each request through its ``deliver`` callback.
+run control commands, drop cancelled requests, swap weights when due, move queued requests
+into free slots, prefill every slot that needs it (newly admitted, or invalidated by a swap)
+with their contexts packed into as few calls as the largest bucket allows, then run decode
+calls of several steps for all slots, attending over the smallest bucket of cache entries
+that holds every sequence; while nothing on the host needs a turn, each decode call is
+dispatched before the previous one's tokens are read back. Chunks go back to each request
+through its ``deliver`` callback.
 
 Weight swap: new parameters arrive already loaded on the device. In ``interrupt`` mode they
 replace the old ones at once; every running sequence is then re-prefilled (prompt + tokens so
@@ -21,6 +23,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
@@ -59,15 +62,21 @@ class DecodeWorker:
     ):
         self.version = version
         self.swaps = self.prefill_calls = self.decode_calls = self.reprefills = 0
+        self.prefill_seconds = 0.0  # wall time of prefill calls, read-back included
         self.error: EngineError | None = None
         self._graphdef, self._params = graphdef, params
+        self._layers = jax_decode.split_layers(graphdef, params)
         self._buckets = sorted(prefill_buckets)
         self._steps, self._swap_mode = decode_steps, swap_mode
         # Placed like the parameters, as the programs' outputs are: inputs keep one sharding
         # from the first call on, so nothing compiles twice.
         placement = NamedSharding(jax.tree.leaves(params)[0].sharding.mesh, PartitionSpec())
         self._placement = placement
-        self._cache = jax.device_put(KVCache.zeros(cfg, num_slots, max_seq_len, dtype), placement)
+        keys = (num_slots, cfg.num_kv_heads, cfg.head_dim, max_seq_len)  # transposed
+        values = (num_slots, cfg.num_kv_heads, max_seq_len, cfg.head_dim)
+        self._cache = jax.device_put(  # one buffer per layer
+            [KVCache(jnp.zeros(keys, dtype), jnp.zeros(values, dtype))
+             for _ in range(cfg.num_layers)], placement)
         self._stop_mask = jax.device_put(jnp.zeros((num_slots, cfg.vocab_size), bool), placement)
         self._slots = SlotTable(num_slots)
         self._pending: collections.deque[Sequence] = collections.deque()
@@ -186,8 +195,8 @@ class DecodeWorker:
         self._maybe_swap()
         if self._swap is None:
             self._admit()
-        for slot in np.flatnonzero(self._slots.unfilled):
-            self._prefill(int(slot))
+        if self._slots.unfilled.any():
+            self._prefill()
         if self._slots.arrays.active.any():
             self._decode()
 
@@ -207,6 +216,7 @@ class DecodeWorker:
         params, version, fut = self._swap
         self._swap = None
         self._params, self.version = params, version
+        self._layers = jax_decode.split_layers(self._graphdef, params)
         self.swaps += 1
         for slot in self._slots.occupied():
             self._slots.invalidate(slot)
@@ -220,23 +230,51 @@ class DecodeWorker:
                     return
                 self._slots.assign(slot, self._pending.popleft())
 
-    def _prefill(self, slot: int) -> None:
-        """Prefill ``slot``'s context (prompt + output so far), deliver the token sampled next."""
-        seq = self._slots.seqs[slot]
-        self.reprefills += bool(seq.output)
-        context = seq.context
-        bucket = next(b for b in self._buckets if b >= len(context))
-        tokens = np.zeros((1, bucket), np.int32)
-        tokens[0, : len(context)] = context
-        self._cache, self._stop_mask, token, logprob, status = jax_decode.prefill(
-            self._graphdef, self._params, self._cache, self._stop_mask, np.int32(slot),
-            tokens, np.int32(len(context)), self._slots.request_row(seq), seq.stop_row,
+    def _prefill(self) -> None:
+        """Prefill every unfilled slot's context (prompt + output so far), packed into as few
+        calls as the largest bucket allows; deliver the tokens sampled next."""
+        start = time.perf_counter()
+        groups, size = [[]], 0
+        for slot in np.flatnonzero(self._slots.unfilled).tolist():
+            n = len(self._slots.seqs[slot].context)
+            if size + n > self._buckets[-1]:
+                groups, size = groups + [[]], 0
+            groups[-1].append(slot)
+            size += n
+        calls = [(group, *self._dispatch_prefill(group)) for group in groups]
+        for group, requests, outputs in calls:
+            tokens, logprobs, status = jax.device_get(outputs)
+            for i, slot in enumerate(group):
+                seq = self._slots.seqs[slot]
+                chunk = self._slots.filled(slot, i, requests, int(tokens[i]), float(logprobs[i]),
+                                           int(status[i]), self.version)
+                self._send(seq, chunk)
+        self.prefill_seconds += time.perf_counter() - start
+
+    def _dispatch_prefill(self, group: list[int]) -> tuple:
+        """Start one prefill call for the slots ``group``; its requests and outputs."""
+        seqs = [self._slots.seqs[slot] for slot in group]
+        self.reprefills += sum(bool(seq.output) for seq in seqs)
+        contexts = [seq.context for seq in seqs]
+        bucket = next(b for b in self._buckets if b >= sum(map(len, contexts)))
+        num_slots = len(self._slots.seqs)
+        tokens, segments, positions = np.zeros((3, 1, bucket), np.int32)
+        slots, last = np.full(num_slots, num_slots, np.int32), np.zeros(num_slots, np.int32)
+        stop_rows = np.zeros((num_slots, seqs[0].stop_row.shape[0]), bool)
+        end = 0
+        for i, (slot, seq, context) in enumerate(zip(group, seqs, contexts)):
+            span = slice(end, end + len(context))
+            tokens[0, span], segments[0, span] = context, i + 1
+            positions[0, span] = np.arange(len(context))
+            slots[i], last[i], stop_rows[i] = slot, span.stop - 1, seq.stop_row
+            end = span.stop
+        requests = self._slots.requests(seqs, num_slots)
+        self._cache, self._stop_mask, *outputs = jax_decode.prefill(
+            self._graphdef, self._params, self._cache, self._stop_mask, tokens, segments,
+            positions, slots, last, requests, stop_rows,
         )
-        token, logprob, status = jax.device_get((token, logprob, status))
         self.prefill_calls += 1
-        chunk = self._slots.filled(slot, int(token[0]), float(logprob[0]), int(status[0]),
-                                   self.version)
-        self._send(seq, chunk)
+        return requests, outputs
 
     def _decode(self) -> None:
         """Decode calls back to back while nothing on the host needs a turn.
@@ -265,21 +303,29 @@ class DecodeWorker:
         """Start one decode call from ``slots`` (positions at most ``reach``); its outputs."""
         window = next((b for b in self._buckets if b >= reach + self._steps), self._buckets[-1])
         self._cache, new, tokens, logprobs, status = jax_decode.decode(
-            self._graphdef, self._steps, window, self._params, self._cache, self._stop_mask, slots
+            self._graphdef, self._steps, window, self._params, self._layers, self._cache,
+            self._stop_mask, slots,
         )
         self.decode_calls += 1
         return new, tokens, logprobs, status
 
     def _may_chain(self) -> bool:
-        """True when another decode call may start before the host catches up."""
+        """True when another decode call may start before the host catches up.
+
+        Called while a call runs, before its results are read: the host arrays still hold the
+        state it started from."""
+        a = self._slots.arrays
         with self._cond:
             if self._commands or self._swap is not None or self._paused or self._closing:
                 return False
             if any(s.cancelled for s in self._pending):
                 return False
-            if self._pending and self._slots.free():
+            # Requests wait and a slot frees up (or reaches its length in the running call):
+            # read back and refill it rather than decode a call with it idle.
+            ending = (a.remaining[a.active] <= self._steps).any()
+            if self._pending and (self._slots.free() or ending):
                 return False
-        return self._slots.arrays.active.any() and not any(
+        return a.active.any() and not any(
             self._slots.seqs[b].cancelled for b in self._slots.occupied()
         )
 

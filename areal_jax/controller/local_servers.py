@@ -11,8 +11,8 @@ times.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
+import functools
 import os
 import signal
 import socket
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import yaml
 
-_PR_SET_PDEATHSIG = 1
+from areal_jax.processes import die_with_parent
 
 
 class ServerExitedError(RuntimeError):
@@ -50,10 +50,9 @@ def device_env(devices: list[int] | None, memory_fraction: float | None) -> dict
     return env
 
 
-def _die_with_parent(cpus: list[int] | None) -> None:
+def _child_setup(parent: int, cpus: list[int] | None) -> None:
     """Runs in the child before exec: SIGTERM when the launcher dies; optional CPU pinning."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    die_with_parent(parent, signal.SIGTERM)
     if cpus:
         os.sched_setaffinity(0, cpus)
 
@@ -110,7 +109,7 @@ class LocalServers:
             entry.proc = subprocess.Popen(
                 [sys.executable, "-m", "rollout", "--config", str(cfg_path)],
                 stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                preexec_fn=lambda: _die_with_parent(cpus),
+                preexec_fn=functools.partial(_child_setup, os.getpid(), cpus),
             )
 
     @property

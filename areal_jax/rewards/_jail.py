@@ -14,6 +14,8 @@ import ctypes
 import functools
 import os
 
+from areal_jax.processes import libc
+
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 PREFIX_ENTRIES = ("bin", "lib", "lib64", "pyvenv.cfg")  # what Python needs of its prefix
 DEVICES = ("null", "zero", "random", "urandom")
@@ -26,12 +28,6 @@ _MS_REMOUNT = 32
 _MS_BIND = 4096
 _MS_REC = 16384
 _MS_PRIVATE = 1 << 18
-
-
-@functools.cache
-def libc() -> ctypes.CDLL:
-    """The C library, for the system calls Python does not wrap (mount, unshare, prctl)."""
-    return ctypes.CDLL(None, use_errno=True)
 
 
 def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str = "") -> None:

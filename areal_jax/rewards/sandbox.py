@@ -43,6 +43,7 @@ import tempfile
 import time
 from collections.abc import Callable
 
+from areal_jax.processes import die_with_parent, libc
 from areal_jax.rewards import _jail
 
 MINIMAL_PATH = "/usr/local/bin:/usr/bin:/bin"
@@ -50,10 +51,8 @@ UID_BASE = 2_000_000_000
 _CLONE_NEWNET = 0x40000000
 _CLONE_NEWUSER = 0x10000000
 _CLONE_NEWNS = 0x00020000
-_PR_SET_PDEATHSIG = 1
 _RECORD = "pid"  # "<process group> <uid or -1>", written by the child before it runs any code
 _scratch_root: str | None = None
-_libc = _jail.libc
 
 
 class SandboxError(RuntimeError):
@@ -265,13 +264,11 @@ def _child_setup(
         os.setuid(uid)
     elif iso.unshare_flags:
         _unshare(iso.unshare_flags)
-    # Last: changing credentials clears the parent-death signal.
-    if _libc().prctl(_PR_SET_PDEATHSIG, signal.SIGKILL) != 0 or os.getppid() != parent:
-        os._exit(1)
+    die_with_parent(parent)  # last: changing credentials clears the parent-death signal
 
 
 def _unshare(flags: int) -> None:
-    if _libc().unshare(flags) != 0:
+    if libc().unshare(flags) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"unshare: {os.strerror(err)}")
 
@@ -282,7 +279,7 @@ def _isolation() -> _Isolation:
     as_root = os.geteuid() == 0
     if sys.platform != "linux":
         return _Isolation(as_root, 0)
-    _libc()  # load before forking
+    libc()  # load before forking
     if as_root and _probe(_probe_jail):
         return _Isolation(as_root, _CLONE_NEWNET | _CLONE_NEWNS)
     flags = _CLONE_NEWNET if as_root else _CLONE_NEWNET | _CLONE_NEWUSER

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import ctypes
 import functools
 import logging
 import os
@@ -15,12 +14,12 @@ import sys
 import time
 from pathlib import Path
 
+from areal_jax.processes import die_with_parent
 from rollout.engine import EngineError
 from rollout.engines import sglang_api as api
 from rollout.engines.http_json import JsonHttpClient
 
 log = logging.getLogger(__name__)
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -28,16 +27,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-def _die_with(parent: int) -> None:
-    """In the child, before exec: be SIGKILLed when the thread that started it ends (Linux).
-
-    SGLang's own worker processes exit when their parent (this child) dies.
-    """
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0 or os.getppid() != parent:
-        os._exit(1)  # could not arm it, or the parent is already gone
 
 
 class SGLangProcess:
@@ -61,7 +50,7 @@ class SGLangProcess:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                preexec_fn=functools.partial(_die_with, os.getpid())
+                preexec_fn=functools.partial(die_with_parent, os.getpid())
                 if sys.platform == "linux"
                 else None,
             )

@@ -48,9 +48,12 @@ class _Finished:
     index: int  # submission order: batches are formed oldest first
     item: PromptItem = dataclasses.field(compare=False)
     group: object = dataclasses.field(compare=False)
+    oldest: int = dataclasses.field(compare=False, default=0)  # version of its oldest token
 
-    def oldest_version(self) -> int:
-        return min(min(t.versions) for t in self.group.trajectories if len(t.versions))
+    @classmethod
+    def of(cls, index: int, item: PromptItem, group) -> _Finished:
+        oldest = min(min(t.versions) for t in group.trajectories if len(t.versions))
+        return cls(index, item, group, oldest)
 
 
 class RLLoop:
@@ -146,7 +149,7 @@ class RLLoop:
         else:
             self._consecutive_rejected = 0
             self.gate.on_finished()
-            self._buffer.append(_Finished(index, item, future.result()))
+            self._buffer.append(_Finished.of(index, item, future.result()))
         self._wake.set()
         self._fill()
 
@@ -171,13 +174,13 @@ class RLLoop:
         eta = self.cfg.schedule.max_staleness
         keep = []
         for f in self._buffer:
-            if self.version - f.oldest_version() > eta:
+            if self.version - f.oldest > eta:
                 self.gate.on_dropped()
                 self._retry.append(f.item)
                 self._dropped += 1
                 if self.ledger is not None:
                     self.ledger.record("drop", prompt=f.item.id, version=self.version,
-                                       oldest=f.oldest_version())
+                                       oldest=f.oldest)
             else:
                 keep.append(f)
         if len(keep) != len(self._buffer):

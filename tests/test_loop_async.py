@@ -99,7 +99,8 @@ def test_a_server_back_after_a_failure_rejoins_at_the_current_version(tmp_path):
 
     loop = run_on_servers(tmp_path, [ArithmeticEngine(step_s=0.005) for _ in range(2)],
                           config(tmp_path, {"max_staleness": 2}), trainer, prompts, 60,
-                          during=bounce, options=PoolOptions(rejoin_interval_s=0.1, update_timeout_s=3))
+                          during=bounce,
+                          options=PoolOptions(rejoin_interval_s=0.1, update_timeout_s=3))
     assert rejoined and rejoined[0] < 60, "the restarted server never got work"
     assert len(loop.live_at_end) == 2
     # Brought to the trainer's published version before it got work.

@@ -48,7 +48,7 @@ async def evaluate_checkpoint(cfg, model_path) -> dict:
 
     from areal_jax.config import ConfigError
     from areal_jax.controller.prepare import dataset_config, prepare_data
-    from areal_jax.controller.servers import launch_local, make_pool, wait_ready
+    from areal_jax.controller.servers import rollout_servers
     from areal_jax.data.dataset import PromptDataset
 
     if cfg.eval.dataset is None:
@@ -58,17 +58,10 @@ async def evaluate_checkpoint(cfg, model_path) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     items = list(PromptDataset(dataset_config(cfg.eval.dataset, cfg.run_dir), tokenizer))
     items = items[: cfg.eval.max_prompts]
-    servers = launch_local(cfg, model_path, 0)
-    pool = make_pool(cfg, servers.addresses if servers else list(cfg.rollout.addresses))
-    try:
-        await wait_ready(pool, servers)
+    async with rollout_servers(cfg, model_path, 0) as (pool, servers):
         if servers is None:
             newest = max(s.version for s in await pool.status())
             await pool.update_weights(model_path, newest + 1)
         return await evaluate(pool, items, cfg.eval.dataset.reward,
                               max_new_tokens=cfg.eval.max_new_tokens,
                               temperature=cfg.eval.temperature)
-    finally:
-        await pool.close()
-        if servers is not None:
-            servers.stop()

@@ -30,6 +30,12 @@ class RunLedger:
     def close(self) -> None:
         self._file.close()
 
+    def __enter__(self) -> RunLedger:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
 
 def read_ledger(path: str | Path) -> list[dict]:
     """Every event of the ledger at ``path``, in order (a torn last line is ignored)."""

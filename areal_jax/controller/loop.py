@@ -62,7 +62,8 @@ class RLLoop:
 
     def __init__(self, cfg: ExperimentConfig, trainer, pool: RolloutPool,
                  prompts: PromptIterator, items_by_id: dict[str, PromptItem],
-                 on_step: Callable[[int, dict], None], on_eval: Callable[[int], object] | None = None,
+                 on_step: Callable[[int, dict], None],
+                 on_eval: Callable[[int], object] | None = None,
                  ledger: RunLedger | None = None):
         self.cfg = cfg
         self.trainer = trainer
@@ -101,7 +102,8 @@ class RLLoop:
 
     def load_state_dict(self, state: dict) -> None:
         self.prompts.load_state_dict(state["data"])
-        self._retry = [self.items_by_id[i] for i in state.get("pending", []) if i in self.items_by_id]
+        pending = state.get("pending", [])
+        self._retry = [self.items_by_id[i] for i in pending if i in self.items_by_id]
         self._rejected = int(state.get("rejected_groups", state.get("failed_groups", 0)))
         # Re-submitted groups are charged to the gate when they are sent again.
         self.gate.restore(self.version)

@@ -14,8 +14,7 @@ from areal_jax.controller.ledger import RunLedger
 from areal_jax.controller.loop import RLLoop
 from areal_jax.controller.prepare import dataset_config
 from areal_jax.controller.progress import TrainingProgress
-from areal_jax.controller.servers import launch_local, make_pool, supervise_local, sync_servers
-from areal_jax.controller.servers import wait_ready
+from areal_jax.controller.servers import rollout_servers, supervise_local, sync_servers
 from areal_jax.data.dataset import PromptDataset
 from areal_jax.experiment import ExperimentConfig
 from areal_jax.metrics import MetricsLogger
@@ -29,6 +28,21 @@ def _print_eval(label: str, result: dict) -> None:
     print(f"{label}: accuracy {result['eval/accuracy']:.3f} on "
           f"{int(result['eval/num_prompts'])} held-out prompts "
           f"(mean response {result['eval/response_length']:.1f} tokens)", flush=True)
+
+
+async def _accuracy_before_rl(run_dir: Path, version: int, run_eval, metrics_log) -> dict:
+    """Held-out accuracy before RL: measured once, and read back when the run resumes."""
+    path = run_dir / BEFORE_RL_FILE
+    if path.is_file():
+        before = json.loads(path.read_text())
+        _print_eval(f"held-out accuracy at version {before['version']:.0f} (before RL, recorded)",
+                    before)
+        return before
+    before = {**await run_eval(version), "version": float(version)}
+    path.write_text(json.dumps(before))
+    metrics_log.log(version, before)
+    _print_eval(f"held-out accuracy at version {version} (before RL)", before)
+    return before
 
 
 async def _run_until_done(loop_run, servers) -> None:
@@ -68,61 +82,45 @@ async def run_rl(cfg: ExperimentConfig, trainer, tokenizer, progress: TrainingPr
     version = trainer.version
     published = trainer.snapshot_for_publish().write()
     push = cfg.rollout.weights_transport == "push"
-    servers = launch_local(cfg, published, version)
-    pool = make_pool(cfg, servers.addresses if servers else list(cfg.rollout.addresses))
-    ledger = RunLedger(run_dir / "ledger.jsonl")
-    ledger.record("start", version=version)
     results: dict = {}
-    try:
+    with RunLedger(run_dir / "ledger.jsonl") as ledger, \
+            MetricsLogger(run_dir, resume_from_step=version + 1) as metrics_log:
+        ledger.record("start", version=version)
         task = progress.start_phase("starting rollout servers", None)
-        await wait_ready(pool, servers)
-        progress.end_phase(task)
-        if servers is None:
-            await sync_servers(pool, published, version, cfg)
-        else:
-            pool.record_weights(published, version, push)
+        async with rollout_servers(cfg, published, version) as (pool, servers):
+            progress.end_phase(task)
+            if servers is None:
+                await sync_servers(pool, published, version, cfg)
+            else:
+                pool.record_weights(published, version, push)
 
-        async def run_eval(step: int) -> dict:
-            if not eval_items:
-                return {}
-            return await evaluate(pool, eval_items, cfg.eval.dataset.reward,
-                                  max_new_tokens=cfg.eval.max_new_tokens,
-                                  temperature=cfg.eval.temperature)
+            async def run_eval(step: int) -> dict:
+                if not eval_items:
+                    return {}
+                return await evaluate(pool, eval_items, cfg.eval.dataset.reward,
+                                      max_new_tokens=cfg.eval.max_new_tokens,
+                                      temperature=cfg.eval.temperature)
 
-        metrics_log = MetricsLogger(run_dir, resume_from_step=version + 1)
-        before_file = run_dir / BEFORE_RL_FILE
-        if eval_items and before_file.is_file():
-            results["before"] = json.loads(before_file.read_text())  # measured before the restart
-            _print_eval(f"held-out accuracy at version {results['before']['version']:.0f} "
-                        "(before RL, recorded)", results["before"])
-        elif eval_items:
-            results["before"] = {**await run_eval(version), "version": float(version)}
-            before_file.write_text(json.dumps(results["before"]))
-            metrics_log.log(version, results["before"])
-            _print_eval(f"held-out accuracy at version {version} (before RL)", results["before"])
-        loop = RLLoop(cfg, trainer, pool, train_set.iterator(), {i.id: i for i in train_set},
-                      on_step=None, on_eval=run_eval, ledger=ledger)
-        if extra:
-            loop.load_state_dict(extra)
-        total = cfg.schedule.total_steps
-        task = progress.start_phase("RL", total, completed=version)
+            if eval_items:
+                results["before"] = await _accuracy_before_rl(run_dir, version, run_eval,
+                                                              metrics_log)
+            loop = RLLoop(cfg, trainer, pool, train_set.iterator(), {i.id: i for i in train_set},
+                          on_step=None, on_eval=run_eval, ledger=ledger)
+            if extra:
+                loop.load_state_dict(extra)
+            total = cfg.schedule.total_steps
+            task = progress.start_phase("RL", total, completed=version)
 
-        def on_step(step: int, m: dict) -> None:
-            metrics_log.log(step, m)
-            progress.advance(task, m)
+            def on_step(step: int, m: dict) -> None:
+                metrics_log.log(step, m)
+                progress.advance(task, m)
 
-        loop.on_step = on_step
-        await _run_until_done(loop.run(total, trainer.save), servers)
-        progress.end_phase(task)
-        if eval_items:
-            results["after"] = await run_eval(trainer.version)
-            metrics_log.log(trainer.version, results["after"])
-            _print_eval(f"held-out accuracy at version {trainer.version} (after RL)",
-                        results["after"])
-        metrics_log.close()
-    finally:
-        await pool.close()
-        if servers is not None:
-            servers.stop()
-        ledger.close()
+            loop.on_step = on_step
+            await _run_until_done(loop.run(total, trainer.save), servers)
+            progress.end_phase(task)
+            if eval_items:
+                results["after"] = await run_eval(trainer.version)
+                metrics_log.log(trainer.version, results["after"])
+                _print_eval(f"held-out accuracy at version {trainer.version} (after RL)",
+                            results["after"])
     return results

@@ -5,6 +5,7 @@ external ones attached, the pool that drives them, and bringing them to the trai
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 from pathlib import Path
@@ -67,7 +68,8 @@ def launch_local(cfg: ExperimentConfig, model_path: Path, version: int) -> Local
     return servers
 
 
-async def wait_ready(pool: RolloutPool, servers: LocalServers | None, timeout_s: float = 300) -> None:
+async def wait_ready(pool: RolloutPool, servers: LocalServers | None,
+                     timeout_s: float = 300) -> None:
     """Connect the pool; fail early, with the log, if a local server exits while starting."""
     start = asyncio.create_task(pool.start(ready_timeout_s=timeout_s))
     while not start.done():
@@ -79,6 +81,21 @@ async def wait_ready(pool: RolloutPool, servers: LocalServers | None, timeout_s:
                 raise
         await asyncio.sleep(0.5)
     await start
+
+
+@contextlib.asynccontextmanager
+async def rollout_servers(cfg: ExperimentConfig, model_path: Path, version: int):
+    """Local servers serving ``model_path`` as ``version`` (or the ``rollout.addresses``) and a
+    connected pool: yields ``(pool, local servers or None)``; closes and stops both on exit."""
+    servers = launch_local(cfg, model_path, version)
+    pool = make_pool(cfg, servers.addresses if servers else list(cfg.rollout.addresses))
+    try:
+        await wait_ready(pool, servers)
+        yield pool, servers
+    finally:
+        await pool.close()
+        if servers is not None:
+            servers.stop()
 
 
 async def supervise_local(servers: LocalServers, interval_s: float = 2.0) -> None:

@@ -14,7 +14,6 @@ Usage: PYTHONPATH=. python benchmarks/paper/async_vs_sync.py [--seeds 0 1 2 --ve
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from benchmarks.paper import common
 
@@ -29,17 +28,9 @@ def settings(etas: list[int]) -> dict[str, list[str]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default=common.CONFIG)
+    common.add_run_arguments(parser, "async_vs_sync", versions=40)
     parser.add_argument("--etas", type=int, nargs="+", default=[1, 2, 4, 8])
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--versions", type=int, default=40, help="RL versions per run")
     parser.add_argument("--skip", type=int, default=3, help="warm-up versions left out of rates")
-    parser.add_argument("--trainer-cpus", type=int, default=None,
-                        help="CPUs for the trainer (the rest go to the rollout server)")
-    parser.add_argument("--work-dir", type=Path, default=Path("runs/paper/async_vs_sync"))
-    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
-                        help="config overrides for every run, SFT included")
-    common.add_out_argument(parser)
     args = parser.parse_args()
 
     before = common.machine()

@@ -27,6 +27,20 @@ def add_out_argument(parser) -> None:
                         help="directory for the JSON, markdown and PNG results")
 
 
+def add_run_arguments(parser, name: str, versions: int) -> None:
+    """The options every RL benchmark takes: config, seeds, versions, CPU split, work and
+    results directories, config overrides."""
+    parser.add_argument("--config", default=CONFIG)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--versions", type=int, default=versions, help="RL versions per run")
+    parser.add_argument("--trainer-cpus", type=int, default=None,
+                        help="CPUs for the trainer (the rest go to the rollout server)")
+    parser.add_argument("--work-dir", type=Path, default=Path("runs/paper") / name)
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="config overrides for every run, SFT included")
+    add_out_argument(parser)
+
+
 def machine() -> dict:
     """What the numbers were measured on, and how loaded it was (1-minute load average)."""
     model = next((line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines()

@@ -64,17 +64,10 @@ def curves_plot(path: Path, runs: dict, etas: list[int], stats: dict) -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default=common.CONFIG)
+    common.add_run_arguments(parser, "staleness_ablation", versions=60)
     parser.add_argument("--etas", type=int, nargs="+", default=[0, 1, 2, 4, 8, 16])
     parser.add_argument("--losses", nargs="+", choices=list(LOSSES), default=list(LOSSES))
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--versions", type=int, default=60, help="RL versions per run")
     parser.add_argument("--eval-every", type=int, default=10, help="versions between evals")
-    parser.add_argument("--trainer-cpus", type=int, default=None)
-    parser.add_argument("--work-dir", type=Path, default=Path("runs/paper/staleness_ablation"))
-    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
-                        help="config overrides for every run, SFT included")
-    common.add_out_argument(parser)
     args = parser.parse_args()
 
     before = common.machine()

@@ -43,6 +43,20 @@ log = logging.getLogger(__name__)
 _DONE = object()
 
 
+PUSH_DRAIN_S = 2.0  # how long the rest of a rejected push is read before the status is sent
+
+
+async def _drain(requests, timeout_s: float) -> None:
+    """Consume and drop what remains of a client stream, for at most ``timeout_s``."""
+
+    async def consume():
+        async for _ in requests:
+            pass
+
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(consume(), timeout_s)
+
+
 class Rejected(Exception):
     """An RPC that fails with ``code``; turned into a status at the handler boundary."""
 
@@ -334,11 +348,15 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                 self._intake.keep(directory)
                 return response
         except InvalidParamError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            code, message = grpc.StatusCode.INVALID_ARGUMENT, str(e)
         except Rejected as e:
-            await context.abort(e.code, str(e))
+            code, message = e.code, str(e)
         except OSError as e:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"writing weights: {e}")
+            code, message = grpc.StatusCode.RESOURCE_EXHAUSTED, f"writing weights: {e}"
+        # Read what the client still sends (for a bounded time) before answering: a status
+        # sent while it is mid-stream can reach it as a transport error instead.
+        await _drain(request_iterator, PUSH_DRAIN_S)
+        await context.abort(code, message)
 
     # Control ---------------------------------------------------------------------------------
 

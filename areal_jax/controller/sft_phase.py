@@ -7,6 +7,7 @@ the leader writes ``<run_dir>/sft_model``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -46,12 +47,15 @@ def run_sft(cfg: ExperimentConfig, base: Path, tokenizer, progress: TrainingProg
     try:
         task = progress.start_phase("SFT warm start", cfg.sft.steps)
         n, bs = len(examples), cfg.sft.batch_size
-        with MetricsLogger(Path(cfg.run_dir) / "sft") as metrics:
+        # The leader alone writes the metrics (every process computes the same ones).
+        metrics_dir = Path(cfg.run_dir) / "sft"
+        with MetricsLogger(metrics_dir) if leader else contextlib.nullcontext() as metrics:
             for step in range(cfg.sft.steps):
                 start = (step * bs) % n
                 batch = [examples[(start + i) % n] for i in range(bs)]
                 m = trainer.sft_on_batch(batch)
-                metrics.log(step + 1, m)
+                if metrics is not None:
+                    metrics.log(step + 1, m)
                 progress.advance(task, {"loss": m.get("loss", float("nan"))})
         progress.end_phase(task)
         snapshot = trainer.snapshot_for_publish()  # collective: every process takes part

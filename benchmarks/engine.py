@@ -9,7 +9,11 @@
      faster counts);
    - the engine on ragged requests (twice as many as slots, outputs uniform from 1/8 of the
      budget to all of it) against the same requests at equal lengths (the mean), greedy, with
-     the share of wall time spent in prefill calls.
+     the share of wall time spent in prefill calls and the mean batch a decode call computed;
+     and the ragged requests on an engine whose decode calls always compute every slot
+     (``batch_buckets: [slots]``), to show what computing only the live batch buys.
+   ``--dtype bfloat16`` runs both sides in bfloat16 (the engine's ``dtype`` option, the
+   transformers model loaded in it).
    All sides are timed round-robin in one process; medians; the engine's compile time (first
    run minus a warm run) is reported on its own.
 2. Weight swaps under load: closed-loop clients keep a stream of requests going (prompts of 16
@@ -125,11 +129,15 @@ async def decode_benchmark(path, args) -> tuple[list[dict], list[dict], list[dic
     ragged = rng.integers(args.new_tokens // 8, args.new_tokens + 1, 2 * args.batch).tolist()
     equal = [round(statistics.mean(ragged))] * len(ragged)
     ragged_prompts = rng.integers(1, VOCAB, (len(ragged), args.prompt_len)).tolist()
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
     thread_counts = sorted({1, torch.get_num_threads()})  # one thread is often faster here
-    engine = await engine_for(path, num_slots=args.batch,
-                              max_seq_len=1 << (args.prompt_len + args.new_tokens - 1).bit_length(),
-                              decode_steps_per_call=args.steps_per_call)
+    options = dict(num_slots=args.batch, dtype=args.dtype,
+                   max_seq_len=1 << (args.prompt_len + args.new_tokens - 1).bit_length(),
+                   decode_steps_per_call=args.steps_per_call)
+    engine = await engine_for(path, **options)
+    every_slot = await engine_for(path, **options, batch_buckets=[args.batch])
+    sides = {"equal": (engine, equal), "ragged": (engine, ragged),
+             "ragged, every slot computed": (every_slot, ragged)}
     n = [args.new_tokens] * args.batch
     first = await jax_batch(engine, prompts, "greedy", n)
     warm = await jax_batch(engine, prompts, "greedy", n)
@@ -140,9 +148,11 @@ async def decode_benchmark(path, args) -> tuple[list[dict], list[dict], list[dic
             torch.set_num_threads(threads)
             hf_batch(hf, prompts, kind, 8)  # warm-up
         await jax_batch(engine, prompts, kind, [8] * args.batch)
-    await jax_batch(engine, ragged_prompts, "greedy", ragged)
+    for side, lengths in sides.values():
+        await jax_batch(side, ragged_prompts, "greedy", lengths)
     times: dict[tuple, list[float]] = {}
     prefill: dict[str, list[float]] = {}
+    batch: dict[str, list[float]] = {}
     for rep in range(args.reps):
         for kind in SAMPLING:
             for threads in thread_counts:
@@ -151,13 +161,19 @@ async def decode_benchmark(path, args) -> tuple[list[dict], list[dict], list[dic
                 times.setdefault((f"transformers, {threads} thread(s)", kind), []).append(t)
             times.setdefault(("JAX engine", kind), []).append(
                 await jax_batch(engine, prompts, kind, n))
-        for name, lengths in (("equal", equal), ("ragged", ragged)):
-            before = engine.stats()["prefill_seconds"]
-            t = await jax_batch(engine, ragged_prompts, "greedy", lengths)
+        for name, (side, lengths) in sides.items():
+            before = side.stats()
+            t = await jax_batch(side, ragged_prompts, "greedy", lengths)
+            after = side.stats()
             times.setdefault(("JAX engine", name), []).append(t)
-            prefill.setdefault(name, []).append((engine.stats()["prefill_seconds"] - before) / t)
+            prefill.setdefault(name, []).append(
+                (after["prefill_seconds"] - before["prefill_seconds"]) / t)
+            batch.setdefault(name, []).append(
+                (after["decode_rows"] - before["decode_rows"])
+                / (after["decode_calls"] - before["decode_calls"]))
         print(f"round {rep + 1}/{args.reps} done", flush=True)
     await engine.shutdown()
+    await every_slot.shutdown()
     rate = lambda key, tokens: tokens / statistics.median(times[key])
     rows = []
     for kind in SAMPLING:
@@ -167,8 +183,9 @@ async def decode_benchmark(path, args) -> tuple[list[dict], list[dict], list[dic
                      "JAX engine tokens/s": jax_rate, "JAX / transformers": jax_rate / hf_best})
     ragged_rows = [{"lengths": name, "requests": len(lengths), "tokens": sum(lengths),
                     "tokens/s": rate(("JAX engine", name), sum(lengths)),
-                    "prefill share of wall time": statistics.median(prefill[name])}
-                   for name, lengths in (("equal", equal), ("ragged", ragged))]
+                    "prefill share of wall time": statistics.median(prefill[name]),
+                    "mean decode batch": statistics.median(batch[name])}
+                   for name, (_, lengths) in sides.items()]
     return rows, ragged_rows, compile_rows
 
 
@@ -292,6 +309,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--steps-per-call", type=int, default=8)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="decode benchmark: both sides compute in this dtype")
     parser.add_argument("--models", nargs="+", choices=list(DECODE_MODELS),
                         default=list(DECODE_MODELS))
     parser.add_argument("--duration", type=float, default=60.0, help="seconds per swap mode")
@@ -316,7 +335,8 @@ def main() -> None:
                 rows, ragged_rows, compile_rows = asyncio.run(decode_benchmark(path, args))
                 loads.append(os.getloadavg()[0])
                 sections.append(
-                    f"## Decode, {name} model ({args.batch} slots, prompt {args.prompt_len}, "
+                    f"## Decode, {name} model, {args.dtype} ({args.batch} slots, prompt "
+                    f"{args.prompt_len}, "
                     f"{args.new_tokens} new tokens, {args.steps_per_call} steps per call, "
                     f"median of {args.reps} round-robin rounds)\n\n{table(rows)}\n\n"
                     f"Ragged against equal lengths ({2 * args.batch} requests, greedy):\n\n"

@@ -256,8 +256,11 @@ def test_no_recompiles_as_requests_come_and_go(model_dir):
 
     async def main():
         engine = await started(model_dir)
-        for n in (3, 20, 50):  # alone, so each bucket (16, 32, 64) is used by prefill and decode
-            await wave(engine, [n], f"warm{n}")
+        # Each bucket (16, 32, 64) used by prefill and by decode at each batch size (1, 2, 4).
+        for n in (3, 20, 50):
+            for k in (1, 2, 4):
+                await wave(engine, [n] * k, f"warm{n}x{k}")
+        warm_calls = engine.stats()["prefill_calls"]
         jax.monitoring.register_event_duration_secs_listener(on_event)
         try:
             await wave(engine, [1, 9, 15, 17, 31, 33, 40, 56, 2, 12], "w")
@@ -266,12 +269,12 @@ def test_no_recompiles_as_requests_come_and_go(model_dir):
             jax.monitoring.unregister_event_duration_listener(on_event)
         stats = engine.stats()
         await engine.shutdown()
-        return stats
+        return stats, stats["prefill_calls"] - warm_calls
 
-    stats = run(main())
+    stats, prefill_calls = run(main())
     assert compiles == []
-    # Requests admitted together share a prefill call.
-    assert stats["prefill_calls"] < 16 and stats["running_slots"] == 0
+    # Requests admitted together share a prefill call: fewer calls than the 13 requests.
+    assert prefill_calls < 13 and stats["running_slots"] == 0
 
 
 def test_pause_holds_tokens_until_resume(model_dir):
@@ -386,6 +389,8 @@ def test_invalid_requests_name_the_field(model_dir):
     ({"max_seq_len": 1024}, "engine.options.max_seq_len"),
     ({"prefill_buckets": [16, 128]}, "engine.options.prefill_buckets[1]"),
     ({"swap_mode": "later"}, "engine.options.swap_mode"),
+    ({"batch_buckets": [2, 5]}, "engine.options.batch_buckets[1]"),
+    ({"batch_buckets": []}, "engine.options.batch_buckets"),
     ({"dtype": "float8"}, "engine.options.dtype"),
 ])
 def test_bad_options_name_the_key(model_dir, options, key):
@@ -400,4 +405,31 @@ def test_option_defaults(model_dir):
     assert (o.swap_mode, o.dtype, o.seed) == ("interrupt", "float32", 0)
     assert o.max_seq_len == engine.max_context_len == 256  # the model's max positions
     assert o.prefill_buckets == [16, 32, 64, 128, 256]
+    assert o.batch_buckets == [2, 4, 8]
     assert engine.vocab_size == 97
+
+
+def test_decode_calls_compute_only_the_live_batch(ref_model, model_dir):
+    """A request decoding alone costs one row per call, not ``num_slots``; one running
+    beside two finished ones costs the smallest bucket that holds it; outputs stay greedy HF."""
+    long = SamplingParams(max_new_tokens=40, temperature=0.0)
+
+    async def main():
+        engine = await started(model_dir, batch_buckets=[1, 2])
+        alone = await engine.generate_full(PROMPTS[0], long, "alone")
+        alone_stats = engine.stats()
+        short = [engine.generate_full(p, SamplingParams(2, temperature=0.0), f"s{i}")
+                 for i, p in enumerate(PROMPTS[1:])]
+        results = await asyncio.gather(engine.generate_full(PROMPTS[0], long, "mixed"), *short)
+        stats = engine.stats()
+        await engine.shutdown()
+        return alone, alone_stats, results[0], stats
+
+    alone, alone_stats, mixed, stats = run(main())
+    assert alone_stats["decode_rows"] == alone_stats["decode_calls"]
+    calls = stats["decode_calls"] - alone_stats["decode_calls"]
+    rows = stats["decode_rows"] - alone_stats["decode_rows"]
+    # The first call holds three live slots (bucket 4), the last ones one (bucket 1).
+    assert calls + 3 <= rows < 4 * calls
+    want = hf_greedy(ref_model, PROMPTS[0], 40)
+    assert alone.output_ids == mixed.output_ids == want

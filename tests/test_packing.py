@@ -170,8 +170,30 @@ def test_layout_weighs_padding_against_attention_cost():
     lengths = [50] * 9
     assert choose_row_layout(lengths, (64, 512))[0] == 512  # padded area alone
     assert choose_row_layout(lengths, (64, 512), attention_break_even=10_000)[0] == 512
-    t, rows = choose_row_layout(lengths, (64, 512), attention_break_even=64)
-    assert t == 64 and len(rows) == 9  # 768 * 2 = 1536 < 512 * 9 = 4608
+    t, r, rows = choose_row_layout(lengths, (64, 512), attention_break_even=64)
+    assert (t, r) == (64, 12) and len(rows) == 9  # 768 * 2 = 1536 < 512 * 9 = 4608
+
+
+def test_known_shapes_are_reused_within_the_tolerance():
+    lengths = [60] * 5  # best: five rows of 64 -> R = 6 (cost 384); or one row of 512
+    assert choose_row_layout(lengths, (64, 512))[:2] == (64, 6)
+    # A compiled (8, 64) costs 512 <= 1.4 * 384: taken, rows padded to 8.
+    t, r, rows = choose_row_layout(lengths, (64, 512), known={(8, 64)}, reuse_tolerance=1.4)
+    assert (t, r, len(rows)) == (64, 8, 5)
+    # Beyond the tolerance, or too few rows, or another row length: the best layout.
+    assert choose_row_layout(lengths, (64, 512), known={(8, 64)}, reuse_tolerance=1.3)[:2] == (64, 6)
+    assert choose_row_layout(lengths, (64, 512), known={(4, 64)}, reuse_tolerance=9)[:2] == (64, 6)
+    assert choose_row_layout(lengths, (64, 512), known={(1, 512)}, reuse_tolerance=1.4)[:2] == (
+        512, 1)  # a known longer row: 512 <= 1.4 * 384
+    assert choose_row_layout(lengths, (64, 512), known={(1, 512)}, reuse_tolerance=1.3)[:2] == (
+        64, 6)
+    # The cheapest of several known fits; the row multiple holds.
+    known = {(8, 64), (12, 64), (2, 512)}
+    assert choose_row_layout(lengths, (64, 512), known=known, reuse_tolerance=2)[:2] == (64, 8)
+    assert choose_row_layout(lengths, (64, 512), row_multiple=3, known={(8, 64)},
+                             reuse_tolerance=9)[:2] == (64, 6)
+    with pytest.raises(ValueError, match="reuse_tolerance"):
+        MicroBatchConfig(reuse_tolerance=0.9)
 
 
 def test_random_minibatches_shapes_bounded_and_content_exact():

@@ -2,11 +2,16 @@
 
 import asyncio
 import os
+import signal
+import subprocess
+import sys
 import tempfile
 import textwrap
+import time
 import uuid
 
 from areal_jax.rewards import RewardPool
+from areal_jax.rewards.pool import SCRATCH_PREFIX
 from areal_jax.rewards.code_tests import time_budget_s
 from areal_jax.rewards.sandbox import SandboxLimits, run_python
 
@@ -87,3 +92,43 @@ def test_code_call_limit_covers_every_test_of_a_slow_correct_solution():
         assert pool.score_sync("code", slow, metadata) == 1.0
         assert pool.score_sync("code_fraction", slow, metadata) == 1.0
         assert pool.num_timeouts == 0
+
+
+def test_a_new_pool_reaps_the_scratch_of_a_killed_one(tmp_path, monkeypatch):
+    """A pool whose process was SIGKILLed leaves its workers' directories (and any sandbox they
+    ran); the next pool reaps those of dead owners and keeps those of live ones."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    mark = f"areal-orphan-{uuid.uuid4().hex}"
+    code = textwrap.dedent(f"""
+        import os, signal, sys, tempfile, time
+        sys.path[:0] = {sys.path!r}
+        from areal_jax.rewards.sandbox import SandboxLimits, run_python, set_scratch_root
+        scratch = tempfile.mkdtemp(prefix="{SCRATCH_PREFIX}%d-" % os.getpid(),
+                                   dir={str(tmp_path)!r})
+        set_scratch_root(scratch)
+        if os.fork() == 0:  # a sandboxed run, recorded in the scratch, that outlives us
+            run_python("import time; time.sleep(120)  # {mark}", limits=SandboxLimits(timeout_s=120))
+            os._exit(0)
+        deadline = time.monotonic() + 30  # until the run has recorded itself and started
+        while time.monotonic() < deadline and not any(
+                os.path.exists(os.path.join(scratch, n, "pid")) for n in os.listdir(scratch)):
+            time.sleep(0.05)
+        time.sleep(1)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    subprocess.run([sys.executable, "-c", code], timeout=60)
+    try:
+        orphans = list(tmp_path.glob(f"{SCRATCH_PREFIX}*"))
+        assert len(orphans) == 1 and _marked(mark)
+        live = tmp_path / f"{SCRATCH_PREFIX}{os.getpid()}-mine"
+        live.mkdir()
+        with RewardPool(1, timeout_s=5.0):
+            pass
+        assert not orphans[0].exists() and live.exists()
+        deadline = time.monotonic() + 10
+        while _marked(mark) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _marked(mark)
+    finally:
+        for pid in _marked(mark):
+            os.kill(pid, signal.SIGKILL)

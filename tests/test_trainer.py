@@ -63,6 +63,24 @@ def test_ppo_raises_logprob_of_rewarded_responses_and_lowers_the_others(model):
         assert end[2 + i] < start[2 + i] - 1.0, (start, end)  # penalised: less likely
 
 
+def test_later_batches_reuse_the_shapes_already_compiled(model):
+    """Six sequences of 30 tokens pack as six rows of 32; four would take four rows, a new
+    shape, unless the six-row shape (1.5x the area) is reused."""
+    micro = MicroBatchConfig(token_budget=256, row_buckets=(32, 256))
+
+    def groups(n):
+        trajs = [Trajectory([1, 2, 3, 4], list(range(5, 31)), np.zeros(26), np.zeros(26),
+                            reward=float(i % 2)) for i in range(n)]
+        return [TrajectoryGroup("p", trajs)]
+
+    new_shapes = {}
+    for tolerance in (1.5, 1.0):
+        trainer = _trainer(model, micro_batch=dataclasses.replace(micro, reuse_tolerance=tolerance))
+        new_shapes[tolerance] = [trainer.train_on_batch(groups(n))["packing/new_shapes"]
+                                 for n in (6, 4, 6)]
+    assert new_shapes == {1.5: [1.0, 0.0, 0.0], 1.0: [1.0, 1.0, 0.0]}
+
+
 def test_sft_lowers_the_loss(model):
     trainer = _trainer(model, lr=3e-3)
     examples = [([5, 6, 7], [8, 9, 10, 11]), ([20, 21], [22, 23, 24]), ([1], [2, 3, 4, 5, 6])]

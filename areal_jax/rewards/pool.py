@@ -5,7 +5,8 @@ only) and model-written code must never run in the caller. A call that times out
 worker or raises scores 0.0 and is logged; a timed-out or crashed worker is killed and replaced,
 so a hung reward never blocks later calls. Each worker runs its sandboxes under a scratch
 directory of its own; when a worker is killed, the pool kills the sandboxed processes it left
-(own session, own uid) and deletes their files.
+(own session, own uid) and deletes their files. A pool whose own process was killed (SIGKILL)
+cleans nothing; the next pool to start on the machine reaps what it left.
 
 A call's time limit is the pool's ``timeout_s`` plus the reward's own ``time_budget_s(metadata)``
 when it declares one (the code rewards: sandbox runs × (per-test timeout + start-up)), so a slow
@@ -37,6 +38,40 @@ from areal_jax.rewards.sandbox import reap_scratch_root, set_scratch_root
 logger = logging.getLogger(__name__)
 
 
+SCRATCH_PREFIX = "areal-reward-worker-"  # then the owning process's pid and a random part
+
+
+def reap_orphaned_scratch(root: str | None = None) -> list[str]:
+    """Reap (``reap_scratch_root``) every worker scratch directory under ``root`` (default: the
+    temp dir) whose owning process is gone; returns the directories reaped."""
+    root = root or tempfile.gettempdir()
+    reaped = []
+    for name in os.listdir(root):
+        pid = name[len(SCRATCH_PREFIX):].split("-", 1)[0]
+        if not (name.startswith(SCRATCH_PREFIX) and pid.isdigit()) or _alive(int(pid)):
+            continue
+        path = os.path.join(root, name)
+        try:
+            reap_scratch_root(path)
+        except OSError as e:  # another pool got there first, or not ours to remove
+            logger.debug("could not reap %s: %s", path, e)
+            continue
+        reaped.append(path)
+    if reaped:
+        logger.warning("reaped %d reward scratch directories of killed processes", len(reaped))
+    return reaped
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
 def _worker_main(conn, scratch: str) -> None:
     """Serve (reward path, completion, metadata) requests with ("ok", float) or ("error", msg)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -61,7 +96,7 @@ def _worker_main(conn, scratch: str) -> None:
 
 class _Worker:
     def __init__(self, ctx):
-        self.scratch = tempfile.mkdtemp(prefix="areal-reward-worker-")
+        self.scratch = tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-")
         os.chmod(self.scratch, 0o711)  # a sandbox uid must reach its own work directory
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(target=_worker_main, args=(child, self.scratch), daemon=True)
@@ -104,6 +139,7 @@ class RewardPool:
         self._custom = check_custom(custom)
         self._functions: dict[str, tuple[RewardFn, str]] = {}
         self._ctx = multiprocessing.get_context(start_method)
+        reap_orphaned_scratch()
         self._idle = [_Worker(self._ctx) for _ in range(num_workers)]
         self._busy: set[_Worker] = set()
         self._waiters: collections.deque[asyncio.Future] = collections.deque()

@@ -9,7 +9,10 @@ micro-batch is then packed into ``R`` rows of ``T`` tokens, several sequences pe
 4, 6, 8, 12, ... (times ``row_multiple``), so the number of distinct compiled shapes stays
 small. Among the buckets that hold the longest sequence, the layout with the lowest estimated
 cost ``R * T * (1 + T / attention_break_even)`` wins: padding costs, and so do long rows,
-since attention work per token grows with the row length. All per-token arrays
+since attention work per token grows with the row length. A shape the caller has already
+compiled (``known`` shapes) is taken instead when it costs at most ``reuse_tolerance`` times
+the best, so a run settles on the shapes it met first rather than compiling a new one for
+each small change of lengths. All per-token arrays
 are aligned to the *predicted* token: position ``j`` holds what the model predicts there, i.e.
 the next token of the same sequence.
 """
@@ -17,7 +20,7 @@ the next token of the same sequence.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Literal
 
 import numpy as np
@@ -39,6 +42,8 @@ class MicroBatchConfig:
     ``attention_break_even``: the row length at which a token's attention costs as much as its
     matmuls; None leaves it to the trainer, which derives it from the model (matmul parameters
     per layer / query width). Without one, layouts are compared by padded area alone.
+    ``reuse_tolerance``: a known (compiled) shape is used when its estimated cost is at most
+    this times the best layout's; 1 always takes the best layout.
     """
 
     token_budget: int = 16384
@@ -49,6 +54,7 @@ class MicroBatchConfig:
     bucket_base: int = 128
     row_multiple: int = 1
     attention_break_even: int | None = None
+    reuse_tolerance: float = 1.5
 
     def __post_init__(self):
         if self.mode not in ("dynamic", "fixed"):
@@ -57,6 +63,8 @@ class MicroBatchConfig:
                      "row_multiple"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.reuse_tolerance >= 1:
+            raise ValueError(f"reuse_tolerance must be >= 1, got {self.reuse_tolerance}")
         if self.attention_break_even is not None and self.attention_break_even < 1:
             raise ValueError(
                 f"attention_break_even must be >= 1 or null, got {self.attention_break_even}"
@@ -221,42 +229,55 @@ def choose_row_layout(
     buckets: Sequence[int],
     row_multiple: int = 1,
     attention_break_even: int | None = None,
-) -> tuple[int, list[list[int]]]:
-    """Pick the bucket T (and rows) of least estimated cost; ties: smaller T.
+    known: Collection[tuple[int, int]] = (),
+    reuse_tolerance: float = 1.0,
+) -> tuple[int, int, list[list[int]]]:
+    """Pick the shape (R, T) of least estimated cost; ties: smaller T.
 
-    Cost: ``R_bucketed * T * (1 + T / attention_break_even)``, the padded area alone when
-    ``attention_break_even`` is None. Returns (T, rows) with rows as lists of sequence indices;
-    ``len(rows)`` is the used rows.
+    Cost: ``R * T * (1 + T / attention_break_even)``, the padded area alone when
+    ``attention_break_even`` is None, with R the row count bucket of the rows first-fit needs
+    at T. A ``known`` shape (R', T) with R' >= those rows (and a multiple of ``row_multiple``)
+    is chosen instead when it costs at most ``reuse_tolerance`` times the best. Returns
+    (T, R, rows) with rows as lists of sequence indices; ``len(rows)`` is the used rows.
     """
     longest = max(lengths)
-    best = None
+
+    def cost(r: int, t: int) -> float:
+        return r * t * (1 + t / attention_break_even if attention_break_even else 1)
+
+    best = reuse = None
     for t in buckets:
         if t < longest:
             continue
         rows = _first_fit_rows(lengths, t)
-        cost = row_count_bucket(len(rows), row_multiple) * t
-        if attention_break_even is not None:
-            cost *= 1 + t / attention_break_even
-        if best is None or cost < best[0]:
-            best = (cost, t, rows)
+        r = row_count_bucket(len(rows), row_multiple)
+        if best is None or cost(r, t) < best[0]:
+            best = (cost(r, t), t, r, rows)
+        for rk, tk in known:
+            fits = tk == t and rk >= len(rows) and rk % row_multiple == 0
+            if fits and (reuse is None or cost(rk, t) < reuse[0]):
+                reuse = (cost(rk, t), t, rk, rows)
     if best is None:
         raise ValueError(
             f"a sequence of {longest} tokens exceeds the largest row bucket {buckets[-1]}"
         )
-    return best[1], best[2]
+    if reuse is not None and reuse[0] <= reuse_tolerance * best[0]:
+        best = reuse
+    return best[1], best[2], best[3]
 
 
 def padded_row_layout(
-    lengths: Sequence[int], buckets: Sequence[int]
-) -> tuple[int, list[list[int]]]:
-    """One sequence per row, in order, rows of the smallest bucket T that holds the longest."""
+    lengths: Sequence[int], buckets: Sequence[int], row_multiple: int = 1
+) -> tuple[int, int, list[list[int]]]:
+    """One sequence per row, in order, rows of the smallest bucket T that holds the longest;
+    (T, R, rows) as ``choose_row_layout``."""
     longest = max(lengths)
     row_len = next((t for t in buckets if t >= longest), None)
     if row_len is None:
         raise ValueError(
             f"a sequence of {longest} tokens exceeds the largest row bucket {buckets[-1]}"
         )
-    return row_len, [[i] for i in range(len(lengths))]
+    return row_len, row_count_bucket(len(lengths), row_multiple), [[i] for i in range(len(lengths))]
 
 
 def possible_shapes(cfg: MicroBatchConfig) -> set[tuple[int, int]]:
@@ -348,11 +369,14 @@ def pack_micro_batch(
     row_multiple: int = 1,
     attention_break_even: int | None = None,
     one_per_row: bool = False,
+    known: Collection[tuple[int, int]] = (),
+    reuse_tolerance: float = 1.0,
 ) -> PackedBatch:
     """Pack one micro-batch of trajectories into [R, T] rows (see ``PackedBatch``).
 
     ``advantages[i]`` is a scalar or a per-output-token array [O_i] for ``trajectories[i]``;
-    the layout is ``choose_row_layout``'s, or ``padded_row_layout``'s with ``one_per_row``.
+    the layout is ``choose_row_layout``'s (given ``known`` shapes and ``reuse_tolerance``), or
+    ``padded_row_layout``'s with ``one_per_row``.
     """
     if not trajectories:
         raise ValueError("cannot pack an empty micro-batch")
@@ -362,10 +386,11 @@ def pack_micro_batch(
         )
     lengths = [t.length for t in trajectories]
     if one_per_row:
-        row_len, rows = padded_row_layout(lengths, buckets)
+        row_len, n_rows, rows = padded_row_layout(lengths, buckets, row_multiple)
     else:
-        row_len, rows = choose_row_layout(lengths, buckets, row_multiple, attention_break_even)
-    n_rows = row_count_bucket(len(rows), row_multiple)
+        row_len, n_rows, rows = choose_row_layout(
+            lengths, buckets, row_multiple, attention_break_even, known, reuse_tolerance
+        )
     shape = (n_rows, row_len)
     out = {
         "tokens": np.zeros(shape, np.int32),
@@ -410,9 +435,11 @@ def pack_micro_batches(
     trajectories: Sequence[Trajectory],
     advantages: Sequence[float | np.ndarray],
     cfg: MicroBatchConfig,
+    known: Collection[tuple[int, int]] = (),
 ) -> list[PackedBatch]:
     """Plan micro-batches over a minibatch (Algorithm 1, or the fixed count of ``cfg.mode``)
-    and pack each one.
+    and pack each one, preferring ``known`` (already compiled) shapes, and those of the
+    micro-batches packed before it, within ``cfg.reuse_tolerance``.
 
     Each result's ``traj_index`` maps its local trajectory index to the position in
     ``trajectories``.
@@ -427,7 +454,7 @@ def pack_micro_batches(
         plan = plan_fixed_micro_batches(lengths, cfg.num_micro_batches, cfg.token_budget)
     else:
         plan = plan_micro_batches(lengths, cfg.token_budget, cfg.min_micro_batches)
-    packed = []
+    packed, known = [], set(known)
     for members in plan:
         batch = pack_micro_batch(
             [trajectories[i] for i in members],
@@ -436,9 +463,12 @@ def pack_micro_batches(
             cfg.row_multiple,
             cfg.attention_break_even,
             one_per_row=fixed,
+            known=known,
+            reuse_tolerance=cfg.reuse_tolerance,
         )
         batch.traj_index = np.asarray(members, dtype=np.int32)
         packed.append(batch)
+        known.add(batch.shape)  # the next micro-batches may share its program
     return packed
 
 

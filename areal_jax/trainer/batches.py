@@ -53,8 +53,10 @@ def minibatch_plan(
     n_minibatches: int,
     cfg: MicroBatchConfig,
     order: np.ndarray,
+    known: Collection[tuple[int, int]] = (),
 ) -> list[list[PackedBatch]]:
-    """Split ``trajs`` into minibatches balanced by tokens and pack each into micro-batches.
+    """Split ``trajs`` into minibatches balanced by tokens and pack each into micro-batches
+    (preferring the ``known`` shapes, see ``pack_micro_batches``).
 
     ``order`` [N] is a permutation of the trajectories; it decides ties of the balanced split,
     so equal-sized samples land in different minibatches from step to step. Each PackedBatch's
@@ -65,21 +67,24 @@ def minibatch_plan(
     plan = []
     for members in split_minibatches([trajs[i] for i in order], n_minibatches):
         index = np.array([position[id(t)] for t in members], dtype=np.int32)
-        packed = pack_micro_batches(members, [advantages[i] for i in index], cfg)
+        packed = pack_micro_batches(members, [advantages[i] for i in index], cfg, known)
         for batch in packed:
             batch.traj_index = index[batch.traj_index]
         plan.append(packed)
     return plan
 
 
-def pack_all(trajs: Sequence[Trajectory], cfg: MicroBatchConfig) -> list[PackedBatch]:
-    """Micro-batches of ``trajs`` with zero advantages (for forward passes only).
+def pack_all(
+    trajs: Sequence[Trajectory], cfg: MicroBatchConfig, known: Collection[tuple[int, int]] = ()
+) -> list[PackedBatch]:
+    """Micro-batches of ``trajs`` with zero advantages (for forward passes only), preferring
+    the ``known`` shapes.
 
     Always packed dynamically: the fixed-count mode is a baseline for training updates, and a
     whole batch in a minibatch's count of micro-batches could exceed the token budget.
     """
     dynamic = dataclasses.replace(cfg, mode="dynamic")
-    return pack_micro_batches(list(trajs), [0.0] * len(trajs), dynamic)
+    return pack_micro_batches(list(trajs), [0.0] * len(trajs), dynamic, known)
 
 
 def put_batch(batch: PackedBatch, mesh: Mesh, rules=None) -> dict[str, jax.Array]:

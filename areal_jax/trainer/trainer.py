@@ -9,6 +9,7 @@ only packed int/float arrays go in and scalar metrics come out.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import time
 from collections.abc import Sequence
@@ -26,7 +27,13 @@ from areal_jax.models import (
 )  # fmt: skip
 from areal_jax.parallel import make_mesh, model_shardings
 from areal_jax.parallel.multihost import host_array, is_leader
-from areal_jax.rl import kl_penalty, loss_normalizer, trajectory_advantages, unpack_outputs
+from areal_jax.rl import (
+    PackedBatch,
+    kl_penalty,
+    loss_normalizer,
+    trajectory_advantages,
+    unpack_outputs,
+)
 from areal_jax.trainer import batches
 from areal_jax.trainer.checkpoint import Checkpointer, abstract_like
 from areal_jax.trainer.config import TrainerConfig
@@ -35,6 +42,8 @@ from areal_jax.trainer.publish import publish_tensors
 from areal_jax.trainer.stats import batch_metrics, loss_metrics
 from areal_jax.trainer.step import TrainState, compile_steps
 from areal_jax.trajectory import Trajectory, TrajectoryGroup
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +105,8 @@ class Trainer:
         )
         self._rng = jax.random.key(config.seed)
         self._version = 0
+        # (R, T) shapes the step programs have met, hence compiled: packing prefers them
+        self._shapes: set[tuple[int, int]] = set()
         self._checkpoints = (
             Checkpointer(Path(config.run_dir) / "checkpoints", config.checkpoint_keep,
                          config.checkpoint_async)
@@ -127,8 +138,11 @@ class Trainer:
         metrics.update(batch_metrics(trajs, advantages, self._version))
         rng, key = jax.random.split(self._rng)
         order = np.asarray(jax.random.permutation(key, len(trajs)))
-        plan = batches.minibatch_plan(trajs, advantages, cfg.ppo_n_minibatches, self._mb_cfg, order)
+        plan = batches.minibatch_plan(
+            trajs, advantages, cfg.ppo_n_minibatches, self._mb_cfg, order, self._shapes
+        )
         self._rng = rng  # the batch is valid: from here on the step goes through
+        metrics["packing/new_shapes"] = float(self._met([b for mb in plan for b in mb]))
         device = [[batches.put_batch(b, self.mesh) for b in mb] for mb in plan]
         recompute = cfg.loss.needs_proximal and cfg.loss.prox_logp == "recompute"
         # Proximal log-probs: every micro-batch under the parameters before this step.
@@ -304,13 +318,24 @@ class Trainer:
         return nnx.state(ref, nnx.Param)
 
     def _logprobs(self, trajs: list[Trajectory], params: nnx.State) -> list[np.ndarray]:
-        packed = batches.pack_all(trajs, self._mb_cfg)
+        packed = batches.pack_all(trajs, self._mb_cfg, self._shapes)
+        self._met(packed)
         outs = [self._steps.logprobs(params, batches.put_batch(b, self.mesh)) for b in packed]
         result: list[np.ndarray] = [np.empty(0)] * len(trajs)
         for b, logp in zip(packed, [host_array(x) for x in outs]):
             for i, values in zip(b.traj_index, unpack_outputs(logp, b.placements)):
                 result[i] = values
         return result
+
+    def _met(self, packed: list[PackedBatch]) -> int:
+        """Record the shapes of ``packed``; a new one means a compile, which is logged.
+        Returns how many were new."""
+        new = sorted({b.shape for b in packed} - self._shapes)
+        for shape in new:
+            log.info("micro-batch shape %s (rows x tokens) is new: its step programs compile",
+                     shape)
+        self._shapes.update(new)
+        return len(new)
 
     def _reference_kl(self, trajs: list[Trajectory]) -> list[np.ndarray]:
         """Per-token KL(behaviour || reference) [O_i], estimated on the sampled tokens."""

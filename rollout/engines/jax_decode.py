@@ -3,8 +3,9 @@
 Both are pure jitted functions of (params, KV cache, per-slot arrays) with static shapes, so
 requests coming and going never recompile anything: ``prefill`` packs the contexts of any
 number of slots into one row and compiles once per bucket of that row's length, ``decode`` once
-per attention window (the same buckets), reading only as much of the cache as the longest
-sequence needs. The cache is donated to both and updated in place.
+per attention window (the same buckets) and batch bucket, reading only as much of the cache as
+the longest sequence needs and computing only as many rows as the bucket that holds every
+active slot. The cache is donated to both and updated in place.
 
 Each emitted token comes with a status code: ``RUNNING`` (the sequence goes on), ``STOP`` (a
 stop id was sampled), ``LENGTH`` (its last allowed token) or ``IDLE`` (the slot produced
@@ -117,18 +118,24 @@ def decode(
     cache: list[KVCache],
     stop_mask: jax.Array,
     slots: SlotArrays,
+    rows: jax.Array,
 ):
     """Run ``steps`` decode steps for every active slot; finished slots stop writing.
 
-    layers: ``split_layers(params)``; cache: as for ``prefill``. Attention reads
-    only the first ``window`` cache entries, so every position this call writes must be below
-    it: ``window >= max(active positions) + steps`` (or = S). Returns (cache, slots after the
-    last step, tokens [steps, B] int32, logprobs [steps, B] float32, status [steps, B] int8).
-    Steps after every slot finished are skipped.
+    layers: ``split_layers(params)``; cache: as for ``prefill``. Only the slots ``rows`` [N]
+    (distinct, every active slot among them) are computed, so a call costs what N rows cost,
+    not all B: their cache rows, state and stop masks are gathered once per call and written
+    back at its end. Attention reads only the first ``window`` cache entries, so every
+    position this call writes must be below it: ``window >= max(active positions) + steps``
+    (or = S). Returns (cache, slots after the last step, tokens [steps, B] int32, logprobs
+    [steps, B] float32, status [steps, B] int8; rows not computed are ``IDLE``). Steps after
+    every slot finished are skipped.
     """
     model = nnx.merge(graphdef, params)
-    full = cache
-    cache = [KVCache(c.k[..., :window], c.v[:, :, :window]) for c in full]
+    full, every = cache, slots
+    cache = [KVCache(c.k[rows, ..., :window], c.v[rows, :, :window]) for c in full]
+    slots = jax.tree.map(lambda a: a[rows], every)
+    stop_mask = stop_mask[rows]
 
     def step(cache, s: SlotArrays):
         hidden, cache = model.decode_step(layers, s.tokens, s.positions, s.active, cache)
@@ -153,9 +160,13 @@ def decode(
         cache, s, token, logprob, status = jax.lax.cond(jnp.any(s.active), step, idle, cache, s)
         return (cache, s), (token, logprob, status)
 
-    (cache, slots), (tokens, logprobs, status) = jax.lax.scan(body, (cache, slots), length=steps)
+    (cache, slots), outputs = jax.lax.scan(body, (cache, slots), length=steps)
     cache = [
-        KVCache(f.k.at[..., :window].set(c.k), f.v.at[:, :, :window].set(c.v))
+        KVCache(f.k.at[rows, ..., :window].set(c.k), f.v.at[rows, :, :window].set(c.v))
         for f, c in zip(full, cache)
     ]
+    slots = jax.tree.map(lambda a, part: a.at[rows].set(part), every, slots)
+    tokens, logprobs, status = (
+        jnp.zeros((steps, every.tokens.shape[0]), o.dtype).at[:, rows].set(o) for o in outputs
+    )
     return cache, slots, tokens, logprobs, status

@@ -41,6 +41,9 @@ class JaxEngineOptions:
     """``engine.options`` for ``engine.kind: jax``."""
 
     num_slots: int = 8  # sequences decoded together
+    # decode batch sizes: a call computes the smallest that holds every active slot;
+    # default num_slots and its halvings down to a quarter
+    batch_buckets: list[int] | None = None
     max_seq_len: int | None = None  # cache length = max prompt + output; default min(model, 2048)
     prefill_buckets: list[int] | None = None  # prompt paddings; default powers of two from 16
     decode_steps_per_call: int = 8  # decode steps inside one device call
@@ -60,13 +63,21 @@ class JaxEngineOptions:
             for i, b in enumerate(self.prefill_buckets):
                 if b < 1:
                     raise ConfigError(f"engine.options.prefill_buckets[{i}]: must be >= 1, got {b}")
+        if self.batch_buckets is not None:
+            if not self.batch_buckets:
+                raise ConfigError("engine.options.batch_buckets: must not be empty")
+            for i, b in enumerate(self.batch_buckets):
+                if not 1 <= b <= self.num_slots:
+                    raise ConfigError(f"engine.options.batch_buckets[{i}]: must be in "
+                                      f"[1, num_slots={self.num_slots}], got {b}")
         if self.seed < 0:
             raise ConfigError(f"engine.options.seed: must be >= 0, got {self.seed}")
 
     def resolved(self, cfg: ModelConfig) -> JaxEngineOptions:
-        """These options with ``max_seq_len``, ``prefill_buckets`` and ``dtype`` made concrete.
+        """These options with ``max_seq_len``, the buckets and ``dtype`` made concrete.
 
-        The buckets always end with ``max_seq_len`` so that every context fits one.
+        The prefill buckets always end with ``max_seq_len`` so that every context fits one,
+        the batch buckets with ``num_slots``.
         """
         max_len = self.max_seq_len or min(cfg.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
         if max_len > cfg.max_position_embeddings:
@@ -85,8 +96,12 @@ class JaxEngineOptions:
         dtype = self.dtype
         if dtype == "auto":
             dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+        batch = self.batch_buckets
+        if batch is None:
+            batch = [max(1, self.num_slots // 4), max(1, self.num_slots // 2)]
         return dataclasses.replace(
-            self, max_seq_len=max_len, prefill_buckets=sorted({*buckets, max_len}), dtype=dtype
+            self, max_seq_len=max_len, prefill_buckets=sorted({*buckets, max_len}),
+            batch_buckets=sorted({*batch, self.num_slots}), dtype=dtype,
         )
 
 
@@ -151,6 +166,7 @@ class JaxEngine(GenerationEngine):
         self._worker = DecodeWorker(
             graphdef, params, self._initial_version, self._cfg,
             num_slots=o.num_slots, max_seq_len=o.max_seq_len, prefill_buckets=o.prefill_buckets,
+            batch_buckets=o.batch_buckets,
             decode_steps=o.decode_steps_per_call, swap_mode=o.swap_mode, dtype=self._dtype,
         )
         self._worker.start()
@@ -244,6 +260,7 @@ class JaxEngine(GenerationEngine):
             "prefill_calls": w.prefill_calls,
             "prefill_seconds": w.prefill_seconds,
             "decode_calls": w.decode_calls,
+            "decode_rows": w.decode_rows,
         }
 
 

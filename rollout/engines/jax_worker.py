@@ -6,8 +6,8 @@ thread that calls the device programs, so the event loop never blocks on device 
 run control commands, drop cancelled requests, swap weights when due, move queued requests
 into free slots, prefill every slot that needs it (newly admitted, or invalidated by a swap)
 with their contexts packed into as few calls as the largest bucket allows, then run decode
-calls of several steps for all slots, attending over the smallest bucket of cache entries
-that holds every sequence; while nothing on the host needs a turn, each decode call is
+calls of several steps, each computing the smallest batch bucket of slots that holds every
+active one and attending over the smallest bucket of cache entries that holds every sequence; while nothing on the host needs a turn, each decode call is
 dispatched before the previous one's tokens are read back. Chunks go back to each request
 through its ``deliver`` callback.
 
@@ -56,17 +56,20 @@ class DecodeWorker:
         num_slots: int,
         max_seq_len: int,
         prefill_buckets: list[int],
+        batch_buckets: list[int],
         decode_steps: int,
         swap_mode: str,
         dtype,
     ):
         self.version = version
         self.swaps = self.prefill_calls = self.decode_calls = self.reprefills = 0
+        self.decode_rows = 0  # slots computed, summed over decode calls
         self.prefill_seconds = 0.0  # wall time of prefill calls, read-back included
         self.error: EngineError | None = None
         self._graphdef, self._params = graphdef, params
         self._layers = jax_decode.split_layers(graphdef, params)
         self._buckets = sorted(prefill_buckets)
+        self._batch_buckets = sorted(batch_buckets)
         self._steps, self._swap_mode = decode_steps, swap_mode
         # Placed like the parameters, as the programs' outputs are: inputs keep one sharding
         # from the first call on, so nothing compiles twice.
@@ -286,27 +289,40 @@ class DecodeWorker:
         """
         a = self._slots.arrays
         reach = int(a.positions[a.active].max())
-        current = self._dispatch(jax.device_put(a, self._placement), reach)
+        rows = self._rows()
+        current = self._dispatch(jax.device_put(a, self._placement), reach, rows)
         while True:
             chained = None
             if self._may_chain():
                 reach += self._steps
-                chained = self._dispatch(current[0], reach)
+                chained = self._dispatch(current[0], reach, rows)
             new, tokens, logprobs, status = jax.device_get(current)
             for seq, chunk in self._slots.absorb(new, tokens, logprobs, status, self.version):
                 self._send(seq, chunk)
             if chained is None:
                 return
             current = chained
+            # The slots active after the call just read back include every slot active when
+            # the next call starts (one later), so the batch shrinks as sequences finish.
+            rows = self._rows()
 
-    def _dispatch(self, slots: jax_decode.SlotArrays, reach: int) -> tuple:
-        """Start one decode call from ``slots`` (positions at most ``reach``); its outputs."""
+    def _rows(self) -> np.ndarray:
+        """The slots a decode call computes: every active one, padded with inactive ones to
+        the smallest batch bucket that holds them (ascending, distinct)."""
+        active = self._slots.arrays.active
+        size = next(b for b in self._batch_buckets if b >= active.sum())
+        return np.sort(np.argsort(~active, kind="stable")[:size]).astype(np.int32)
+
+    def _dispatch(self, slots: jax_decode.SlotArrays, reach: int, rows: np.ndarray) -> tuple:
+        """Start one decode call from ``slots`` (positions at most ``reach``) computing the
+        slots ``rows``; its outputs."""
         window = next((b for b in self._buckets if b >= reach + self._steps), self._buckets[-1])
         self._cache, new, tokens, logprobs, status = jax_decode.decode(
             self._graphdef, self._steps, window, self._params, self._layers, self._cache,
-            self._stop_mask, slots,
+            self._stop_mask, slots, rows,
         )
         self.decode_calls += 1
+        self.decode_rows += len(rows)
         return new, tokens, logprobs, status
 
     def _may_chain(self) -> bool:

@@ -47,8 +47,10 @@ def reap_orphaned_scratch(root: str | None = None) -> list[str]:
     root = root or tempfile.gettempdir()
     reaped = []
     for name in os.listdir(root):
-        pid = name[len(SCRATCH_PREFIX):].split("-", 1)[0]
-        if not (name.startswith(SCRATCH_PREFIX) and pid.isdigit()) or _alive(int(pid)):
+        if not name.startswith(SCRATCH_PREFIX):
+            continue
+        pid = name.removeprefix(SCRATCH_PREFIX).split("-", 1)[0]
+        if not pid.isdigit() or _alive(int(pid)):
             continue
         path = os.path.join(root, name)
         try:

@@ -56,7 +56,8 @@ def minibatch_plan(
     known: Collection[tuple[int, int]] = (),
 ) -> list[list[PackedBatch]]:
     """Split ``trajs`` into minibatches balanced by tokens and pack each into micro-batches
-    (preferring the ``known`` shapes, see ``pack_micro_batches``).
+    (preferring the ``known`` shapes and those of earlier minibatches, see
+    ``pack_micro_batches``).
 
     ``order`` [N] is a permutation of the trajectories; it decides ties of the balanced split,
     so equal-sized samples land in different minibatches from step to step. Each PackedBatch's
@@ -64,12 +65,13 @@ def minibatch_plan(
     """
     check_split(trajs, n_minibatches)
     position = {id(t): i for i, t in enumerate(trajs)}
-    plan = []
+    plan, known = [], set(known)
     for members in split_minibatches([trajs[i] for i in order], n_minibatches):
         index = np.array([position[id(t)] for t in members], dtype=np.int32)
         packed = pack_micro_batches(members, [advantages[i] for i in index], cfg, known)
         for batch in packed:
             batch.traj_index = index[batch.traj_index]
+            known.add(batch.shape)  # later minibatches may share its programs
         plan.append(packed)
     return plan
 

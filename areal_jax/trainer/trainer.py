@@ -105,8 +105,10 @@ class Trainer:
         )
         self._rng = jax.random.key(config.seed)
         self._version = 0
-        # (R, T) shapes the step programs have met, hence compiled: packing prefers them
-        self._shapes: set[tuple[int, int]] = set()
+        # (R, T) shapes met, hence compiled: by the train step (log-prob forward and
+        # accumulation), and by log-prob forwards alone. Packing prefers them.
+        self._train_shapes: set[tuple[int, int]] = set()
+        self._forward_shapes: set[tuple[int, int]] = set()
         self._checkpoints = (
             Checkpointer(Path(config.run_dir) / "checkpoints", config.checkpoint_keep,
                          config.checkpoint_async)
@@ -139,10 +141,11 @@ class Trainer:
         rng, key = jax.random.split(self._rng)
         order = np.asarray(jax.random.permutation(key, len(trajs)))
         plan = batches.minibatch_plan(
-            trajs, advantages, cfg.ppo_n_minibatches, self._mb_cfg, order, self._shapes
+            trajs, advantages, cfg.ppo_n_minibatches, self._mb_cfg, order, self._train_shapes
         )
         self._rng = rng  # the batch is valid: from here on the step goes through
-        metrics["packing/new_shapes"] = float(self._met([b for mb in plan for b in mb]))
+        new = _record_shapes(self._train_shapes, [b for mb in plan for b in mb])
+        metrics["packing/new_shapes"] = float(new)
         device = [[batches.put_batch(b, self.mesh) for b in mb] for mb in plan]
         recompute = cfg.loss.needs_proximal and cfg.loss.prox_logp == "recompute"
         # Proximal log-probs: every micro-batch under the parameters before this step.
@@ -318,24 +321,14 @@ class Trainer:
         return nnx.state(ref, nnx.Param)
 
     def _logprobs(self, trajs: list[Trajectory], params: nnx.State) -> list[np.ndarray]:
-        packed = batches.pack_all(trajs, self._mb_cfg, self._shapes)
-        self._met(packed)
+        packed = batches.pack_all(trajs, self._mb_cfg, self._train_shapes | self._forward_shapes)
+        _record_shapes(self._forward_shapes, packed)
         outs = [self._steps.logprobs(params, batches.put_batch(b, self.mesh)) for b in packed]
         result: list[np.ndarray] = [np.empty(0)] * len(trajs)
         for b, logp in zip(packed, [host_array(x) for x in outs]):
             for i, values in zip(b.traj_index, unpack_outputs(logp, b.placements)):
                 result[i] = values
         return result
-
-    def _met(self, packed: list[PackedBatch]) -> int:
-        """Record the shapes of ``packed``; a new one means a compile, which is logged.
-        Returns how many were new."""
-        new = sorted({b.shape for b in packed} - self._shapes)
-        for shape in new:
-            log.info("micro-batch shape %s (rows x tokens) is new: its step programs compile",
-                     shape)
-        self._shapes.update(new)
-        return len(new)
 
     def _reference_kl(self, trajs: list[Trajectory]) -> list[np.ndarray]:
         """Per-token KL(behaviour || reference) [O_i], estimated on the sampled tokens."""
@@ -375,3 +368,13 @@ def _sft_trajectories(examples, version: int) -> list[Trajectory]:
         n = len(response)
         trajs.append(Trajectory(prompt, response, np.zeros(n, np.float32), np.full(n, version)))
     return trajs
+
+
+def _record_shapes(known: set[tuple[int, int]], packed: list[PackedBatch]) -> int:
+    """Add the shapes of ``packed`` to ``known``; a new one means a compile, which is logged.
+    Returns how many were new."""
+    new = sorted({b.shape for b in packed} - known)
+    for shape in new:
+        log.info("micro-batch shape %s (rows x tokens) is new: its programs compile", shape)
+    known.update(new)
+    return len(new)

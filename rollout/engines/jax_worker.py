@@ -7,7 +7,8 @@ run control commands, drop cancelled requests, swap weights when due, move queue
 into free slots, prefill every slot that needs it (newly admitted, or invalidated by a swap)
 with their contexts packed into as few calls as the largest bucket allows, then run decode
 calls of several steps, each computing the smallest batch bucket of slots that holds every
-active one and attending over the smallest bucket of cache entries that holds every sequence; while nothing on the host needs a turn, each decode call is
+active one and attending over the smallest bucket of cache entries that holds every
+sequence; while nothing on the host needs a turn, each decode call is
 dispatched before the previous one's tokens are read back. Chunks go back to each request
 through its ``deliver`` callback.
 

@@ -3,13 +3,16 @@
 XLA programs compiled once are stored on disk and reused by later runs, by the rollout servers
 a run launches (they inherit the environment) and by the test suite, so a restarted or repeated
 run does not pay compilation again. ``CompileMeter`` reports how much time a step spent
-compiling, so a late recompile shows up in the metrics instead of as an unexplained slow step.
+compiling, so a late recompile shows up in the metrics instead of as an unexplained slow step;
+compilation on a thread marked ``compiling_ahead()`` (off the critical path) is counted apart.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 _TRACE_EVENTS = (
@@ -49,13 +52,26 @@ def enable_compilation_cache(directory: str | Path | None = None) -> Path | None
     return path
 
 
+_thread_state = threading.local()
+
+
+@contextlib.contextmanager
+def compiling_ahead() -> Iterator[None]:
+    """Mark compilation on this thread as ahead of need (``CompileMeter.take_ahead``)."""
+    _thread_state.ahead = True
+    try:
+        yield
+    finally:
+        _thread_state.ahead = False
+
+
 class CompileMeter:
     """Seconds spent tracing, lowering and compiling, and programs compiled, in this process
-    since the previous ``take()``."""
+    since the previous ``take()``: on the threads that need the programs (``take``) and on
+    threads compiling ahead (``take_ahead``)."""
 
     _lock = threading.Lock()
-    _seconds = 0.0
-    _programs = 0
+    _totals = {False: [0.0, 0], True: [0.0, 0]}  # compiled ahead? -> [seconds, programs]
     _registered = False
 
     def __init__(self):
@@ -66,19 +82,26 @@ class CompileMeter:
             if not cls._registered:
                 jax.monitoring.register_event_duration_secs_listener(cls._on_event)
                 cls._registered = True
-            self._seen = (cls._seconds, cls._programs)
+            self._seen = {ahead: tuple(total) for ahead, total in cls._totals.items()}
 
     @classmethod
     def _on_event(cls, event: str, duration: float, **_) -> None:
         if event in _TRACE_EVENTS:
             with cls._lock:
-                cls._seconds += duration
-                cls._programs += event == _BACKEND_EVENT
+                total = cls._totals[getattr(_thread_state, "ahead", False)]
+                total[0] += duration
+                total[1] += event == _BACKEND_EVENT
 
     def take(self) -> tuple[float, int]:
-        cls = type(self)
-        with cls._lock:
-            now = (cls._seconds, cls._programs)
-        seconds, programs = now[0] - self._seen[0], now[1] - self._seen[1]
-        self._seen = now
-        return seconds, programs
+        """(seconds, programs) compiled where they were needed, since the previous ``take``."""
+        return self._take(ahead=False)
+
+    def take_ahead(self) -> tuple[float, int]:
+        """(seconds, programs) compiled ahead of need, since the previous ``take_ahead``."""
+        return self._take(ahead=True)
+
+    def _take(self, ahead: bool) -> tuple[float, int]:
+        with self._lock:
+            now = tuple(self._totals[ahead])
+        seen, self._seen[ahead] = self._seen[ahead], now
+        return now[0] - seen[0], now[1] - seen[1]

@@ -19,6 +19,8 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
+# Held-out accuracy of a finished run's kept exports, written by `areal-jax eval --curve`.
+EVAL_CURVE_FILE = "eval_curve.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 _RESERVED = ("step", "wall_time")
 

@@ -3,7 +3,8 @@
 Panels and the metric keys they read (a panel appears when any of its keys is present):
 
 - Reward: ``reward/mean``
-- Eval accuracy: ``eval/accuracy``
+- Eval accuracy: ``eval/accuracy``, and the accuracy of kept exports measured after the run
+  (``RUN_DIR/eval_curve.jsonl`` from ``areal-jax eval --curve``) when that file exists
 - Response length (tokens): ``response_length/mean``, ``response_length/max``
 - Staleness (versions): ``staleness/mean``, ``staleness/max``
 - Throughput (tokens/s): ``throughput/tokens_per_s``
@@ -17,11 +18,12 @@ import json
 import math
 from pathlib import Path
 
-from areal_jax.metrics import METRICS_FILE
+from areal_jax.metrics import EVAL_CURVE_FILE, METRICS_FILE
 
+CURVE_KEY = "eval/accuracy (exports, after the run)"
 PANELS: list[tuple[str, tuple[str, ...]]] = [
     ("Reward", ("reward/mean",)),
-    ("Eval accuracy", ("eval/accuracy",)),
+    ("Eval accuracy", ("eval/accuracy", CURVE_KEY)),
     ("Response length (tokens)", ("response_length/mean", "response_length/max")),
     ("Staleness (versions)", ("staleness/mean", "staleness/max")),
     ("Throughput (tokens/s)", ("throughput/tokens_per_s",)),
@@ -73,6 +75,10 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
 
     run_dir = Path(run_dir)
     series = read_series(run_dir / METRICS_FILE)
+    if (run_dir / EVAL_CURVE_FILE).is_file():
+        curve = read_series(run_dir / EVAL_CURVE_FILE).get("eval/accuracy")
+        if curve:
+            series[CURVE_KEY] = curve
     panels = [(title, [k for k in keys if k in series]) for title, keys in PANELS]
     panels = [(title, keys) for title, keys in panels if keys]
     if not panels:

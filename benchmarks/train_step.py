@@ -12,9 +12,12 @@ decoupled-PPO line adds the proximal log-prob forward pass. Each measurement run
 process (XLA's and PyTorch's idle worker threads would otherwise compete), and the sequence of
 measurements is repeated ``--repeats`` times; the table shows medians. MFU counts model FLOPs
 (6 x matmul params + 6 x layers x T x q-dim per token: causal attention, half the full score
-matrix, the usual convention) against a measured large fp32 matmul.
+matrix, the usual convention) against a measured large fp32 matmul. ``--dtype bfloat16``
+computes in bf16 on both sides with fp32 master weights and optimiser state (ours:
+``trainer.dtype``; PyTorch: CPU autocast to bf16 around the forward pass).
 
-Usage: python benchmarks/train_step.py [--rows 8 --seq 512 --steps 5 --repeats 2 --lengths fixed]
+Usage: python benchmarks/train_step.py [--rows 8 --seq 512 --steps 5 --repeats 2 --lengths fixed
+       --dtype float32]
 """
 
 from __future__ import annotations
@@ -95,12 +98,13 @@ def make_batch(rows: int, seq: int, vocab: int, lengths: str = "fixed",
     return groups
 
 
-def ours_step(model_dir: str, groups, rows: int, seq: int, decoupled: bool, scan_layers: bool):
+def ours_step(model_dir: str, groups, rows: int, seq: int, decoupled: bool, scan_layers: bool,
+              dtype: str):
     """A compiled ``Trainer.train_on_batch`` on ``groups`` as a no-argument callable."""
     loss = LossConfig() if decoupled else LossConfig(policy_loss="ppo")
     cfg = TrainerConfig(
         model_path=model_dir, lr=1e-5, ppo_n_minibatches=1, grad_clip=CLIP, loss=loss,
-        scan_layers=scan_layers,
+        scan_layers=scan_layers, dtype=dtype,
         micro_batch=MicroBatchConfig(token_budget=rows * seq, row_buckets=(seq, rows * seq)),
         advantage=AdvantageConfig(estimator="grpo"),
     )  # fmt: skip
@@ -109,8 +113,11 @@ def ours_step(model_dir: str, groups, rows: int, seq: int, decoupled: bool, scan
     return lambda: trainer.train_on_batch(groups)
 
 
-def torch_step(model_dir: str, groups, threads: int):
-    """A PyTorch forward + PPO loss + backward + clip + AdamW step as a callable."""
+def torch_step(model_dir: str, groups, threads: int, dtype: str):
+    """A PyTorch forward + PPO loss + backward + clip + AdamW step as a callable (fp32 weights;
+    the forward under CPU autocast when ``dtype`` is bfloat16)."""
+    import contextlib
+
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -135,8 +142,15 @@ def torch_step(model_dir: str, groups, threads: int):
     behav = padded([t.behav_logprobs for t in trajs], torch.float32)
     advantages = padded(adv, torch.float32)
 
+    def autocast():
+        if dtype == "bfloat16":
+            return torch.autocast("cpu", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
     def step():
-        logits = model(tokens, attention_mask=attention_mask).logits[:, PROMPT - 1 : -1].float()
+        with autocast():
+            logits = model(tokens, attention_mask=attention_mask).logits
+        logits = logits[:, PROMPT - 1 : -1].float()
         logp = torch.log_softmax(logits, -1).gather(-1, tokens[:, PROMPT:, None])[..., 0]
         ratio = torch.exp(logp - behav)
         surrogate = torch.minimum(ratio * advantages, ratio.clamp(0.8, 1.2) * advantages)
@@ -195,11 +209,11 @@ def measure(kind: str, args: argparse.Namespace) -> list[float]:
         with tempfile.TemporaryDirectory() as model_dir:
             export_hf(init_model(cfg, seed=0), model_dir)
             if kind == "torch_ppo":
-                step = torch_step(model_dir, groups, args.torch_threads)
+                step = torch_step(model_dir, groups, args.torch_threads, args.dtype)
             else:
                 step = ours_step(model_dir, groups, args.rows, args.seq,
                                  decoupled=kind.startswith("jax_decoupled"),
-                                 scan_layers=not kind.endswith("_unrolled"))
+                                 scan_layers=not kind.endswith("_unrolled"), dtype=args.dtype)
     return [_timed(step) for _ in range(args.steps)]
 
 
@@ -219,6 +233,8 @@ def main() -> None:
     parser.add_argument("--lengths", choices=["fixed", "rl"], default="fixed",
                         help="fixed: every sequence --seq tokens; rl: long-tailed response "
                              "lengths (packed by us, padded to the longest by PyTorch)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="compute dtype of both sides (weights and optimiser stay fp32)")
     args = parser.parse_args()
     if args.rows % 4:
         parser.error("--rows must be a multiple of 4 (groups of 4)")
@@ -236,6 +252,7 @@ def main() -> None:
     tokens, flops = sum(lengths), step_flops(cfg, groups)
     peak = max(samples["peak"])
     print(f"model: {MODEL}")
+    print(f"compute dtype: {args.dtype} (fp32 weights and optimiser state on both sides)")
     print(f"batch ({args.lengths} lengths): {len(lengths)} sequences of {min(lengths)} to "
           f"{max(lengths)} tokens, {tokens} tokens/step (rows of {args.seq} for packing); "
           f"{args.repeats} x {args.steps} timed steps per line, median")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import json
 import time
@@ -42,6 +43,7 @@ class RecordingTrainer:
         self.batches = []  # (version at training, groups)
         self.saved = []
         self.train_spans: list[tuple[float, float]] = []
+        self.idle_spans: list[tuple[float, float]] = []  # the loop's waits for a batch
         self.published_at: dict[int, float] = {}
 
     def train_on_batch(self, groups):
@@ -51,6 +53,14 @@ class RecordingTrainer:
         self.version += 1
         self.train_spans.append((start, time.monotonic()))
         return {"loss": 0.0}
+
+    @contextlib.contextmanager
+    def idle(self):
+        start = time.monotonic()
+        try:
+            yield
+        finally:
+            self.idle_spans.append((start, time.monotonic()))
 
     def snapshot_for_publish(self):
         version, path = self.version, self.exports / f"v{self.version}"

@@ -1,13 +1,16 @@
-"""The persistent compilation cache and the per-step compile meter."""
+"""The persistent compilation cache, the per-step compile meter, compiling ahead."""
 
 import subprocess
 import sys
+import threading
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from areal_jax.compilation import CompileMeter
+from areal_jax.compilation import CompileMeter, compiling_ahead
+from areal_jax.trainer.ahead import AheadCompiler
 
 PROGRAM = """
 import sys
@@ -49,3 +52,98 @@ def test_compile_meter_counts_new_programs_only():
     assert meter.take() == (0.0, 0)
     f(np.ones(6, np.float32)).block_until_ready()  # a new shape compiles again
     assert meter.take()[1] == 1
+
+
+def test_compile_meter_counts_compiling_ahead_apart():
+    meter = CompileMeter()
+    f = jax.jit(lambda x: jnp.cos(x) * 5.5 - 2)
+    thread = threading.Thread(target=lambda: _compile_ahead(f, np.ones(7, np.float32)))
+    thread.start()
+    thread.join()
+    assert meter.take() == (0.0, 0)
+    seconds, programs = meter.take_ahead()
+    assert programs == 1 and seconds > 0
+    f(np.ones(7, np.float32)).block_until_ready()  # compiled ahead: the call compiles nothing
+    assert meter.take() == (0.0, 0) and meter.take_ahead() == (0.0, 0)
+
+
+def _compile_ahead(f, x):
+    with compiling_ahead():
+        f.lower(x).compile()
+
+
+def test_ahead_compiler_runs_each_key_once_and_a_claim_waits_for_a_running_job():
+    ahead = AheadCompiler(settle_s=0)
+    started, release, runs = threading.Event(), threading.Event(), []
+
+    def slow():
+        started.set()
+        release.wait(10)
+        runs.append("slow")
+
+    with ahead.idle():
+        assert ahead.submit("a", slow)
+        assert not ahead.submit("a", slow)  # queued or running: not again
+        assert ahead.submit("b", lambda: runs.append("b"))
+        started.wait(10)
+        claimed = []
+        waiter = threading.Thread(target=lambda: claimed.append(ahead.claim("a")))
+        waiter.start()
+        waiter.join(0.2)
+        assert waiter.is_alive()  # "a" is compiling: the claim waits for it
+        release.set()
+        waiter.join(10)
+        assert claimed == [True]
+        assert ahead.wait_done(10)
+    assert runs == ["slow", "b"] and ahead.compiled() == {"a", "b"}
+    assert not ahead.submit("b", lambda: runs.append("again"))
+    ahead.close()
+
+
+def test_ahead_compiler_claim_takes_a_queued_job_and_failures_fall_back(caplog):
+    ahead = AheadCompiler(settle_s=0)
+    runs = []
+    ahead.submit("queued", lambda: runs.append("queued"))
+    assert ahead.claim("queued") is False  # taken off the queue: the caller compiles it
+    ahead.submit("bad", lambda: 1 / 0)
+    with ahead.idle():
+        assert ahead.wait_done(10)
+    assert runs == [] and "bad" not in ahead.compiled()
+    assert "compiling bad ahead failed" in caplog.text
+    assert ahead.claim("bad") is False
+    assert not ahead.submit("bad", lambda: runs.append("bad again"))
+    ahead.submit("late", lambda: runs.append("late"))
+    ahead.close()  # drops the queued job
+    assert not ahead.submit("after", lambda: runs.append("after"))
+    assert runs == []
+
+
+def test_ahead_compiler_starts_a_job_once_an_idle_window_has_lasted_settle_s():
+    ahead = AheadCompiler(settle_s=0.5)
+    started = []
+    ahead.submit("a", lambda: started.append(time.monotonic()))
+    with ahead.idle():
+        opened = time.monotonic()
+        time.sleep(0.3)
+        with ahead.idle():  # a nested window does not restart the clock
+            assert ahead.wait_done(10)
+    assert started[0] - opened >= 0.5
+    ahead.submit("b", lambda: started.append(time.monotonic()))
+    with ahead.idle():
+        time.sleep(0.2)  # closed before settle_s: the job does not start
+    assert not ahead.wait_done(0.7) and len(started) == 1
+    ahead.close()
+
+
+def test_ahead_compiler_starts_jobs_only_while_its_owner_is_idle():
+    ahead = AheadCompiler(settle_s=0)
+    runs, gate = [], threading.Event()
+    ahead.submit("a", lambda: (gate.wait(10), runs.append("a")))
+    ahead.submit("b", lambda: runs.append("b"))
+    assert not ahead.wait_done(0.3)
+    assert runs == [] and ahead.pending() == 2
+    with ahead.idle():
+        gate.set()
+        assert ahead.wait_done(10)
+    assert runs == ["a", "b"]
+    ahead.close()

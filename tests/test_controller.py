@@ -32,6 +32,18 @@ def test_loop_respects_staleness_and_loses_nothing(tmp_path, mode, eta):
     assert [v for v, _ in trainer.saved] == [2, 4, 6]
 
 
+def test_the_trainer_is_idle_only_while_the_loop_waits_for_a_batch(tmp_path):
+    """Programs compile ahead only in the trainer's idle windows: the loop opens them while no
+    batch is ready, never while a step trains."""
+    trainer = RecordingTrainer(exports_dir(tmp_path), train_s=0.05)
+    run_on_servers(tmp_path, [ArithmeticEngine(step_s=0.01)], config(tmp_path), trainer,
+                   items(40), 4)
+    assert trainer.idle_spans  # slow generation: the loop waited for batches
+    for start, end in trainer.idle_spans:
+        for t0, t1 in trainer.train_spans:
+            assert end <= t0 or start >= t1, "an idle window overlapped a train step"
+
+
 def test_dead_server_groups_are_resubmitted_elsewhere(tmp_path):
     prompts = items(60)
     trainer = RecordingTrainer(exports_dir(tmp_path))

@@ -10,7 +10,7 @@ from PIL import Image
 from tensorboardX.proto.event_pb2 import Event
 
 from areal_jax.cli import main as cli_main
-from areal_jax.metrics import METRICS_FILE, TENSORBOARD_DIR, MetricsLogger
+from areal_jax.metrics import EVAL_CURVE_FILE, METRICS_FILE, TENSORBOARD_DIR, MetricsLogger
 from areal_jax.plotting import DPI, PANEL_SIZE_IN, PlotError, plot_run, read_series
 
 
@@ -163,3 +163,14 @@ def test_read_series_skips_nulls(tmp_path):
         '{"step": 2, "wall_time": 3.0, "loss": 1.0}\n'
     )
     assert read_series(tmp_path / METRICS_FILE) == {"loss": ([0, 2], [2.0, 1.0])}
+
+
+def test_plot_adds_the_accuracy_curve_measured_after_the_run(tmp_path):
+    _synthetic_run(tmp_path, ["loss"])
+    with Image.open(plot_run(tmp_path)) as image:  # one panel
+        assert image.size == (PANEL_SIZE_IN[0] * DPI, PANEL_SIZE_IN[1] * DPI)
+    (tmp_path / EVAL_CURVE_FILE).write_text(
+        "".join(json.dumps({"step": v, "eval/accuracy": a}) + "\n"
+                for v, a in ((0, 0.5), (10, 0.25), (20, 0.75))))
+    with Image.open(plot_run(tmp_path)) as image:  # and the eval accuracy panel
+        assert image.size == (2 * PANEL_SIZE_IN[0] * DPI, PANEL_SIZE_IN[1] * DPI)

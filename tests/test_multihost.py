@@ -141,10 +141,12 @@ def test_two_processes_train_like_one_and_restore_together(tmp_path):
     leader = json.loads((out / "leader.json").read_text())
     assert "ppo_n_minibatches=2 is more than the 1 trajectories" in leader["error"]
     for got, want in zip(leader["metrics"], expected, strict=True):
-        for key in ("loss", "grad_norm", "ppo/approx_kl", "ppo/entropy", "version"):
-            # fp32 rounding of differently ordered sums; approx_kl (a small difference of
-            # log-probs) shows it most, at a few 1e-5 relative.
+        for key in ("loss", "grad_norm", "ppo/entropy", "version"):
+            # fp32 rounding of differently ordered sums.
             np.testing.assert_allclose(got[key], want[key], rtol=2e-4, err_msg=key)
+        # approx_kl (about 6e-3) is a mean of small differences of O(1) log-probs: their
+        # rounding is absolute, about 1e-6 here (2e-4 of the value on this machine's CPU).
+        np.testing.assert_allclose(got["ppo/approx_kl"], want["ppo/approx_kl"], rtol=0, atol=1e-5)
     trained = np.load(out / "trained.npz")
     assert sorted(trained.files) == sorted(reference)
     _assert_close(trained, reference)
@@ -162,12 +164,15 @@ def test_two_processes_train_like_one_and_restore_together(tmp_path):
 
 
 def _assert_close(got, want) -> None:
-    """Parameters equal up to 3e-4 (3% of one lr=1e-2 step; measured up to 1e-4): the programs
-    are the same, only the order of cross-device sums differs (in-process vs gloo all-reduce),
-    and Adam's m / sqrt(v) turns those fp32 roundings of small gradient entries into parameter
-    differences. A wrong or missing batch shard moves parameters by whole lr steps."""
+    """Parameters equal up to 1e-3 (a tenth of one lr=1e-2 step), and 99.9% of them up to
+    1e-4: the programs are the same, only the order of cross-device sums differs (in-process
+    vs gloo all-reduce), and Adam's m / sqrt(v) turns those fp32 roundings of small gradient
+    entries into parameter differences (measured up to 1e-4 on one CPU, a single entry of
+    3.7e-4 on another). A wrong or missing batch shard moves parameters by whole lr steps."""
     for name in want:
-        np.testing.assert_allclose(got[name], want[name], rtol=0, atol=3e-4, err_msg=name)
+        diff = np.abs(np.asarray(got[name], np.float64) - np.asarray(want[name], np.float64))
+        assert diff.max() <= 1e-3, (name, diff.max())
+        assert np.mean(diff <= 1e-4) >= 0.999, (name, np.mean(diff <= 1e-4))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from areal_jax.rl.packing import (
     MicroBatchConfig,
     choose_row_layout,
     default_row_buckets,
+    neighbour_shapes,
     pack_micro_batch,
     pack_micro_batches,
     plan_micro_batches,
@@ -158,6 +159,19 @@ def test_possible_shapes_literal():
         (2, 512), (4, 512),
         (2, 1024),
     }  # fmt: skip
+
+
+def test_neighbour_shapes_literal():
+    """One rung more rows at the same length first, then at the next bucket the rows holding as
+    many tokens; only shapes packing can produce (at most 2 * budget / T rows), none given."""
+    cfg = MicroBatchConfig(token_budget=256, row_buckets=(32, 64, 256))
+    assert neighbour_shapes({(4, 32)}, cfg) == [(6, 32), (2, 64)]
+    assert neighbour_shapes({(8, 64)}, cfg) == [(2, 256)]  # 12 rows of 64 hold over 512 tokens
+    assert neighbour_shapes({(2, 256)}, cfg) == []  # the largest shape
+    assert neighbour_shapes({(4, 32), (6, 32)}, cfg) == [(8, 32), (2, 64), (3, 64)]
+    even = dataclasses.replace(cfg, row_multiple=2)
+    assert neighbour_shapes({(4, 32)}, even) == [(6, 32), (2, 64)]
+    assert neighbour_shapes({(2, 64)}, even) == [(4, 64), (2, 256)]
 
 
 def test_row_count_ladder():

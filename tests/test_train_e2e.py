@@ -14,7 +14,9 @@ from areal_jax.config import from_dict
 
 
 def _config(tmp_path, total_steps):
-    return write_experiment(tmp_path / "exp.yaml", tiny_experiment(tmp_path, total_steps))
+    cfg = tiny_experiment(tmp_path, total_steps)
+    cfg["trainer"]["export_keep_every"] = 2  # versions 0, 2, 4 outlive the pruning
+    return write_experiment(tmp_path / "exp.yaml", cfg)
 
 
 def _steps(run_dir):
@@ -80,6 +82,15 @@ def test_train_resume_and_export(tmp_path, capsys):
     assert main(["eval", "--config", str(cfg), "--model", str(tmp_path / "hf")]) == 0
     evaluated = json.loads(capsys.readouterr().out)
     assert evaluated["eval/num_prompts"] == 8 and evaluated["eval/failed"] == 0
+
+    # The accuracy curve of the kept exports, measured after the run through one server.
+    assert main(["eval", "--config", str(cfg), "--curve", str(run_dir)]) == 0
+    curve = [json.loads(line) for line in (run_dir / "eval_curve.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in curve] == [0, 2, 4, 5]  # multiples of 2, and the newest two
+    assert all(r["eval/num_prompts"] == 8 and r["eval/failed"] == 0 for r in curve)
+    # Greedy evaluation of the same weights gives the same accuracy, swapped in or not.
+    assert curve[0]["eval/accuracy"] == results["before"]["eval/accuracy"]
+    assert curve[-1]["eval/accuracy"] == evaluated["eval/accuracy"]
 
     assert main(["plot", str(run_dir), "--out", str(tmp_path / "curves.png")]) == 0
     assert (tmp_path / "curves.png").stat().st_size > 10_000

@@ -4,15 +4,17 @@ import dataclasses
 import json
 from concurrent.futures import ThreadPoolExecutor
 
+import jax
 import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from areal_jax.compilation import CompileMeter
 from areal_jax.config import ConfigError, from_dict
 from areal_jax.models import load_hf_model
 from areal_jax.rl import AdvantageConfig, LossConfig, MicroBatchConfig
-from areal_jax.trainer import Trainer, TrainerConfig
+from areal_jax.trainer import Trainer, TrainerConfig, list_exports, prune_exports
 from areal_jax.trajectory import Trajectory, TrajectoryGroup
 
 from _hf_models import hf_logits, hf_model, save_hf_model
@@ -81,6 +83,58 @@ def test_later_batches_reuse_the_shapes_already_compiled(model):
     assert new_shapes == {1.5: [1.0, 0.0, 0.0], 1.0: [1.0, 1.0, 0.0]}
 
 
+def test_shapes_compiled_ahead_spare_later_steps_their_compilation(model):
+    """Batches of 4, 6 and 8 sequences of 30 tokens need 4, 6 and 8 rows of 32. After the
+    first step the trainer compiles the next rungs (6 and 8 rows) in the background, so the
+    later steps compile nothing; the updates are those of a trainer that compiles in the step."""
+    micro = MicroBatchConfig(token_budget=256, row_buckets=(32, 64, 256))
+    meter = CompileMeter()
+
+    def groups(n):
+        trajs = [Trajectory([1, 2, 3, 4], list(range(5, 31)), np.zeros(26), np.zeros(26),
+                            reward=float(i % 3)) for i in range(n)]
+        return [TrajectoryGroup("p", trajs)]
+
+    runs = {}
+    for ahead in (False, True):  # the step-independent programs compile in the first run
+        trainer = _trainer(model, micro_batch=micro, compile_ahead=ahead)
+        new, step_programs, losses = [], [], []
+        for n in (4, 6, 8):
+            meter.take()
+            metrics = trainer.train_on_batch(groups(n))
+            step_programs.append(meter.take()[1])
+            new.append(metrics["packing/new_shapes"])
+            losses.append(metrics["loss"])
+            assert trainer.wait_compiled_ahead(120)
+        runs[ahead] = new, step_programs, losses, host_params(trainer)
+        trainer.close()
+    assert runs[False][0] == [1.0, 1.0, 1.0] and runs[True][0] == [1.0, 0.0, 0.0]
+    # A new shape: its log-prob forward and accumulation (and programs of the batch size).
+    assert min(runs[False][1][1:]) >= 2
+    assert runs[True][1][1:] == [0, 0]
+    np.testing.assert_allclose(runs[True][2], runs[False][2], rtol=1e-6)
+    assert_params_close(runs[True][3], runs[False][3], atol=1e-6)
+
+
+def test_the_first_checkpoint_finds_its_checksum_program_compiled_ahead(model, tmp_path):
+    micro = MicroBatchConfig(token_budget=256, row_buckets=(32, 64, 256))
+    trajs = [Trajectory([1, 2, 3, 4], list(range(5, 31)), np.zeros(26), np.zeros(26),
+                        reward=float(i % 3)) for i in range(4)]
+    meter = CompileMeter()
+    programs = {}
+    for ahead in (True, False):
+        jax.clear_caches()  # the checksum program is module-wide: compile it anew each time
+        trainer = _trainer(model, micro_batch=micro, compile_ahead=ahead,
+                           run_dir=str(tmp_path / str(ahead)), checkpoint_async=False)
+        trainer.train_on_batch([TrajectoryGroup("p", trajs)])
+        assert trainer.wait_compiled_ahead(120)
+        meter.take()
+        trainer.save()
+        programs[ahead] = meter.take()[1]
+        trainer.close()
+    assert programs == {True: 0, False: 1}
+
+
 def test_sft_lowers_the_loss(model):
     trainer = _trainer(model, lr=3e-3)
     examples = [([5, 6, 7], [8, 9, 10, 11]), ([20, 21], [22, 23, 24]), ([1], [2, 3, 4, 5, 6])]
@@ -136,6 +190,20 @@ def test_kl_to_the_frozen_initial_policy(model):
     expected = np.mean(np.concatenate([t.behav_logprobs - ref for t, ref in zip(trajs, initial)]))
     assert abs(expected) > 1e-3
     assert m["kl_ref/mean"] == pytest.approx(expected, rel=1e-4)
+
+
+def test_pruning_keeps_the_newest_exports_and_the_multiples_of_keep_every(tmp_path):
+    for v in range(10):
+        (tmp_path / f"v{v:06d}").mkdir()
+    (tmp_path / "v000003.tmp").mkdir()  # not an export: never listed, never pruned
+    doomed = prune_exports(tmp_path, keep=2, protect=tmp_path / "v000005", keep_every=4)
+    assert sorted(p.name for p in doomed) == ["v000001", "v000002", "v000003", "v000006",
+                                              "v000007"]
+    assert [v for v, _ in list_exports(tmp_path)] == [0, 4, 5, 8, 9]
+    assert prune_exports(tmp_path, keep=1) == [tmp_path / f"v{v:06d}" for v in (0, 4, 5, 8)]
+    assert (tmp_path / "v000003.tmp").is_dir()
+    with pytest.raises(ConfigError, match="export_keep_every must be >= 0"):
+        TrainerConfig(export_keep_every=-1)
 
 
 def test_publish_exports_what_transformers_loads_and_prunes_old_versions(tmp_path):

@@ -1,4 +1,5 @@
-"""``areal-jax eval --config CONFIG --model DIR``: held-out accuracy of an HF checkpoint."""
+"""``areal-jax eval --config CONFIG (--model DIR | --curve RUN_DIR)``: held-out accuracy of an
+HF checkpoint, or of every version a finished run kept (its accuracy curve)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,13 @@ HELP = "Accuracy of a Hugging Face checkpoint on the config's eval dataset, thro
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, help="experiment YAML (its eval and rollout sections)")
-    parser.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--model", help="Hugging Face checkpoint directory")
+    which.add_argument(
+        "--curve", metavar="RUN_DIR",
+        help="every export kept under RUN_DIR/exports (see trainer.export_keep_every), oldest "
+             "first, through one set of rollout servers; writes RUN_DIR/eval_curve.jsonl",
+    )  # fmt: skip
     parser.add_argument("overrides", nargs="*", help="key=value overrides")
 
 
@@ -20,12 +27,30 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from areal_jax.commands._preflight import preflight
-    from areal_jax.config import load_config
-    from areal_jax.controller.evaluation import evaluate_checkpoint
+    from areal_jax.config import ConfigError, load_config
+    from areal_jax.controller.evaluation import evaluate_checkpoints
     from areal_jax.experiment import ExperimentConfig
+    from areal_jax.metrics import EVAL_CURVE_FILE
+    from areal_jax.trainer import list_exports
 
     cfg = load_config(ExperimentConfig, args.config, args.overrides)
     preflight(cfg)
-    result = asyncio.run(evaluate_checkpoint(cfg, Path(args.model)))
-    print(json.dumps(result, indent=2))
+    if args.model is not None:
+        result = asyncio.run(evaluate_checkpoints(cfg, [Path(args.model)]))[0]
+        print(json.dumps(result, indent=2))
+        return 0
+    exports_dir = Path(args.curve) / "exports"
+    exports = list_exports(exports_dir) if exports_dir.is_dir() else []
+    if not exports:
+        raise ConfigError(f"--curve: no version exports under {exports_dir}")
+    results = asyncio.run(evaluate_checkpoints(cfg, [path for _, path in exports]))
+    out = Path(args.curve) / EVAL_CURVE_FILE
+    with out.open("w") as f:
+        for (version, _), result in zip(exports, results):
+            f.write(json.dumps({"step": version, **result}) + "\n")
+    print("| version | accuracy | mean response tokens |\n|---:|---:|---:|")
+    for (version, _), result in zip(exports, results):
+        print(f"| {version} | {result['eval/accuracy']:.3f} | "
+              f"{result['eval/response_length']:.1f} |")
+    print(f"wrote {out}")
     return 0

@@ -42,6 +42,13 @@ async def evaluate(pool: RolloutPool, items: list[PromptItem], reward: str, *,
 
 async def evaluate_checkpoint(cfg, model_path) -> dict:
     """Held-out accuracy of the HF checkpoint ``model_path`` through local or given servers."""
+    return (await evaluate_checkpoints(cfg, [model_path]))[0]
+
+
+async def evaluate_checkpoints(cfg, model_paths) -> list[dict]:
+    """Held-out accuracy of each HF checkpoint of ``model_paths``, in order, through one set of
+    local or given rollout servers (the weights swapped between checkpoints). The tokenizer is
+    the first checkpoint's."""
     from pathlib import Path
 
     from transformers import AutoTokenizer
@@ -53,15 +60,24 @@ async def evaluate_checkpoint(cfg, model_path) -> dict:
 
     if cfg.eval.dataset is None:
         raise ConfigError("eval.dataset: required for evaluation")
+    if not model_paths:
+        raise ValueError("model_paths is empty: nothing to evaluate")
     prepare_data(cfg)
-    model_path = Path(model_path)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    paths = [Path(p) for p in model_paths]
+    tokenizer = AutoTokenizer.from_pretrained(paths[0])
     items = list(PromptDataset(dataset_config(cfg.eval.dataset, cfg.run_dir), tokenizer))
     items = items[: cfg.eval.max_prompts]
-    async with rollout_servers(cfg, model_path, 0) as (pool, servers):
+    results = []
+    async with rollout_servers(cfg, paths[0], 0) as (pool, servers):
+        version = 0
         if servers is None:
-            newest = max(s.version for s in await pool.status())
-            await pool.update_weights(model_path, newest + 1)
-        return await evaluate(pool, items, cfg.eval.dataset.reward,
-                              max_new_tokens=cfg.eval.max_new_tokens,
-                              temperature=cfg.eval.temperature)
+            version = max(s.version for s in await pool.status()) + 1
+            await pool.update_weights(paths[0], version)
+        for i, path in enumerate(paths):
+            if i > 0:
+                version += 1
+                await pool.update_weights(path, version)
+            results.append(await evaluate(pool, items, cfg.eval.dataset.reward,
+                                          max_new_tokens=cfg.eval.max_new_tokens,
+                                          temperature=cfg.eval.temperature))
+    return results

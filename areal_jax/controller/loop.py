@@ -58,7 +58,8 @@ class _Finished:
 
 class RLLoop:
     """Drives one RL run; ``trainer`` is an ``areal_jax.trainer.Trainer`` (or a group of them
-    across processes): ``version``, ``train_on_batch(groups)`` and ``snapshot_for_publish()``."""
+    across processes): ``version``, ``train_on_batch(groups)``, ``snapshot_for_publish()`` and
+    ``idle()`` (a context for the time the loop waits for a batch)."""
 
     def __init__(self, cfg: ExperimentConfig, trainer, pool: RolloutPool,
                  prompts: PromptIterator, items_by_id: dict[str, PromptItem],
@@ -199,19 +200,24 @@ class RLLoop:
         batch, self._buffer = self._buffer[:B], self._buffer[B:]
         return batch
 
+    def _ready_batch(self) -> list[_Finished] | None:
+        if self._fatal is not None:
+            raise self._fatal
+        self._publisher.raise_error()
+        return self._take_batch()
+
     async def _next_batch(self) -> list[_Finished]:
-        while True:
-            if self._fatal is not None:
-                raise self._fatal
-            self._publisher.raise_error()
-            batch = self._take_batch()
-            if batch is not None:
-                return batch
-            self._wake.clear()
-            try:
-                await asyncio.wait_for(self._wake.wait(), 1.0)
-            except TimeoutError:
-                pass
+        batch = self._ready_batch()
+        if batch is not None:
+            return batch
+        with self.trainer.idle():  # the trainer waits: it may compile ahead meanwhile
+            while (batch := self._ready_batch()) is None:
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), 1.0)
+                except TimeoutError:
+                    pass
+        return batch
 
     # ---- the loop ----------------------------------------------------------------------
     def _train(self, groups):
@@ -289,7 +295,10 @@ class RLLoop:
                "rollout/live_servers": float(len(live))}
         out.update(self._publisher.last_timings)
         compile_s, programs = self._compiles.take()
-        out.update({"timing/compile_s": compile_s, "compile/programs": float(programs)})
+        ahead_s, ahead_programs = self._compiles.take_ahead()
+        out.update({"timing/compile_s": compile_s, "compile/programs": float(programs),
+                    "timing/compile_ahead_s": ahead_s,
+                    "compile/ahead_programs": float(ahead_programs)})
         if programs and self.version > 3:
             log.info("version %d compiled %d new programs (%.1f s)", self.version, programs,
                      compile_s)

@@ -69,6 +69,10 @@ class TrainerGroup:
         """Snapshot on every process, then the leader writes the export."""
         return self.snapshot_for_publish(version).write()
 
+    def idle(self):
+        """The leader waits (for a batch): ``Trainer.idle`` of its own trainer."""
+        return self.trainer.idle()
+
     def close(self) -> None:
         """Release the other processes from ``follow()``, then finish checkpoint writes."""
         self._send("close", {})
@@ -85,7 +89,8 @@ class TrainerGroup:
         if is_leader():
             raise RuntimeError("follow() runs on the processes other than 0; the leader commands")
         while True:
-            header, arrays = wire.unpack_message(broadcast_bytes(None))
+            with self.trainer.idle():  # waiting for the leader: compile ahead meanwhile
+                header, arrays = wire.unpack_message(broadcast_bytes(None))
             command = header.pop("command")
             self._run(command, header, arrays)
             if command == "close":

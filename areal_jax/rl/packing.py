@@ -301,6 +301,25 @@ def possible_shapes(cfg: MicroBatchConfig) -> set[tuple[int, int]]:
     return shapes
 
 
+def neighbour_shapes(
+    shapes: Collection[tuple[int, int]], cfg: MicroBatchConfig
+) -> list[tuple[int, int]]:
+    """Shapes a later micro-batch is likely to need when lengths drift from those that packed
+    as ``shapes``, likeliest first: one rung more rows at the same row length (lengths grow a
+    little), then at the next longer row bucket the rows that hold as many tokens (a sequence
+    outgrows the row). Only ``possible_shapes(cfg)``, none of ``shapes``."""
+    possible, given = possible_shapes(cfg), set(shapes)
+    more_rows, longer_rows = [], []
+    for rows, length in sorted(given):
+        more_rows.append((row_count_bucket(rows + cfg.row_multiple, cfg.row_multiple), length))
+        longer = [b for b in cfg.buckets if b > length]
+        if longer:
+            rows_needed = row_count_bucket(-(-rows * length // longer[0]), cfg.row_multiple)
+            longer_rows.append((rows_needed, longer[0]))
+    ordered = dict.fromkeys(s for s in more_rows + longer_rows if s in possible and s not in given)
+    return list(ordered)
+
+
 @dataclasses.dataclass
 class PackedBatch:
     """One micro-batch packed into rows. All arrays are [R, T]; position j predicts token j+1.
@@ -325,10 +344,12 @@ class PackedBatch:
     placements: np.ndarray
     traj_index: np.ndarray
 
-    ROW_FIELDS = (
-        "tokens", "segment_ids", "positions", "targets", "loss_mask",
-        "behav_logprobs", "versions", "advantages", "seq_index",
-    )  # fmt: skip
+    # Each [R, T] field with its dtype and padding value.
+    ROW_FIELDS = {
+        "tokens": (np.int32, 0), "segment_ids": (np.int32, 0), "positions": (np.int32, 0),
+        "targets": (np.int32, 0), "loss_mask": (np.float32, 0), "behav_logprobs": (np.float32, 0),
+        "versions": (np.int32, -1), "advantages": (np.float32, 0), "seq_index": (np.int32, -1),
+    }  # fmt: skip
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -392,17 +413,8 @@ def pack_micro_batch(
             lengths, buckets, row_multiple, attention_break_even, known, reuse_tolerance
         )
     shape = (n_rows, row_len)
-    out = {
-        "tokens": np.zeros(shape, np.int32),
-        "segment_ids": np.zeros(shape, np.int32),
-        "positions": np.zeros(shape, np.int32),
-        "targets": np.zeros(shape, np.int32),
-        "loss_mask": np.zeros(shape, np.float32),
-        "behav_logprobs": np.zeros(shape, np.float32),
-        "versions": np.full(shape, -1, np.int32),
-        "advantages": np.zeros(shape, np.float32),
-        "seq_index": np.full(shape, -1, np.int32),
-    }
+    fields = PackedBatch.ROW_FIELDS.items()
+    out = {name: np.full(shape, fill, dtype) for name, (dtype, fill) in fields}
     placements = np.zeros((len(trajectories), 4), np.int32)
     for r, members in enumerate(rows):
         offset = 0

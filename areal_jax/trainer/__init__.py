@@ -5,7 +5,7 @@ from areal_jax.trainer.checkpoint import (
 )  # fmt: skip
 from areal_jax.trainer.config import TrainerConfig
 from areal_jax.trainer.optimizer import lr_schedule, make_optimizer
-from areal_jax.trainer.publish import export_path, prune_exports, publish_version
+from areal_jax.trainer.publish import export_path, list_exports, prune_exports, publish_version
 from areal_jax.trainer.step import TrainState
 from areal_jax.trainer.trainer import PublishSnapshot, Trainer
 
@@ -18,6 +18,7 @@ __all__ = [
     "Trainer",
     "TrainerConfig",
     "export_path",
+    "list_exports",
     "lr_schedule",
     "make_optimizer",
     "prune_exports",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import jax
 import numpy as np
@@ -89,12 +89,26 @@ def pack_all(
     return pack_micro_batches(list(trajs), [0.0] * len(trajs), dynamic, known)
 
 
+def batch_sharding(shape: tuple[int, int], mesh: Mesh, rules=None) -> NamedSharding:
+    """Sharding of an [R, T] batch array: rows split over the "batch" mesh axes."""
+    rows = logical_to_spec(("batch",), shape[:1], mesh, rules)
+    return NamedSharding(mesh, PartitionSpec(*rows, None))
+
+
 def put_batch(batch: PackedBatch, mesh: Mesh, rules=None) -> dict[str, jax.Array]:
     """The [R, T] arrays of ``batch`` on ``mesh``, rows split over the "batch" axes.
 
     Every process holds the whole batch and fills only its own devices' rows (no exchange).
     """
-    rows = logical_to_spec(("batch",), batch.shape[:1], mesh, rules)
-    sharding = NamedSharding(mesh, PartitionSpec(*rows, None))
+    sharding = batch_sharding(batch.shape, mesh, rules)
     return {k: jax.make_array_from_callback(v.shape, sharding, v.__getitem__)
             for k, v in batch.arrays().items()}  # fmt: skip
+
+
+def abstract_batch(
+    shape: tuple[int, int], mesh: Mesh, rules=None
+) -> dict[str, jax.ShapeDtypeStruct]:
+    """What ``put_batch`` gives for a batch of ``shape``, as shapes only (to compile ahead)."""
+    sharding = batch_sharding(shape, mesh, rules)
+    return {name: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+            for name, (dtype, _) in PackedBatch.ROW_FIELDS.items()}  # fmt: skip

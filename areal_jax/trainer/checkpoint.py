@@ -75,6 +75,11 @@ class Checkpointer:
             args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
         )
 
+    def compile(self, abstract_state: Any) -> None:
+        """Compile the checksum program ``save`` runs on a state shaped like ``abstract_state``
+        (ShapeDtypeStructs with shardings), so the first save does not compile it."""
+        _device_checksums.lower(abstract_state).compile()
+
     def restore(self, abstract_state: Any, step: int | None = None) -> tuple[Any, dict] | None:
         """(state, meta) of checkpoint ``step``, or None if there is no checkpoint.
 

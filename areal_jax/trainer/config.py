@@ -48,10 +48,12 @@ class TrainerConfig:
     loss: LossConfig = dataclasses.field(default_factory=LossConfig)
     advantage: AdvantageConfig = dataclasses.field(default_factory=AdvantageConfig)
     logprob_chunk_size: int = 256
+    compile_ahead: bool = True  # compile the programs of likely next shapes in the background
 
     checkpoint_keep: int = 3
     checkpoint_async: bool = True
     export_keep: int = 2
+    export_keep_every: int = 0  # also keep versions that are multiples of it (0: none)
     export_dtype: Literal["source", "float32", "bfloat16"] = "source"
 
     def __post_init__(self):
@@ -73,7 +75,7 @@ class TrainerConfig:
             raise ConfigError(
                 f"temperature: {self.temperature:g} is below {GREEDY_TEMPERATURE:g}, which "
                 "samples greedily and reports log-probs at temperature 1: set 1.0")
-        _at_least(self, 0, "warmup_steps", "total_steps", "weight_decay")
+        _at_least(self, 0, "warmup_steps", "total_steps", "weight_decay", "export_keep_every")
         _at_least(self, 1, "ppo_n_minibatches", "logprob_chunk_size", "checkpoint_keep",
                   "export_keep")
         if self.lr_schedule == "cosine" and self.total_steps <= self.warmup_steps:

@@ -33,16 +33,17 @@ def publish_tensors(
     version: int,
     *,
     keep: int,
+    keep_every: int = 0,
     tokenizer_dir: str | Path | None = None,
 ) -> Path:
     """Write host ``tensors`` (from ``hf_state_dict``) as ``version`` (with tokenizer files if
-    ``tokenizer_dir``), then prune all but the ``keep`` highest versions; the export just
-    written is never pruned. Touches no device: safe on a background thread."""
+    ``tokenizer_dir``), then prune as ``prune_exports(exports_dir, keep, keep_every)``; the
+    export just written is never pruned. Touches no device: safe on a background thread."""
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
     out = export_hf_tensors(tensors, cfg, export_path(exports_dir, version),
                             tokenizer_dir=tokenizer_dir)
-    prune_exports(exports_dir, keep, protect=out)
+    prune_exports(exports_dir, keep, protect=out, keep_every=keep_every)
     return out
 
 
@@ -60,14 +61,24 @@ def publish_version(
                            keep=keep, tokenizer_dir=tokenizer_dir)
 
 
-def prune_exports(exports_dir: str | Path, keep: int, protect: Path | None = None) -> list[Path]:
-    """Delete version exports beyond the ``keep`` highest (never ``protect``); returns them."""
+def list_exports(exports_dir: str | Path) -> list[tuple[int, Path]]:
+    """The complete version exports under ``exports_dir`` as (version, path), oldest first."""
     exports = []
     for path in Path(exports_dir).iterdir():
         match = _EXPORT_NAME.fullmatch(path.name)
         if match and path.is_dir():
             exports.append((int(match.group(1)), path))
-    doomed = [p for _, p in sorted(exports)[:-keep] if p != protect]
+    return sorted(exports)
+
+
+def prune_exports(
+    exports_dir: str | Path, keep: int, protect: Path | None = None, keep_every: int = 0
+) -> list[Path]:
+    """Delete version exports beyond the ``keep`` highest, except ``protect`` and, with
+    ``keep_every`` > 0, the versions that are multiples of it (kept for an accuracy curve after
+    the run, see ``areal-jax eval --curve``); returns the deleted paths."""
+    doomed = [p for v, p in list_exports(exports_dir)[:-keep]
+              if p != protect and not (keep_every and v % keep_every == 0)]
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
     return doomed

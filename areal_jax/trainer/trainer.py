@@ -8,7 +8,9 @@ only packed int/float arrays go in and scalar metrics come out.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import time
@@ -31,10 +33,12 @@ from areal_jax.rl import (
     PackedBatch,
     kl_penalty,
     loss_normalizer,
+    neighbour_shapes,
     trajectory_advantages,
     unpack_outputs,
 )
 from areal_jax.trainer import batches
+from areal_jax.trainer.ahead import AheadCompiler
 from areal_jax.trainer.checkpoint import Checkpointer, abstract_like
 from areal_jax.trainer.config import TrainerConfig
 from areal_jax.trainer.optimizer import lr_schedule, make_optimizer
@@ -58,6 +62,7 @@ class PublishSnapshot:
     model_cfg: ModelConfig
     exports_dir: Path
     keep: int
+    keep_every: int
     tokenizer_dir: str | None
 
     def write(self) -> Path:
@@ -67,7 +72,7 @@ class PublishSnapshot:
             raise RuntimeError("only process 0 holds the snapshot's tensors and writes exports")
         return publish_tensors(
             self.tensors, self.model_cfg, self.exports_dir, self.version,
-            keep=self.keep, tokenizer_dir=self.tokenizer_dir,
+            keep=self.keep, keep_every=self.keep_every, tokenizer_dir=self.tokenizer_dir,
         )  # fmt: skip
 
 
@@ -106,9 +111,14 @@ class Trainer:
         self._rng = jax.random.key(config.seed)
         self._version = 0
         # (R, T) shapes met, hence compiled: by the train step (log-prob forward and
-        # accumulation), and by log-prob forwards alone. Packing prefers them.
+        # accumulation), and by log-prob forwards alone. Packing prefers them. Shapes compiled
+        # ahead do not steer packing: they are used when packing picks them on its own, so
+        # every process packs alike however far its background compiles got.
         self._train_shapes: set[tuple[int, int]] = set()
         self._forward_shapes: set[tuple[int, int]] = set()
+        self._ahead = AheadCompiler() if config.compile_ahead else None
+        self._abstract_params = abstract_like(params)
+        self._checksums_asked = False
         self._checkpoints = (
             Checkpointer(Path(config.run_dir) / "checkpoints", config.checkpoint_keep,
                          config.checkpoint_async)
@@ -144,10 +154,10 @@ class Trainer:
             trajs, advantages, cfg.ppo_n_minibatches, self._mb_cfg, order, self._train_shapes
         )
         self._rng = rng  # the batch is valid: from here on the step goes through
-        new = _record_shapes(self._train_shapes, [b for mb in plan for b in mb])
-        metrics["packing/new_shapes"] = float(new)
+        shapes = {b.shape for mb in plan for b in mb}
+        metrics["packing/new_shapes"] = float(self._claim_shapes(shapes))
         device = [[batches.put_batch(b, self.mesh) for b in mb] for mb in plan]
-        recompute = cfg.loss.needs_proximal and cfg.loss.prox_logp == "recompute"
+        recompute = self._recomputes_proximal
         # Proximal log-probs: every micro-batch under the parameters before this step.
         prox = [[self._steps.logprobs(self._state.params, b) if recompute else None
                  for b in mb] for mb in device]  # fmt: skip
@@ -156,6 +166,7 @@ class Trainer:
                    for packed, arrays, mb_prox in zip(plan, device, prox)]  # fmt: skip
         losses, stats, updates = zip(*jax.device_get(results))
         self._version = next_version
+        self._compile_ahead(shapes)
         stats = [s for mb in stats for s in mb]
         metrics.update(loss_metrics(stats, [sum(mb) for mb in losses], updates))
         metrics["version"] = float(self._version)
@@ -211,6 +222,8 @@ class Trainer:
     def save(self, extra: dict | None = None) -> None:
         """Checkpoint the train state and ``extra`` (JSON-able) as the current version."""
         meta = {"version": self._version, "extra": extra or {}}
+        if self._ahead is not None:
+            self._ahead.claim(("checksums",))  # compiling ahead now: wait rather than redo
         self._require_checkpoints().save(self._version, self._checkpoint_tree(), meta)
 
     def restore(self, version: int | None = None) -> dict | None:
@@ -252,6 +265,7 @@ class Trainer:
         return PublishSnapshot(
             version, tensors if is_leader() else None, self.model.cfg,
             Path(self.config.run_dir) / "exports", self.config.export_keep,
+            self.config.export_keep_every,
             self.config.tokenizer_path or self.config.model_path,
         )  # fmt: skip
 
@@ -261,11 +275,64 @@ class Trainer:
         return self.snapshot_for_publish(version).write()
 
     def close(self) -> None:
-        """Finish pending checkpoint writes."""
+        """Finish pending checkpoint writes; stop compiling ahead."""
+        if self._ahead is not None:
+            self._ahead.close()
         if self._checkpoints is not None:
             self._checkpoints.close()
 
+    def idle(self) -> contextlib.AbstractContextManager:
+        """A window in which the caller waits (for a batch, for a command): the programs queued
+        to compile ahead compile meanwhile, and at no other time (``compile_ahead``)."""
+        return self._ahead.idle() if self._ahead is not None else contextlib.nullcontext()
+
+    def wait_compiled_ahead(self, timeout: float | None = None) -> bool:
+        """Compile every program queued to compile ahead now; False on timeout."""
+        with self.idle():
+            return self._ahead is None or self._ahead.wait_done(timeout)
+
     # -- internals ---------------------------------------------------------------------------
+
+    @property
+    def _recomputes_proximal(self) -> bool:
+        """Whether a step recomputes proximal log-probs with a forward of its own."""
+        return self.config.loss.needs_proximal and self.config.loss.prox_logp == "recompute"
+
+    def _claim_shapes(self, shapes: set[tuple[int, int]]) -> int:
+        """Record the step's micro-batch shapes, waiting for any still compiling ahead; returns
+        how many compile in this step (neither met before nor compiled ahead), each logged."""
+        new = 0
+        for shape in sorted(shapes - self._train_shapes):
+            if self._ahead is None or not self._ahead.claim(("train", shape)):
+                log.info("micro-batch shape %s (rows x tokens) is new: its programs compile", shape)
+                new += 1
+        self._train_shapes.update(shapes)
+        return new
+
+    def _compile_ahead(self, used: set[tuple[int, int]]) -> None:
+        """Ask for the programs later steps are likely to need: first the checkpoint checksums
+        (certain to run at the first checkpoint), then the train programs of the shapes next
+        to ``used``, likeliest first."""
+        if self._ahead is None:
+            return
+        if self._checkpoints is not None and not self._checksums_asked:
+            tree = abstract_like(self._checkpoint_tree())
+            self._ahead.submit(("checksums",), functools.partial(self._checkpoints.compile, tree))
+            self._checksums_asked = True
+        for shape in neighbour_shapes(used, self._mb_cfg):
+            if shape not in self._train_shapes:
+                job = functools.partial(self._compile_train_programs, shape)
+                self._ahead.submit(("train", shape), job)
+
+    def _compile_train_programs(self, shape: tuple[int, int]) -> None:
+        """Compile what ``train_on_batch`` runs on a micro-batch of ``shape``, with the very
+        argument kinds it passes (a Python float normaliser, a Python int version)."""
+        params, batch = self._abstract_params, batches.abstract_batch(shape, self.mesh)
+        prox = None
+        if self._recomputes_proximal:
+            logprobs = self._steps.logprobs.lower(params, batch).compile()
+            prox = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=logprobs.output_shardings)
+        self._steps.ppo_accumulate.lower(params, params, batch, prox, 1.0, 1).compile()
 
     def _update_minibatch(self, packed, arrays, prox, next_version):
         """Accumulate the minibatch's micro-batch gradients, then one optimiser update.
@@ -370,11 +437,9 @@ def _sft_trajectories(examples, version: int) -> list[Trajectory]:
     return trajs
 
 
-def _record_shapes(known: set[tuple[int, int]], packed: list[PackedBatch]) -> int:
-    """Add the shapes of ``packed`` to ``known``; a new one means a compile, which is logged.
-    Returns how many were new."""
+def _record_shapes(known: set[tuple[int, int]], packed: list[PackedBatch]) -> None:
+    """Add the shapes of ``packed`` to ``known``; a new one means a compile, which is logged."""
     new = sorted({b.shape for b in packed} - known)
     for shape in new:
         log.info("micro-batch shape %s (rows x tokens) is new: its programs compile", shape)
     known.update(new)
-    return len(new)

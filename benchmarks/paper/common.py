@@ -197,6 +197,17 @@ def write_report(out: Path, name: str, title: str, sections: list[str], payload:
     return out / f"{name}.md"
 
 
+def save_figure(fig, path: Path) -> Path:
+    """Lay out ``fig``, write it to ``path`` (PNG, folders made) and close it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
 def bar_plot(path: Path, title: str, ylabel: str, bars: dict[str, dict],
              reference: tuple[float, str] | None = None) -> Path:
     """Bars of medians with min-max whiskers (``bars``: label -> ``spread``), as a PNG."""
@@ -216,8 +227,4 @@ def bar_plot(path: Path, title: str, ylabel: str, bars: dict[str, dict],
         ax.legend()
     ax.set_title(title)
     ax.set_ylabel(ylabel)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

@@ -55,11 +55,7 @@ def curves_plot(path: Path, runs: dict, etas: list[int], stats: dict) -> Path:
         ax.set(title=f"{label}: accuracy (median over seeds)", xlabel="version",
                ylabel="accuracy")
         ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return common.save_figure(fig, path)
 
 
 def main() -> None:

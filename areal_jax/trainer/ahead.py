@@ -1,0 +1,150 @@
+"""Compiling ahead: programs a later step will need, compiled on a background thread.
+
+A new micro-batch shape met in the middle of a run costs its programs' compilation inside the
+step, on the critical path of the loop. The trainer instead asks for the shapes a later batch
+is likely to need (``packing.neighbour_shapes``) as soon as a step has used its own, and this
+thread compiles them while the next batches are generated; the step that first meets such a
+shape finds it compiled. Jobs are keyed: a key compiled, queued or running is not compiled
+again, and a step about to need a key ``claim``s it first (it waits for a running job, and
+takes a queued one off the queue to compile it itself, as it would have anyway).
+
+Jobs start only inside the owner's ``idle()`` windows, once a window has lasted ``settle_s``:
+the loop opens one while it waits for rollouts to fill a batch, a follower process while it
+waits for the leader's next command. Tracing and lowering hold Python's GIL and compiling takes
+CPU, so a compile beside a step slows the step; in a long wait, where the trainer would idle
+anyway, it costs the loop nothing. The short gaps of a loop whose trainer is the bottleneck end
+before ``settle_s``: such a trainer compiles nothing ahead, and its new shapes compile in the
+step, as without this thread (measured on the 2-core CPU, starting jobs in those gaps made the
+quickstart's RL phase about 20% slower). A job that started in a window finishes.
+
+A job that fails is logged and dropped: the step then compiles the program itself, as without
+compiling ahead. The thread is marked for ``CompileMeter``, so its seconds are reported apart
+from the step's.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Hashable, Iterator
+
+from areal_jax.compilation import compiling_ahead
+
+log = logging.getLogger(__name__)
+
+
+class AheadCompiler:
+    """A background thread that runs keyed compile jobs, each at most once."""
+
+    def __init__(self, settle_s: float = 1.0, name: str = "compile-ahead"):
+        self._settle_s = settle_s
+        self._name = name
+        self._cv = threading.Condition()
+        self._queue: collections.OrderedDict[Hashable, Callable[[], None]] = (
+            collections.OrderedDict())
+        self._running: Hashable | None = None
+        self._done: set[Hashable] = set()
+        self._failed: set[Hashable] = set()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._idle = 0  # idle windows open: jobs start only while > 0
+        self._idle_since = 0.0  # when the current stretch of open windows began
+
+    def submit(self, key: Hashable, compile_fn: Callable[[], None]) -> bool:
+        """Queue ``compile_fn`` under ``key`` unless that key was already submitted or claimed;
+        returns whether it was queued."""
+        with self._cv:
+            if self._closed or self._known(key):
+                return False
+            self._queue[key] = compile_fn
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, name=self._name, daemon=True)
+                self._thread.start()
+            self._cv.notify_all()
+            return True
+
+    def claim(self, key: Hashable) -> bool:
+        """The caller is about to need ``key``'s programs: wait while the thread compiles them;
+        a job still queued is dropped (the caller compiles it). Returns whether the thread had
+        compiled them."""
+        with self._cv:
+            self._queue.pop(key, None)
+            while self._running == key:
+                self._cv.wait()
+            compiled = key in self._done
+            self._done.add(key)  # from now on the caller's own call has compiled it
+            return compiled
+
+    @contextlib.contextmanager
+    def idle(self) -> Iterator[None]:
+        """A window in which the owner waits: queued jobs start meanwhile."""
+        with self._cv:
+            if self._idle == 0:
+                self._idle_since = time.monotonic()
+            self._idle += 1
+            self._cv.notify_all()
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._idle -= 1
+
+    def compiled(self) -> set[Hashable]:
+        """Keys compiled (by the thread, or claimed by a caller)."""
+        with self._cv:
+            return set(self._done)
+
+    def pending(self) -> int:
+        """Jobs queued or running."""
+        with self._cv:
+            return len(self._queue) + (self._running is not None)
+
+    def wait_done(self, timeout: float | None = None) -> bool:
+        """Block until no job is queued or running; returns False on timeout."""
+        with self._cv:
+            return self._cv.wait_for(lambda: not self._queue and self._running is None, timeout)
+
+    def close(self) -> None:
+        """Drop queued jobs and wait for the running one (a compile cannot be interrupted)."""
+        with self._cv:
+            self._closed = True
+            self._queue.clear()
+            self._cv.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+
+    def _wait_s(self) -> float | None:
+        """How long the worker waits before a job may start: 0 now, None until notified."""
+        if not self._queue or not self._idle:
+            return None
+        return max(0.0, self._idle_since + self._settle_s - time.monotonic())
+
+    def _known(self, key: Hashable) -> bool:
+        return (key in self._done or key in self._queue or key == self._running
+                or key in self._failed)
+
+    def _work(self) -> None:
+        with compiling_ahead():
+            while True:
+                with self._cv:
+                    while not self._closed and (wait := self._wait_s()) != 0:
+                        self._cv.wait(wait)
+                    if self._closed:
+                        return
+                    key, job = self._queue.popitem(last=False)
+                    self._running = key
+                try:
+                    job()
+                    ok = True
+                except Exception:  # noqa: BLE001 - the step compiles it itself instead
+                    log.warning("compiling %s ahead failed; the step that needs it will compile "
+                                "it", key, exc_info=True)
+                    ok = False
+                with self._cv:
+                    (self._done if ok else self._failed).add(key)
+                    self._running = None
+                    self._cv.notify_all()

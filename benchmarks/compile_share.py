@@ -1,0 +1,47 @@
+"""Compilation's share of the RL phase of finished runs, from their own metrics.
+
+For each run directory: the RL phase's wall time (``results.json``), the seconds the loop spent
+compiling where programs were needed (``timing/compile_s``, on the critical path) and their
+share of the phase, the versions after version 3 that compiled anything there, and the seconds
+compiled ahead in the background (``timing/compile_ahead_s``, off the critical path).
+
+Usage: python benchmarks/compile_share.py RUN_DIR [RUN_DIR ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def compile_share(run_dir: Path) -> dict:
+    """The figures above for one run directory."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "timing/compile_s" in r]
+    wall = json.loads((run_dir / "results.json").read_text())["wall_s"]
+    compile_s = sum(r["timing/compile_s"] for r in steps)
+    late = [int(r["step"]) for r in steps if r["step"] > 3 and r["compile/programs"] > 0]
+    return {"run": str(run_dir), "versions": len(steps), "rl_wall_s": wall,
+            "compile_s": compile_s, "share": compile_s / wall,
+            "first_version_compile_s": steps[0]["timing/compile_s"] if steps else 0.0,
+            "versions_compiling_after_3": late,
+            "compile_ahead_s": sum(r.get("timing/compile_ahead_s", 0.0) for r in steps)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("runs", nargs="+", type=Path)
+    args = parser.parse_args()
+    print("| run | versions | RL phase (s) | compile in the loop (s) | share | of it version 1 (s) "
+          "| versions compiling after 3 | compiled ahead (s) |")
+    print("|---|---:|---:|---:|---:|---:|---|---:|")
+    for run in args.runs:
+        c = compile_share(run)
+        print(f"| {run.name} | {c['versions']} | {c['rl_wall_s']:.1f} | {c['compile_s']:.1f} "
+              f"| {c['share']:.1%} | {c['first_version_compile_s']:.1f} "
+              f"| {c['versions_compiling_after_3'] or '-'} | {c['compile_ahead_s']:.1f} |")
+
+
+if __name__ == "__main__":
+    main()

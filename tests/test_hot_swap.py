@@ -1,4 +1,5 @@
-"""Weight swaps in the JAX engine: interrupt and re-prefill, drain, and failed loads."""
+"""Weight swaps in the JAX engine: interrupt and re-prefill, keep the cache, drain, and failed
+loads."""
 
 import asyncio
 import json
@@ -96,30 +97,73 @@ def test_swap_while_paused_continues_with_new_weights(models):
     assert stats["swaps"] == 1 and stats["reprefills"] == 1
 
 
-def test_interrupting_swap_mid_generation(models):
-    """The swap lands while several sequences decode; each continues on the new weights."""
-    (old_model, old_dir), (new_model, new_dir) = models["old"], models["new"]
-    lengths = [240, 200, 150]
+LENGTHS = [240, 200, 150]
+
+
+def swap_mid_generation(old_dir, new_dir, **options):
+    """Greedy sequences of ``LENGTHS`` after ``PROMPTS`` on ``old_dir`` (version 0), with a swap
+    to ``new_dir`` (version 1) once each has its first token: ([(ids, versions)], stats)."""
 
     async def main():
-        engine = await started(old_dir, 0)
+        engine = await started(old_dir, 0, **options)
         streams = [engine.generate(p, greedy(n), f"r{i}")
-                   for i, (p, n) in enumerate(zip(PROMPTS, lengths))]
+                   for i, (p, n) in enumerate(zip(PROMPTS, LENGTHS))]
         firsts = [await s.__anext__() for s in streams]
         update = asyncio.ensure_future(engine.update_weights(new_dir, 1))
         rest = await asyncio.gather(*[collect_chunks(s) for s in streams])
         await update
+        stats = engine.stats()
         await engine.shutdown()
         return [(list(f.token_ids) + ids, list(f.versions) + vs)
-                for f, (ids, vs) in zip(firsts, rest)]
+                for f, (ids, vs) in zip(firsts, rest)], stats
 
-    results = run(main())
-    assert any(set(versions) == {0, 1} for _, versions in results)
-    for prompt, n, (ids, versions) in zip(PROMPTS, lengths, results):
+    return run(main())
+
+
+def test_interrupting_swap_mid_generation(models):
+    """The swap lands while several sequences decode; each continues on the new weights."""
+    (old_model, old_dir), (new_model, new_dir) = models["old"], models["new"]
+    results, stats = swap_mid_generation(old_dir, new_dir)
+    assert stats["swaps"] == 1
+    assert stats["reprefills"] == sum(set(versions) == {0, 1} for _, versions in results) > 0
+    for prompt, n, (ids, versions) in zip(PROMPTS, LENGTHS, results):
         before, cont = split_by_version(ids, versions, 0)
         assert len(ids) == n and before
         assert before == hf_greedy(old_model, prompt, len(before))
         assert cont == hf_greedy(new_model, prompt + before, len(cont))
+
+
+def hf_greedy_on_cache(old_model, new_model, context, n):
+    """Greedy tokens of ``new_model`` after ``context`` when the KV cache of all but its last
+    token was computed by ``old_model`` (what a swap that keeps the cache serves)."""
+    import torch
+
+    with torch.no_grad():
+        cache = old_model(torch.tensor([context[:-1]]), use_cache=True).past_key_values
+        token, out = context[-1], []
+        for _ in range(n):
+            step = new_model(torch.tensor([[token]]), past_key_values=cache, use_cache=True)
+            cache, token = step.past_key_values, int(step.logits[0, -1].argmax())
+            out.append(token)
+    return out
+
+
+def test_keep_cache_swap_continues_on_the_old_cache(models):
+    """With ``keep_cache`` the swap lands mid-generation without any re-prefill: later tokens
+    come from the new weights over keys and values the old weights wrote."""
+    (old_model, old_dir), (new_model, new_dir) = models["old"], models["new"]
+    results, stats = swap_mid_generation(old_dir, new_dir, swap_mode="keep_cache")
+    assert stats["swaps"] == 1 and stats["reprefills"] == 0
+    swapped = 0
+    for prompt, n, (ids, versions) in zip(PROMPTS, LENGTHS, results):
+        before, cont = split_by_version(ids, versions, 0)
+        assert len(ids) == n and before
+        assert before == hf_greedy(old_model, prompt, len(before))
+        if cont:
+            swapped += 1
+            assert cont == hf_greedy_on_cache(old_model, new_model, prompt + before, len(cont))
+            assert cont != hf_greedy(new_model, prompt + before, len(cont))  # not re-prefilled
+    assert swapped
 
 
 def test_drain_swap_waits_for_running_sequences(models):

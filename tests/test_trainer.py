@@ -116,6 +116,27 @@ def test_shapes_compiled_ahead_spare_later_steps_their_compilation(model):
     assert_params_close(runs[True][3], runs[False][3], atol=1e-6)
 
 
+def test_the_first_step_finds_its_update_compiled_ahead(model):
+    """The gradient zeros and the optimiser update do not depend on the batch: they compile
+    while the trainer first waits, and the first step compiles only its shape's programs."""
+    micro = MicroBatchConfig(token_budget=256, row_buckets=(32, 64, 256))
+    trajs = [Trajectory([1, 2, 3, 4], list(range(5, 31)), np.zeros(26), np.zeros(26),
+                        reward=float(i % 3)) for i in range(4)]
+    meter = CompileMeter()
+    programs, params = {}, {}
+    for ahead in (True, False):
+        jax.clear_caches()
+        trainer = _trainer(model, micro_batch=micro, compile_ahead=ahead)
+        assert trainer.wait_compiled_ahead(120)  # as while waiting for the first batch
+        meter.take()
+        trainer.train_on_batch([TrajectoryGroup("p", trajs)])
+        programs[ahead] = meter.take()[1]
+        params[ahead] = host_params(trainer)
+        trainer.close()
+    assert programs[False] - programs[True] == 2
+    assert_params_close(params[True], params[False], atol=0)
+
+
 def test_the_first_checkpoint_finds_its_checksum_program_compiled_ahead(model, tmp_path):
     micro = MicroBatchConfig(token_budget=256, row_buckets=(32, 64, 256))
     trajs = [Trajectory([1, 2, 3, 4], list(range(5, 31)), np.zeros(26), np.zeros(26),

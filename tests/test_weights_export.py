@@ -2,6 +2,7 @@
 
 import json
 import tracemalloc
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -60,8 +61,19 @@ def test_unsupported_export_dtype_names_dtype_and_the_allowed_values(loaded, tmp
     assert list(tmp_path.iterdir()) == []
 
 
-def test_two_step_publish_writes_the_same_bytes_as_export_hf(loaded, tmp_path):
+def test_two_step_publish_writes_the_same_bytes_as_export_hf(loaded, tmp_path, monkeypatch):
+    """Same bytes; an export is synced to disk, a published version (transient: a restart
+    publishes again) is not."""
+    import os
+
     _, model, dtypes = loaded
+    synced, fsync = [], os.fsync
+
+    def recording_fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
     tok = tmp_path / "tok"
     tok.mkdir()
     (tok / "tokenizer.json").write_text('{"fake": true}')
@@ -69,6 +81,7 @@ def test_two_step_publish_writes_the_same_bytes_as_export_hf(loaded, tmp_path):
     mixed = {n: "bf16" for n in dtypes}
     mixed.update({"model.layers.1.self_attn.q_proj.weight": "float32", "model.norm.weight": "fp16"})
     one = export_hf(model, tmp_path / "one", dtype=mixed, tokenizer_dir=tok)
+    assert [Path(f).name for f in synced] == ["model.safetensors"]
     tensors = hf_state_dict(model, mixed)
     # The snapshot is the model's values at that moment, not a view of its parameters.
     before = {n: t.copy() for n, t in tensors.items()}
@@ -76,7 +89,7 @@ def test_two_step_publish_writes_the_same_bytes_as_export_hf(loaded, tmp_path):
     nnx.update(model, jax.tree.map(lambda x: x + 1, params))
     exports = tmp_path / "exports"
     two = publish_tensors(tensors, model.cfg, exports, 3, keep=1, tokenizer_dir=tok)
-    assert two == exports / "v000003"
+    assert two == exports / "v000003" and len(synced) == 1
     assert sorted(p.name for p in one.iterdir()) == sorted(p.name for p in two.iterdir())
     for f in one.iterdir():
         assert f.read_bytes() == (two / f.name).read_bytes(), f.name

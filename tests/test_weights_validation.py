@@ -130,3 +130,45 @@ def test_engine_refuses_bad_weights_and_keeps_serving_the_old_ones(src, tmp_path
     assert K0 in errors["shape"]
     assert set(out.versions) == {0}
     assert out.output_ids == hf_greedy(ref, prompt, 12)
+
+
+def _rounded(tensors, casts):
+    for name, dtype in casts.items():
+        tensors[name] = tensors[name].astype(dtype)
+
+
+@pytest.mark.parametrize("mesh_shape", [None, (1, 2, 4)])
+def test_mixed_dtypes_load_exactly_in_any_parameter_dtype(src, tmp_path, mesh_shape):
+    """Tensors stored as bf16 and fp16 among fp32 ones load to exactly their values (no
+    rounding through another dtype), in fp32 or straight into bf16 parameters, on one device
+    and on a mesh where each device reads only its shard."""
+    from areal_jax.parallel import MeshConfig, make_mesh
+    from flax import nnx
+
+    down1 = "model.layers.1.mlp.down_proj.weight"
+    casts = {Q0: ml_dtypes.bfloat16, down1: np.float16, "model.embed_tokens.weight":
+             ml_dtypes.bfloat16}
+    mixed = _variant(src, tmp_path / "mixed", lambda t: _rounded(t, casts))
+    # The same values, every tensor stored as fp32.
+    wide = _variant(mixed, tmp_path / "wide", lambda t: _rounded(
+        t, {n: np.float32 for n in casts}))
+    mesh = None if mesh_shape is None else make_mesh(MeshConfig(*mesh_shape))
+    for param_dtype in (np.float32, ml_dtypes.bfloat16):
+        got, dtypes = load_hf_model(mixed, mesh, param_dtype=param_dtype)
+        want, _ = load_hf_model(wide, mesh)
+        assert dtypes[Q0] == ml_dtypes.bfloat16 and dtypes[down1] == np.float16
+        for (path, a), (_, b) in zip(nnx.state(got).flat_state(), nnx.state(want).flat_state()):
+            a = np.asarray(a.get_value())
+            assert a.dtype == param_dtype, path
+            np.testing.assert_array_equal(a, np.asarray(b.get_value()).astype(param_dtype))
+
+
+def test_non_finite_counts_per_dtype():
+    from areal_jax.models.hf_io import count_non_finite
+
+    for dtype in (np.float32, np.float16, ml_dtypes.bfloat16):
+        a = np.arange(24, dtype=np.float32).reshape(4, 6).astype(dtype)
+        assert count_non_finite(a) == 0
+        a[0, 1], a[2, 3], a[3, 5] = np.nan, np.inf, -np.inf
+        assert count_non_finite(a) == 3, dtype
+        assert count_non_finite(np.full(5, ml_dtypes.finfo(dtype).max, dtype)) == 0

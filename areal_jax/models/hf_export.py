@@ -121,9 +121,11 @@ def export_hf_tensors(
     *,
     tokenizer_dir: str | Path | None = None,
     max_shard_bytes: int = 2 * 1024**3,
+    durable: bool = True,
 ) -> Path:
     """Write HF-named host ``tensors`` of a ``cfg`` model as a directory that
-    ``AutoModelForCausalLM.from_pretrained`` loads, atomically.
+    ``AutoModelForCausalLM.from_pretrained`` loads, atomically (``durable``: each weight file
+    synced to disk before the rename).
 
     The tensors must be exactly those of ``cfg`` (``CheckpointError`` otherwise).
     ``config.json`` declares the tensors' dtype (``dtype`` and ``torch_dtype``), so
@@ -143,12 +145,12 @@ def export_hf_tensors(
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
         groups = _shard_groups(tensors, max_shard_bytes)
         if len(groups) == 1:
-            save_safetensors(tmp / "model.safetensors", tensors)
+            save_safetensors(tmp / "model.safetensors", tensors, durable=durable)
         else:
             weight_map = {}
             for k, names in enumerate(groups, start=1):
                 fname = f"model-{k:05d}-of-{len(groups):05d}.safetensors"
-                save_safetensors(tmp / fname, {n: tensors[n] for n in names})
+                save_safetensors(tmp / fname, {n: tensors[n] for n in names}, durable=durable)
                 weight_map.update({n: fname for n in names})
             index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
                      "weight_map": weight_map}

@@ -88,8 +88,10 @@ class SafetensorsFile:
         return buf.view(DTYPES[entry["dtype"]]).reshape(entry["shape"])
 
 
-def save_safetensors(path: str | Path, tensors: dict[str, np.ndarray], metadata=None) -> None:
-    """Write ``tensors`` (any dtype in DTYPES) to ``path`` with ``{"format": "pt"}`` metadata."""
+def save_safetensors(path: str | Path, tensors: dict[str, np.ndarray], metadata=None,
+                     durable: bool = True) -> None:
+    """Write ``tensors`` (any dtype in DTYPES) to ``path`` with ``{"format": "pt"}`` metadata;
+    ``durable``: on disk (fsync) before returning, not only in the page cache."""
     header: dict = {"__metadata__": {"format": "pt", **(metadata or {})}}
     offset = 0
     arrays = []
@@ -107,6 +109,7 @@ def save_safetensors(path: str | Path, tensors: dict[str, np.ndarray], metadata=
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
         for arr in arrays:
-            f.write(arr.tobytes())
+            f.write(arr.reshape(-1).view(np.uint8).data)  # the array's own bytes, no copy
         f.flush()
-        os.fsync(f.fileno())
+        if durable:
+            os.fsync(f.fileno())

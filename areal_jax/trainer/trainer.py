@@ -118,12 +118,12 @@ class Trainer:
         self._forward_shapes: set[tuple[int, int]] = set()
         self._ahead = AheadCompiler() if config.compile_ahead else None
         self._abstract_params = abstract_like(params)
-        self._checksums_asked = False
         self._checkpoints = (
             Checkpointer(Path(config.run_dir) / "checkpoints", config.checkpoint_keep,
                          config.checkpoint_async)
             if config.run_dir else None
         )  # fmt: skip
+        self._queue_batch_independent_programs()
 
     @property
     def version(self) -> int:
@@ -156,6 +156,7 @@ class Trainer:
         self._rng = rng  # the batch is valid: from here on the step goes through
         shapes = {b.shape for mb in plan for b in mb}
         metrics["packing/new_shapes"] = float(self._claim_shapes(shapes))
+        self._claim_ahead(("update",))
         device = [[batches.put_batch(b, self.mesh) for b in mb] for mb in plan]
         recompute = self._recomputes_proximal
         # Proximal log-probs: every micro-batch under the parameters before this step.
@@ -193,6 +194,7 @@ class Trainer:
         trajs = _sft_trajectories(examples, self._version)
         packed = batches.pack_all(trajs, self._mb_cfg)
         n_tokens = sum(b.n_valid_tokens for b in packed)
+        self._claim_ahead(("update",))
         grads = self._steps.zero_grads(self._state.params)
         losses = []
         for b in packed:
@@ -222,8 +224,7 @@ class Trainer:
     def save(self, extra: dict | None = None) -> None:
         """Checkpoint the train state and ``extra`` (JSON-able) as the current version."""
         meta = {"version": self._version, "extra": extra or {}}
-        if self._ahead is not None:
-            self._ahead.claim(("checksums",))  # compiling ahead now: wait rather than redo
+        self._claim_ahead(("checksums",))
         self._require_checkpoints().save(self._version, self._checkpoint_tree(), meta)
 
     def restore(self, version: int | None = None) -> dict | None:
@@ -309,16 +310,32 @@ class Trainer:
         self._train_shapes.update(shapes)
         return new
 
-    def _compile_ahead(self, used: set[tuple[int, int]]) -> None:
-        """Ask for the programs later steps are likely to need: first the checkpoint checksums
-        (certain to run at the first checkpoint), then the train programs of the shapes next
-        to ``used``, likeliest first."""
+    def _claim_ahead(self, key: tuple) -> None:
+        """About to run ``key``'s programs: wait if they are compiling ahead rather than redo."""
+        if self._ahead is not None:
+            self._ahead.claim(key)
+
+    def _queue_batch_independent_programs(self) -> None:
+        """Ask for the programs every run needs whatever its batches, so they compile while the
+        trainer first waits (for servers, for the first batch): the gradient zeros and the
+        optimiser update of the first step, and the checkpoint checksums of the first save."""
         if self._ahead is None:
             return
-        if self._checkpoints is not None and not self._checksums_asked:
+        params, state = self._abstract_params, abstract_like(self._state)
+
+        def update() -> None:
+            self._steps.zero_grads.lower(params).compile()
+            self._steps.update.lower(state, params).compile()
+
+        self._ahead.submit(("update",), update)
+        if self._checkpoints is not None:
             tree = abstract_like(self._checkpoint_tree())
             self._ahead.submit(("checksums",), functools.partial(self._checkpoints.compile, tree))
-            self._checksums_asked = True
+
+    def _compile_ahead(self, used: set[tuple[int, int]]) -> None:
+        """Ask for the train programs of the shapes next to ``used``, likeliest first."""
+        if self._ahead is None:
+            return
         for shape in neighbour_shapes(used, self._mb_cfg):
             if shape not in self._train_shapes:
                 job = functools.partial(self._compile_train_programs, shape)

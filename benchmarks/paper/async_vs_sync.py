@@ -44,7 +44,7 @@ def main() -> None:
             overrides = [*args.set, *pins, *schedule, f"schedule.total_steps={args.versions}",
                          f"seed={seed}", f"trainer.seed={seed}", "checkpoint_every=0",
                          "eval.every_steps=0"]
-            run = common.rl_run(args.config, args.work_dir / tag, start, overrides)
+            run = common.rl_run(args.config, args.work_dir / tag, start, overrides, args.resume)
             rate = common.steady_rate(run["train"], args.skip)
             rate["accuracy"] = run["results"]["after"]["eval/accuracy"]
             rate["seed"] = seed

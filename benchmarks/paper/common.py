@@ -11,6 +11,7 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -38,6 +39,9 @@ def add_run_arguments(parser, name: str, versions: int) -> None:
     parser.add_argument("--work-dir", type=Path, default=Path("runs/paper") / name)
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                         help="config overrides for every run, SFT included")
+    parser.add_argument("--resume", action="store_true",
+                        help="read back finished runs of the same command in --work-dir instead "
+                             "of rerunning them (unfinished ones are started afresh)")
     add_out_argument(parser)
 
 
@@ -80,10 +84,14 @@ def pinning(trainer: list[int], rollout: list[int]) -> list[str]:
             "rollout.num_local_servers=1"]
 
 
+def _argv(command: str, config: str, overrides: list[str]) -> list[str]:
+    return [sys.executable, "-m", "areal_jax.cli", command, "--config", config, *overrides]
+
+
 def areal_jax(command: str, config: str, overrides: list[str], log: Path,
               timeout_s: float | None = None) -> float:
     """Run ``areal-jax COMMAND --config CONFIG OVERRIDES`` (output to ``log``); wall seconds."""
-    argv = [sys.executable, "-m", "areal_jax.cli", command, "--config", config, *overrides]
+    argv = _argv(command, config, overrides)
     log.parent.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     with log.open("w") as out:
@@ -109,18 +117,34 @@ def warm_start(config: str, work: Path, overrides: list[str]) -> Path:
     return out
 
 
-def rl_run(config: str, run_dir: Path, start: Path, overrides: list[str]) -> dict:
-    """One fresh RL run from ``start``: its training rows, eval rows and results.json."""
+def _finished_by(run_dir: Path, log: Path, argv: list[str]) -> bool:
+    """Whether ``run_dir`` holds a finished run started by exactly ``argv``."""
+    if not (run_dir / "results.json").is_file() or not log.is_file():
+        return False
+    with log.open() as f:
+        return f.readline().rstrip("\n") == "$ " + shlex.join(argv)
+
+
+def rl_run(config: str, run_dir: Path, start: Path, overrides: list[str],
+           resume: bool = False) -> dict:
+    """One RL run from ``start``: its training rows, eval rows and results.json. The run must
+    start fresh, unless ``resume`` and ``run_dir`` holds a finished run of the same command
+    (read back as it is; an unfinished one is deleted and rerun)."""
     run_dir = run_dir.resolve()
-    if run_dir.exists():
-        raise SystemExit(f"{run_dir} exists: a benchmark run must start fresh (use a new "
-                         "--work-dir or delete it)")
-    fixed = [f"run_dir={run_dir}", f"model_path={start}", "sft.steps=0"]
-    wall = areal_jax("train", config, [*overrides, *fixed],
-                     run_dir.parent / "logs" / f"{run_dir.name}.log")
+    overrides = [*overrides, f"run_dir={run_dir}", f"model_path={start}", "sft.steps=0"]
+    log = run_dir.parent / "logs" / f"{run_dir.name}.log"
+    if resume and _finished_by(run_dir, log, _argv("train", config, overrides)):
+        print(f"{run_dir.name}: finished earlier, read back", flush=True)
+    else:
+        if run_dir.exists():
+            if not resume:
+                raise SystemExit(f"{run_dir} exists: a benchmark run must start fresh (use a "
+                                 "new --work-dir, delete it, or --resume)")
+            shutil.rmtree(run_dir)
+        areal_jax("train", config, overrides, log)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
             if line.strip()]
-    return {"wall_s": wall, "train": [r for r in rows if "timing/train_s" in r],
+    return {"train": [r for r in rows if "timing/train_s" in r],
             "eval": [r for r in rows if "eval/accuracy" in r],
             "results": json.loads((run_dir / "results.json").read_text())}
 

@@ -70,7 +70,7 @@ def main() -> None:
             overrides = [*args.set, *pins, *schedule, f"schedule.total_steps={args.versions}",
                          f"seed={seed}", f"trainer.seed={seed}", "checkpoint_every=0",
                          "trainer.export_keep_every=1"]
-            run = common.rl_run(args.config, run_dir, start, overrides)
+            run = common.rl_run(args.config, run_dir, start, overrides, args.resume)
             common.areal_jax("eval", args.config, ["--curve", str(run_dir), *overrides,
                                                    f"run_dir={run_dir}"],
                              args.work_dir / "logs" / f"{run_dir.name}_curve.log")

@@ -82,7 +82,7 @@ def main() -> None:
                              f"trainer.seed={seed}", "checkpoint_every=0",
                              f"eval.every_steps={args.eval_every}"]
                 run = common.rl_run(args.config, args.work_dir / f"{loss}_eta{eta}_seed{seed}",
-                                    start, overrides)
+                                    start, overrides, args.resume)
                 curve = sorted({int(r["step"]): r["eval/accuracy"] for r in run["eval"]}.items())
                 train = run["train"]
                 result = {"seed": seed, "accuracy": run["results"]["after"]["eval/accuracy"],

@@ -49,7 +49,7 @@ class JaxEngineOptions:
     decode_steps_per_call: int = 8  # decode steps inside one device call
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: float32 on CPU, else bfloat16
     seed: int = 0  # draws the seeds of requests that bring none
-    swap_mode: Literal["interrupt", "drain"] = "interrupt"
+    swap_mode: Literal["interrupt", "keep_cache", "drain"] = "interrupt"
 
     def __post_init__(self):
         for name in ("num_slots", "decode_steps_per_call"):

@@ -50,9 +50,8 @@ def load_params(
         if mismatch is not None:
             raise WeightLoadError(f"checkpoint {path} does not fit the served model: {mismatch}")
     try:
-        model, _ = load_hf_model(path, dtype=dtype, cfg=cfg)
+        model, _ = load_hf_model(path, dtype=dtype, cfg=cfg, param_dtype=dtype)
     except (OSError, ValueError) as e:  # CheckpointError and SafetensorsError among them
         raise WeightLoadError(f"checkpoint {path}: {e}") from e
     graphdef, params = nnx.split(model)
-    params = jax.tree.map(lambda x: x.astype(dtype), params)
     return graphdef, jax.block_until_ready(params)

@@ -14,9 +14,11 @@ through its ``deliver`` callback.
 
 Weight swap: new parameters arrive already loaded on the device. In ``interrupt`` mode they
 replace the old ones at once; every running sequence is then re-prefilled (prompt + tokens so
-far) with the new weights and continues. In ``drain`` mode admission stops until the running
-sequences finish, then the swap happens. While paused no token is produced, so either mode
-swaps at once and running sequences re-prefill on resume.
+far) with the new weights and continues. In ``keep_cache`` mode they replace the old ones at
+once and running sequences continue on their KV cache as the old weights computed it. In
+``drain`` mode admission stops until the running sequences finish, then the swap happens.
+While paused no token is produced, so every mode swaps at once (``interrupt`` and ``drain``
+re-prefill running sequences on resume).
 """
 
 from __future__ import annotations
@@ -222,8 +224,9 @@ class DecodeWorker:
         self._params, self.version = params, version
         self._layers = jax_decode.split_layers(self._graphdef, params)
         self.swaps += 1
-        for slot in self._slots.occupied():
-            self._slots.invalidate(slot)
+        if self._swap_mode != "keep_cache":
+            for slot in self._slots.occupied():
+                self._slots.invalidate(slot)
         fut.set_result(None)
 
     def _admit(self) -> None:

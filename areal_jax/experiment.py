@@ -170,6 +170,10 @@ class ExperimentConfig:
     # Persistent XLA compilation cache for the trainer and the servers it launches: unset uses
     # ~/.cache/areal-jax/xla (or $AREAL_JAX_CACHE_DIR); "" turns it off.
     compilation_cache_dir: str | None = None
+    # Compile the train programs of sketched first batches while the rollout servers start and
+    # the held-out set is evaluated; null: where that takes no CPU from the servers (remote
+    # servers, an accelerator backend, or disjoint trainer_cpus and rollout.cpu_sets).
+    compile_first_batches: bool | None = None
 
     def __post_init__(self):
         # The trainer recomputes log-probs at its temperature; a mismatch would silently train

@@ -21,9 +21,11 @@ def compile_share(run_dir: Path) -> dict:
     steps = [r for r in rows if "timing/compile_s" in r]
     wall = json.loads((run_dir / "results.json").read_text())["wall_s"]
     compile_s = sum(r["timing/compile_s"] for r in steps)
+    evals = [r for r in rows if r["step"] == 0 and "eval/accuracy" in r]
+    loop_s = steps[-1]["wall_time"] - evals[0]["wall_time"] if steps and evals else float("nan")
     late = [int(r["step"]) for r in steps if r["step"] > 3 and r["compile/programs"] > 0]
     return {"run": str(run_dir), "versions": len(steps), "rl_wall_s": wall,
-            "compile_s": compile_s, "share": compile_s / wall,
+            "compile_s": compile_s, "share": compile_s / wall, "loop_s": loop_s,
             "first_version_compile_s": steps[0]["timing/compile_s"] if steps else 0.0,
             "versions_compiling_after_3": late,
             "compile_ahead_s": sum(r.get("timing/compile_ahead_s", 0.0) for r in steps)}
@@ -33,13 +35,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", type=Path)
     args = parser.parse_args()
-    print("| run | versions | RL phase (s) | compile in the loop (s) | share | of it version 1 (s) "
-          "| versions compiling after 3 | compiled ahead (s) |")
-    print("|---|---:|---:|---:|---:|---:|---|---:|")
+    print("| run | versions | RL phase (s) | compile in the loop (s) | share | loop (s) "
+          "| of it version 1 (s) | versions compiling after 3 | compiled ahead (s) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|---:|")
     for run in args.runs:
         c = compile_share(run)
         print(f"| {run.name} | {c['versions']} | {c['rl_wall_s']:.1f} | {c['compile_s']:.1f} "
-              f"| {c['share']:.1%} | {c['first_version_compile_s']:.1f} "
+              f"| {c['share']:.1%} | {c['loop_s']:.1f} | {c['first_version_compile_s']:.1f} "
               f"| {c['versions_compiling_after_3'] or '-'} | {c['compile_ahead_s']:.1f} |")
 
 

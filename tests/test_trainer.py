@@ -78,9 +78,13 @@ def test_later_batches_reuse_the_shapes_already_compiled(model):
     new_shapes = {}
     for tolerance in (1.5, 1.0):
         trainer = _trainer(model, micro_batch=dataclasses.replace(micro, reuse_tolerance=tolerance))
-        new_shapes[tolerance] = [trainer.train_on_batch(groups(n))["packing/new_shapes"]
-                                 for n in (6, 4, 6)]
+        steps = [trainer.train_on_batch(groups(n)) for n in (6, 4, 6)]
+        new_shapes[tolerance] = [m["packing/new_shapes"] for m in steps]
+        assert [m["packing/micro_batches"] for m in steps] == [1.0, 1.0, 1.0]
     assert new_shapes == {1.5: [1.0, 0.0, 0.0], 1.0: [1.0, 1.0, 0.0]}
+    # Seven sequences (210 tokens) in a budget of 128 tokens per micro-batch: two of them.
+    small = _trainer(model, micro_batch=dataclasses.replace(micro, token_budget=128))
+    assert small.train_on_batch(groups(7))["packing/micro_batches"] == 2.0
 
 
 def test_shapes_compiled_ahead_spare_later_steps_their_compilation(model):
@@ -114,6 +118,33 @@ def test_shapes_compiled_ahead_spare_later_steps_their_compilation(model):
     assert runs[True][1][1:] == [0, 0]
     np.testing.assert_allclose(runs[True][2], runs[False][2], rtol=1e-6)
     assert_params_close(runs[True][3], runs[False][3], atol=1e-6)
+
+
+def test_a_sketched_batch_compiles_its_shapes_before_the_first_step(model):
+    """Told the token counts of a batch to come, the trainer compiles its shape (then the
+    shapes next to it) while it waits: the first step of such a batch compiles no shape."""
+    micro = MicroBatchConfig(token_budget=256, row_buckets=(32, 64, 256))
+    trajs = [Trajectory([1, 2, 3, 4], list(range(5, 31)), np.zeros(26), np.zeros(26),
+                        reward=float(i % 3)) for i in range(6)]
+    meter = CompileMeter()
+    programs, new = {}, {}
+    for sketch in (True, False):
+        jax.clear_caches()
+        trainer = _trainer(model, micro_batch=micro)
+        if sketch:  # six sequences of 30 tokens: six rows of 32, then the neighbours
+            queued = trainer.compile_ahead_for([[30] * 6])
+            assert queued[0] == (6, 32) and (8, 32) in queued
+        assert trainer.wait_compiled_ahead(300)  # as while the rollout servers start
+        meter.take()
+        new[sketch] = trainer.train_on_batch([TrajectoryGroup("p", trajs)])["packing/new_shapes"]
+        programs[sketch] = meter.take()[1]
+        with pytest.raises(ValueError, match=r"sketches\[1\]: every trajectory needs >= 2"):
+            trainer.compile_ahead_for([[30], [1, 30]])
+        trainer.close()
+    assert new == {True: 0.0, False: 1.0}
+    assert programs[False] - programs[True] == 2  # the shape's log-prob forward, accumulation
+    assert _trainer(model, micro_batch=micro, compile_ahead=False).compile_ahead_for(
+        [[30] * 6]) == []
 
 
 def test_the_first_step_finds_its_update_compiled_ahead(model):

@@ -5,16 +5,21 @@ held-out accuracy before, the asynchronous loop (with local servers supervised),
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from pathlib import Path
 
+import jax
+
+from areal_jax.config import ConfigError
 from areal_jax.controller.evaluation import evaluate
 from areal_jax.controller.ledger import RunLedger
 from areal_jax.controller.loop import RLLoop
 from areal_jax.controller.prepare import dataset_config
 from areal_jax.controller.progress import TrainingProgress
 from areal_jax.controller.servers import rollout_servers, supervise_local, sync_servers
+from areal_jax.controller.sketches import first_batch_sketches
 from areal_jax.data.dataset import PromptDataset
 from areal_jax.experiment import ExperimentConfig
 from areal_jax.metrics import MetricsLogger
@@ -43,6 +48,33 @@ async def _accuracy_before_rl(run_dir: Path, version: int, run_eval, metrics_log
     metrics_log.log(version, before)
     _print_eval(f"held-out accuracy at version {version} (before RL)", before)
     return before
+
+
+def check_trajectories_fit(cfg: ExperimentConfig, prompt_lengths) -> None:
+    """Refuse a run whose longest prompt, answered with ``sampling.max_new_tokens``, would not
+    fit one micro-batch: its step would fail mid-run, after the work before it."""
+    budget = cfg.trainer.micro_batch.token_budget
+    longest_prompt = max(prompt_lengths, default=0)
+    longest = longest_prompt + cfg.sampling.max_new_tokens
+    if longest > budget:
+        raise ConfigError(
+            f"trainer.micro_batch.token_budget ({budget}) is below the longest training prompt "
+            f"({longest_prompt} tokens) + sampling.max_new_tokens "
+            f"({cfg.sampling.max_new_tokens}) = {longest}: such a trajectory fits no micro-batch; "
+            f"raise the token budget, or lower dataset.max_prompt_tokens (longer prompts are "
+            f"dropped) or sampling.max_new_tokens")
+
+
+def compiles_first_batches(cfg: ExperimentConfig) -> bool:
+    """Whether the trainer compiles sketched first batches while the servers start and the
+    held-out set is evaluated (``compile_first_batches``; unset: where that takes no CPU from
+    the servers, which on a shared CPU it would only move the work, not save it)."""
+    if cfg.compile_first_batches is not None:
+        return cfg.compile_first_batches
+    if cfg.rollout.addresses or jax.default_backend() != "cpu":
+        return True
+    server_cpus = {c for cpus in cfg.rollout.cpu_sets or [] for c in cpus}
+    return bool(cfg.trainer_cpus and server_cpus and not server_cpus & set(cfg.trainer_cpus))
 
 
 async def _run_until_done(loop_run, servers) -> None:
@@ -78,13 +110,23 @@ async def run_rl(cfg: ExperimentConfig, trainer, tokenizer, progress: TrainingPr
         eval_set = PromptDataset(dataset_config(cfg.eval.dataset, cfg.run_dir), tokenizer)
         eval_items = list(eval_set)[: cfg.eval.max_prompts]
     log.info("training prompts: %d (%d dropped as too long)", len(train_set), train_set.num_dropped)
+    prompt_lengths = [len(item.prompt_ids) for item in train_set]
+    check_trajectories_fit(cfg, prompt_lengths)
 
     version = trainer.version
     published = trainer.snapshot_for_publish().write()
     push = cfg.rollout.weights_transport == "push"
     results: dict = {}
+    sketching = compiles_first_batches(cfg)
+    if sketching:
+        sp = cfg.sampling
+        trainer.compile_ahead_for(first_batch_sketches(
+            prompt_lengths, cfg.schedule.batch_size, sp.group_size, sp.max_new_tokens, cfg.seed))
     with RunLedger(run_dir / "ledger.jsonl") as ledger, \
-            MetricsLogger(run_dir, resume_from_step=version + 1) as metrics_log:
+            MetricsLogger(run_dir, resume_from_step=version + 1) as metrics_log, \
+            contextlib.ExitStack() as waiting:
+        if sketching:  # until the loop starts the trainer waits: it compiles meanwhile
+            waiting.enter_context(trainer.idle())
         ledger.record("start", version=version)
         task = progress.start_phase("starting rollout servers", None)
         async with rollout_servers(cfg, published, version) as (pool, servers):
@@ -104,6 +146,7 @@ async def run_rl(cfg: ExperimentConfig, trainer, tokenizer, progress: TrainingPr
             if eval_items:
                 results["before"] = await _accuracy_before_rl(run_dir, version, run_eval,
                                                               metrics_log)
+            waiting.close()
             loop = RLLoop(cfg, trainer, pool, train_set.iterator(), {i.id: i for i in train_set},
                           on_step=None, on_eval=run_eval, ledger=ledger)
             if extra:

@@ -69,6 +69,13 @@ class TrainerGroup:
         """Snapshot on every process, then the leader writes the export."""
         return self.snapshot_for_publish(version).write()
 
+    def compile_ahead_for(self, sketches) -> list[tuple[int, int]]:
+        """``Trainer.compile_ahead_for`` on every process (each compiles for its own devices)."""
+        sketches = [[int(n) for n in lengths] for lengths in sketches]
+        shapes = self.trainer.compile_ahead_for(sketches)  # bad input raises before sending
+        self._send("expect", {"sketches": sketches})
+        return shapes
+
     def idle(self):
         """The leader waits (for a batch): ``Trainer.idle`` of its own trainer."""
         return self.trainer.idle()
@@ -114,6 +121,8 @@ class TrainerGroup:
             t.restore(header["version"])
         elif command == "snapshot":
             t.snapshot_for_publish(header["version"])
+        elif command == "expect":
+            t.compile_ahead_for(header["sketches"])
         elif command == "close":
             t.close()
         else:

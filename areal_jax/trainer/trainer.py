@@ -156,6 +156,7 @@ class Trainer:
         self._rng = rng  # the batch is valid: from here on the step goes through
         shapes = {b.shape for mb in plan for b in mb}
         metrics["packing/new_shapes"] = float(self._claim_shapes(shapes))
+        metrics["packing/micro_batches"] = float(sum(len(mb) for mb in plan))
         self._claim_ahead(("update",))
         device = [[batches.put_batch(b, self.mesh) for b in mb] for mb in plan]
         recompute = self._recomputes_proximal
@@ -215,6 +216,32 @@ class Trainer:
             "version": float(self._version),
             "throughput/tokens_per_s": tokens / (time.perf_counter() - start),
         }
+
+    def compile_ahead_for(self, sketches: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
+        """Queue the train programs of batches not yet seen, to compile while the trainer waits
+        (e.g. for rollout servers to start and the first batch to fill).
+
+        Each sketch is a plausible batch given as the token counts (prompt + response) of its
+        trajectories; it is split and packed as ``train_on_batch`` would, and its micro-batch
+        shapes are queued, then the shapes next to them (where lengths a little off the
+        sketch's would pack), sketch by sketch: likeliest first. Returns the shapes queued
+        (none without ``compile_ahead``).
+        """
+        for i, lengths in enumerate(sketches):
+            if not lengths or min(lengths) < 2:
+                raise ValueError(f"sketches[{i}]: every trajectory needs >= 2 tokens (a prompt "
+                                 f"token and a response token), got {list(lengths)[:8]}")
+        if self._ahead is None:
+            return []
+        queued = []
+        for lengths in sketches:
+            trajs = [_sketch_trajectory(n) for n in lengths]
+            order = np.arange(len(trajs))
+            plan = batches.minibatch_plan(trajs, [0.0] * len(trajs), self.config.ppo_n_minibatches,
+                                          self._mb_cfg, order, self._train_shapes)
+            shapes = list(dict.fromkeys(b.shape for mb in plan for b in mb))
+            queued += self._queue_train_shapes(shapes + neighbour_shapes(shapes, self._mb_cfg))
+        return queued
 
     def compute_logprobs(self, trajectories: Sequence[Trajectory]) -> list[np.ndarray]:
         """Log-prob [O_i] of every output token under the current parameters, at the sampling
@@ -317,7 +344,7 @@ class Trainer:
 
     def _queue_batch_independent_programs(self) -> None:
         """Ask for the programs every run needs whatever its batches, so they compile while the
-        trainer first waits (for servers, for the first batch): the gradient zeros and the
+        trainer first waits (for the first batch, or for servers): the gradient zeros and the
         optimiser update of the first step, and the checkpoint checksums of the first save."""
         if self._ahead is None:
             return
@@ -334,12 +361,13 @@ class Trainer:
 
     def _compile_ahead(self, used: set[tuple[int, int]]) -> None:
         """Ask for the train programs of the shapes next to ``used``, likeliest first."""
-        if self._ahead is None:
-            return
-        for shape in neighbour_shapes(used, self._mb_cfg):
-            if shape not in self._train_shapes:
-                job = functools.partial(self._compile_train_programs, shape)
-                self._ahead.submit(("train", shape), job)
+        if self._ahead is not None:
+            self._queue_train_shapes(neighbour_shapes(used, self._mb_cfg))
+
+    def _queue_train_shapes(self, shapes) -> list[tuple[int, int]]:
+        """Submit the train programs of each shape not met yet; returns those newly queued."""
+        return [s for s in shapes if s not in self._train_shapes and self._ahead.submit(
+            ("train", s), functools.partial(self._compile_train_programs, s))]
 
     def _compile_train_programs(self, shape: tuple[int, int]) -> None:
         """Compile what ``train_on_batch`` runs on a micro-batch of ``shape``, with the very
@@ -430,6 +458,14 @@ class Trainer:
         if self._checkpoints is None:
             raise ConfigError("run_dir is not set: checkpoints live in <run_dir>/checkpoints")
         return self._checkpoints
+
+
+def _sketch_trajectory(n_tokens: int) -> Trajectory:
+    """A stand-in trajectory of ``n_tokens`` (one prompt token): its length is all packing
+    reads."""
+    n = n_tokens - 1
+    return Trajectory(np.zeros(1, np.int32), np.zeros(n, np.int32), np.zeros(n, np.float32),
+                      np.zeros(n, np.int32))
 
 
 def _masked_mean(values: list[np.ndarray], trajs: list[Trajectory]) -> float:

@@ -1,5 +1,6 @@
 """The persistent compilation cache, the per-step compile meter, compiling ahead."""
 
+import os
 import subprocess
 import sys
 import threading
@@ -8,9 +9,10 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from areal_jax.compilation import CompileMeter, compiling_ahead
-from areal_jax.trainer.ahead import AheadCompiler
+from areal_jax.trainer.ahead import NICE, AheadCompiler
 
 PROGRAM = """
 import sys
@@ -146,4 +148,18 @@ def test_ahead_compiler_starts_jobs_only_while_its_owner_is_idle():
         gate.set()
         assert ahead.wait_done(10)
     assert runs == ["a", "b"]
+    ahead.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread priority: Linux")
+def test_ahead_compiler_compiles_at_the_lowest_cpu_priority_and_leaves_the_caller_alone():
+    ahead = AheadCompiler(settle_s=0)
+    niceness = []
+    ahead.submit("a", lambda: niceness.append(
+        os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    with ahead.idle():
+        assert ahead.wait_done(10)
+    assert niceness == [NICE]
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before != NICE
     ahead.close()

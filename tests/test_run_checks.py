@@ -45,6 +45,14 @@ def test_an_unimportable_reward_shows_the_import_error(tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
+def test_a_model_path_without_a_hugging_face_config_names_the_setting(tmp_path, capsys):
+    (tmp_path / "not_a_model").mkdir()
+    cfg = _config(tmp_path, model_path=str(tmp_path / "not_a_model"))
+    assert main(["train", "--config", _write(tmp_path, cfg)]) == 2
+    err = capsys.readouterr().err
+    assert f"model_path: {tmp_path / 'not_a_model'} has no config.json" in err
+
+
 def test_an_unknown_reward_name_is_refused(tmp_path, capsys):
     cfg = _config(tmp_path, dataset={"reward": "nmath"})
     assert main(["train", "--config", _write(tmp_path, cfg)]) == 2

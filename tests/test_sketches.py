@@ -63,3 +63,5 @@ def test_a_run_whose_longest_trajectory_fits_no_micro_batch_is_refused_before_it
     with pytest.raises(ConfigError, match=r"token_budget \(1024\).*longest training prompt "
                        r"\(1009 tokens\).*max_new_tokens \(16\) = 1025"):
         check_trajectories_fit(cfg, [40, 1009])
+    # A run with no RL versions (SFT and evaluation only) trains no trajectory: nothing to fit.
+    check_trajectories_fit(from_dict(ExperimentConfig, tiny_experiment(tmp_path, 0)), [1009])

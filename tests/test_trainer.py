@@ -145,6 +145,13 @@ def test_a_sketched_batch_compiles_its_shapes_before_the_first_step(model):
     assert programs[False] - programs[True] == 2  # the shape's log-prob forward, accumulation
     assert _trainer(model, micro_batch=micro, compile_ahead=False).compile_ahead_for(
         [[30] * 6]) == []
+    # A guess the packing refuses (here: 6 x 60 padded tokens in one fixed micro-batch, over the
+    # budget of 256) is skipped, and the sketches after it are still queued.
+    fixed = dataclasses.replace(micro, mode="fixed", num_micro_batches=1)
+    trainer = _trainer(model, micro_batch=fixed)
+    queued = trainer.compile_ahead_for([[60] * 6, [30] * 4])
+    assert queued[0] == (4, 32) and (6, 64) not in queued  # the second sketch's shape first
+    trainer.close()
 
 
 def test_the_first_step_finds_its_update_compiled_ahead(model):

@@ -39,7 +39,8 @@ def prepare_base_model(cfg: ExperimentConfig) -> Path:
     path = base_model_path(cfg)
     if cfg.model_path != "tiny":
         if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"model_path: {path} has no config.json")
+            raise ConfigError(f"model_path: {path} has no config.json; a local Hugging Face "
+                              f"model directory is expected (nothing is downloaded)")
         return path
     if not (path / "config.json").is_file():
         from areal_jax.models.tiny import build_tiny_model

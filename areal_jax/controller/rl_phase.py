@@ -51,8 +51,11 @@ async def _accuracy_before_rl(run_dir: Path, version: int, run_eval, metrics_log
 
 
 def check_trajectories_fit(cfg: ExperimentConfig, prompt_lengths) -> None:
-    """Refuse a run whose longest prompt, answered with ``sampling.max_new_tokens``, would not
-    fit one micro-batch: its step would fail mid-run, after the work before it."""
+    """Refuse an RL run whose longest prompt, answered with ``sampling.max_new_tokens``, would
+    not fit one micro-batch: its step would fail mid-run, after the work before it. A run with
+    no RL versions (``schedule.total_steps: 0``) trains no trajectory and passes."""
+    if cfg.schedule.total_steps == 0:
+        return
     budget = cfg.trainer.micro_batch.token_budget
     longest_prompt = max(prompt_lengths, default=0)
     longest = longest_prompt + cfg.sampling.max_new_tokens
@@ -61,8 +64,8 @@ def check_trajectories_fit(cfg: ExperimentConfig, prompt_lengths) -> None:
             f"trainer.micro_batch.token_budget ({budget}) is below the longest training prompt "
             f"({longest_prompt} tokens) + sampling.max_new_tokens "
             f"({cfg.sampling.max_new_tokens}) = {longest}: such a trajectory fits no micro-batch; "
-            f"raise the token budget, or lower dataset.max_prompt_tokens (longer prompts are "
-            f"dropped) or sampling.max_new_tokens")
+            f"raise the token budget or lower sampling.max_new_tokens (or, in a new run "
+            f"directory, dataset.max_prompt_tokens: longer prompts are dropped)")
 
 
 def compiles_first_batches(cfg: ExperimentConfig) -> bool:
@@ -96,22 +99,21 @@ async def _run_until_done(loop_run, servers) -> None:
         await asyncio.gather(watch, return_exceptions=True)
 
 
-async def run_rl(cfg: ExperimentConfig, trainer, tokenizer, progress: TrainingProgress,
-                 extra: dict | None) -> dict:
-    """Train to ``schedule.total_steps`` versions; returns the before/after evaluations.
+async def run_rl(cfg: ExperimentConfig, trainer, tokenizer, train_set: PromptDataset,
+                 progress: TrainingProgress, extra: dict | None) -> dict:
+    """Train on ``train_set`` to ``schedule.total_steps`` versions; returns the before/after
+    evaluations.
 
     ``trainer`` is the leader's handle (a ``TrainerGroup`` across processes); ``extra`` is the
     loop state restored from a checkpoint, or None on a fresh start.
     """
     run_dir = Path(cfg.run_dir)
-    train_set = PromptDataset(dataset_config(cfg.dataset, cfg.run_dir), tokenizer)
     eval_items = []
     if cfg.eval.dataset is not None:
         eval_set = PromptDataset(dataset_config(cfg.eval.dataset, cfg.run_dir), tokenizer)
         eval_items = list(eval_set)[: cfg.eval.max_prompts]
     log.info("training prompts: %d (%d dropped as too long)", len(train_set), train_set.num_dropped)
     prompt_lengths = [len(item.prompt_ids) for item in train_set]
-    check_trajectories_fit(cfg, prompt_lengths)
 
     version = trainer.version
     published = trainer.snapshot_for_publish().write()

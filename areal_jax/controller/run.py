@@ -20,11 +20,12 @@ from areal_jax.compilation import enable_compilation_cache
 from areal_jax.config import to_dict
 from areal_jax.controller.local_servers import device_env
 from areal_jax.controller.prepare import check_fingerprint, prepare_base_model, prepare_data
-from areal_jax.controller.prepare import base_model_path
+from areal_jax.controller.prepare import base_model_path, dataset_config
 from areal_jax.controller.progress import TrainingProgress
-from areal_jax.controller.rl_phase import run_rl
+from areal_jax.controller.rl_phase import check_trajectories_fit, run_rl
 from areal_jax.controller.sft_phase import run_sft
 from areal_jax.controller.trainers import make_trainer
+from areal_jax.data.dataset import PromptDataset
 from areal_jax.experiment import ExperimentConfig
 
 
@@ -62,6 +63,8 @@ def train(cfg: ExperimentConfig) -> dict:
     with TrainingProgress(enabled=leader) as progress:
         base = base_model_path(cfg)
         tokenizer = AutoTokenizer.from_pretrained(base)
+        train_set = PromptDataset(dataset_config(cfg.dataset, cfg.run_dir), tokenizer)
+        check_trajectories_fit(cfg, [len(item.prompt_ids) for item in train_set])  # before SFT
         start = run_sft(cfg, base, tokenizer, progress, leader, barrier) if cfg.sft.steps else base
         trainer = make_trainer(cfg, start)
         group = TrainerGroup(trainer)
@@ -81,7 +84,7 @@ def train(cfg: ExperimentConfig) -> dict:
             if extra is not None:
                 print(f"resumed from checkpoint at version {trainer.version}", flush=True)
             t0 = time.monotonic()
-            results = asyncio.run(run_rl(cfg, group, tokenizer, progress, extra))
+            results = asyncio.run(run_rl(cfg, group, tokenizer, train_set, progress, extra))
         finally:
             group.close()  # releases the other processes, closes the trainer
     results["wall_s"] = time.monotonic() - t0

@@ -224,7 +224,8 @@ class Trainer:
         Each sketch is a plausible batch given as the token counts (prompt + response) of its
         trajectories; it is split and packed as ``train_on_batch`` would, and its micro-batch
         shapes are queued, then the shapes next to them (where lengths a little off the
-        sketch's would pack), sketch by sketch: likeliest first. Returns the shapes queued
+        sketch's would pack), sketch by sketch: likeliest first. A sketch the packing refuses
+        (e.g. over the token budget in ``fixed`` mode) is skipped. Returns the shapes queued
         (none without ``compile_ahead``).
         """
         for i, lengths in enumerate(sketches):
@@ -234,11 +235,16 @@ class Trainer:
         if self._ahead is None:
             return []
         queued = []
-        for lengths in sketches:
+        for i, lengths in enumerate(sketches):
             trajs = [_sketch_trajectory(n) for n in lengths]
             order = np.arange(len(trajs))
-            plan = batches.minibatch_plan(trajs, [0.0] * len(trajs), self.config.ppo_n_minibatches,
-                                          self._mb_cfg, order, self._train_shapes)
+            try:
+                plan = batches.minibatch_plan(trajs, [0.0] * len(trajs),
+                                              self.config.ppo_n_minibatches, self._mb_cfg, order,
+                                              self._train_shapes)
+            except ValueError as e:  # a guess the packing refuses: nothing to compile for it
+                log.info("sketch %d is not compiled ahead: %s", i, e)
+                continue
             shapes = list(dict.fromkeys(b.shape for mb in plan for b in mb))
             queued += self._queue_train_shapes(shapes + neighbour_shapes(shapes, self._mb_cfg))
         return queued

@@ -89,8 +89,9 @@ def _argv(command: str, config: str, overrides: list[str]) -> list[str]:
 
 
 def areal_jax(command: str, config: str, overrides: list[str], log: Path,
-              timeout_s: float | None = None) -> float:
-    """Run ``areal-jax COMMAND --config CONFIG OVERRIDES`` (output to ``log``); wall seconds."""
+              timeout_s: float | None = None, env: dict[str, str] | None = None) -> float:
+    """Run ``areal-jax COMMAND --config CONFIG OVERRIDES`` (output to ``log``), with ``env``
+    added to the environment; wall seconds."""
     argv = _argv(command, config, overrides)
     log.parent.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
@@ -98,7 +99,7 @@ def areal_jax(command: str, config: str, overrides: list[str], log: Path,
         out.write("$ " + shlex.join(argv) + "\n")
         out.flush()
         proc = subprocess.run(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                              timeout=timeout_s, check=False)
+                              timeout=timeout_s, check=False, env={**os.environ, **(env or {})})
     if proc.returncode != 0:
         tail = "".join(log.read_text().splitlines(keepends=True)[-30:])
         raise RuntimeError(f"areal-jax {command} failed (exit {proc.returncode}); "
@@ -129,7 +130,9 @@ def rl_run(config: str, run_dir: Path, start: Path, overrides: list[str],
            resume: bool = False) -> dict:
     """One RL run from ``start``: its training rows, eval rows and results.json. The run must
     start fresh, unless ``resume`` and ``run_dir`` holds a finished run of the same command
-    (read back as it is; an unfinished one is deleted and rerun)."""
+    (read back as it is; an unfinished one is deleted and rerun). The run's compilation cache
+    is its own (``$AREAL_JAX_CACHE_DIR`` in the run directory), empty at the start as on a first
+    run: with a shared one, the runs earlier in the order would compile for the later ones."""
     run_dir = run_dir.resolve()
     overrides = [*overrides, f"run_dir={run_dir}", f"model_path={start}", "sft.steps=0"]
     log = run_dir.parent / "logs" / f"{run_dir.name}.log"
@@ -141,7 +144,8 @@ def rl_run(config: str, run_dir: Path, start: Path, overrides: list[str],
                 raise SystemExit(f"{run_dir} exists: a benchmark run must start fresh (use a "
                                  "new --work-dir, delete it, or --resume)")
             shutil.rmtree(run_dir)
-        areal_jax("train", config, overrides, log)
+        areal_jax("train", config, overrides, log,
+                  env={"AREAL_JAX_CACHE_DIR": str(run_dir / "xla_cache")})
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
             if line.strip()]
     return {"train": [r for r in rows if "timing/train_s" in r],
@@ -150,8 +154,10 @@ def rl_run(config: str, run_dir: Path, start: Path, overrides: list[str],
 
 
 def steady_rate(train_rows: list[dict], skip: int) -> dict:
-    """Versions per hour and each side's idle fraction after the first ``skip`` versions
-    (compilation and the servers' first requests are left out).
+    """Versions and trained tokens per hour, and each side's idle fraction, after the first
+    ``skip`` versions (compilation and the servers' first requests are left out). Tokens per
+    hour tell a faster step from a smaller batch: the asynchronous loop's batches gather the
+    groups that finish first, which are shorter.
 
     Trainer idle: its time waiting for a batch (``timing/wait_s``) over the wall time.
     Rollout idle: 1 - the mean of ``rollout/busy_fraction`` (slots the gate let it fill).
@@ -164,6 +170,7 @@ def steady_rate(train_rows: list[dict], skip: int) -> dict:
     busy = [r["rollout/busy_fraction"] for r in steady
             if r.get("rollout/busy_fraction") is not None]
     return {"versions_per_hour": 3600 * len(steady) / seconds,
+            "tokens_per_hour": 3600 * sum(r["tokens"] for r in steady) / seconds,
             "trainer_idle": sum(r["timing/wait_s"] for r in steady) / seconds,
             "rollout_idle": 1 - statistics.mean(busy) if busy else float("nan"),
             "staleness_p90": statistics.mean(r.get("staleness/p90") or 0.0 for r in steady)}

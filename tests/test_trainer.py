@@ -24,6 +24,15 @@ from _trainer_kit import (
 )  # fmt: skip
 
 MICRO = MicroBatchConfig(token_budget=64, row_buckets=(64,))
+# Rows of 32, 64 or 256 tokens: the 30-token trajectories of ``_thirty_token_trajs`` pack into
+# rows of 32, one per row.
+LADDER = MicroBatchConfig(token_budget=256, row_buckets=(32, 64, 256))
+
+
+def _thirty_token_trajs(n: int, reward_period: int = 3) -> list[Trajectory]:
+    """``n`` trajectories of 4 prompt + 26 output tokens, rewards ``i % reward_period``."""
+    return [Trajectory([1, 2, 3, 4], list(range(5, 31)), np.zeros(26), np.zeros(26),
+                       reward=float(i % reward_period)) for i in range(n)]
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +80,7 @@ def test_later_batches_reuse_the_shapes_already_compiled(model):
     micro = MicroBatchConfig(token_budget=256, row_buckets=(32, 256))
 
     def groups(n):
-        trajs = [Trajectory([1, 2, 3, 4], list(range(5, 31)), np.zeros(26), np.zeros(26),
-                            reward=float(i % 2)) for i in range(n)]
+        trajs = _thirty_token_trajs(n, reward_period=2)
         return [TrajectoryGroup("p", trajs)]
 
     new_shapes = {}
@@ -91,12 +99,11 @@ def test_shapes_compiled_ahead_spare_later_steps_their_compilation(model):
     """Batches of 4, 6 and 8 sequences of 30 tokens need 4, 6 and 8 rows of 32. After the
     first step the trainer compiles the next rungs (6 and 8 rows) in the background, so the
     later steps compile nothing; the updates are those of a trainer that compiles in the step."""
-    micro = MicroBatchConfig(token_budget=256, row_buckets=(32, 64, 256))
+    micro = LADDER
     meter = CompileMeter()
 
     def groups(n):
-        trajs = [Trajectory([1, 2, 3, 4], list(range(5, 31)), np.zeros(26), np.zeros(26),
-                            reward=float(i % 3)) for i in range(n)]
+        trajs = _thirty_token_trajs(n)
         return [TrajectoryGroup("p", trajs)]
 
     runs = {}
@@ -123,9 +130,8 @@ def test_shapes_compiled_ahead_spare_later_steps_their_compilation(model):
 def test_a_sketched_batch_compiles_its_shapes_before_the_first_step(model):
     """Told the token counts of a batch to come, the trainer compiles its shape (then the
     shapes next to it) while it waits: the first step of such a batch compiles no shape."""
-    micro = MicroBatchConfig(token_budget=256, row_buckets=(32, 64, 256))
-    trajs = [Trajectory([1, 2, 3, 4], list(range(5, 31)), np.zeros(26), np.zeros(26),
-                        reward=float(i % 3)) for i in range(6)]
+    micro = LADDER
+    trajs = _thirty_token_trajs(6)
     meter = CompileMeter()
     programs, new = {}, {}
     for sketch in (True, False):
@@ -157,9 +163,8 @@ def test_a_sketched_batch_compiles_its_shapes_before_the_first_step(model):
 def test_the_first_step_finds_its_update_compiled_ahead(model):
     """The gradient zeros and the optimiser update do not depend on the batch: they compile
     while the trainer first waits, and the first step compiles only its shape's programs."""
-    micro = MicroBatchConfig(token_budget=256, row_buckets=(32, 64, 256))
-    trajs = [Trajectory([1, 2, 3, 4], list(range(5, 31)), np.zeros(26), np.zeros(26),
-                        reward=float(i % 3)) for i in range(4)]
+    micro = LADDER
+    trajs = _thirty_token_trajs(4)
     meter = CompileMeter()
     programs, params = {}, {}
     for ahead in (True, False):
@@ -176,9 +181,8 @@ def test_the_first_step_finds_its_update_compiled_ahead(model):
 
 
 def test_the_first_checkpoint_finds_its_checksum_program_compiled_ahead(model, tmp_path):
-    micro = MicroBatchConfig(token_budget=256, row_buckets=(32, 64, 256))
-    trajs = [Trajectory([1, 2, 3, 4], list(range(5, 31)), np.zeros(26), np.zeros(26),
-                        reward=float(i % 3)) for i in range(4)]
+    micro = LADDER
+    trajs = _thirty_token_trajs(4)
     meter = CompileMeter()
     programs = {}
     for ahead in (True, False):

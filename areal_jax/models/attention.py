@@ -1,23 +1,31 @@
 """Grouped-query attention for packed training and for cached decoding.
 
 - ``packed_attention``: a packed row attends to itself (same segment, causal by index). Query
-  blocks are computed one at a time against only the keys up to the block's end, so the
-  masked upper triangle of the score matrix is mostly never computed (about half the work and
-  memory of full ``[T, T]`` scores).
+  blocks of 64 rows run in a loop (``lax.scan``) against only the keys up to their group's
+  end: the blocks are split into at most 8 contiguous groups, each with one key length, so
+  the compiled program has a fixed size whatever the row length, and the masked part of the
+  computed scores is at most 1/8 more than the causal triangle itself. The backward pass is
+  written by hand, flash-attention style: it recomputes each block's probabilities from the
+  saved log-sum-exp instead of storing ``[T, T]`` probabilities, and accumulates key and
+  value gradients across blocks.
 - ``cached_attention``: the tokens of a call attend to the cache entries written by earlier
   calls plus their own keys. The cache is only read here; the caller writes the new keys
   once, after all layers, so a decode step never copies the cache.
 
-Scores and softmax are fp32. Fully masked query rows (padding) give finite garbage, never NaN.
+Scores and softmax are fp32. Fully masked query rows (padding) never give NaN: zeros in
+``packed_attention``, finite garbage in ``cached_attention``.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-_MIN_BLOCK = 64  # query rows per block in packed attention
-_MAX_BLOCKS = 32  # longer rows get proportionally larger blocks (bounded program size)
+_BLOCK = 64  # query rows per block in packed attention
+_GROUPS = 8  # key-length groups in packed attention: one compiled loop body (and backward) each
 
 
 def _attend(q: jax.Array, pieces: list[tuple[jax.Array, jax.Array, jax.Array]]) -> jax.Array:
@@ -52,9 +60,119 @@ def _attend(q: jax.Array, pieces: list[tuple[jax.Array, jax.Array, jax.Array]]) 
     return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, hq, dh).astype(q.dtype)
 
 
-def block_size(length: int) -> int:
-    """Query rows per block of ``packed_attention`` for rows of ``length`` tokens."""
-    return max(_MIN_BLOCK, -(-length // _MAX_BLOCKS))
+def _groups(blocks: int) -> list[tuple[int, int]]:
+    """Split query blocks 0..blocks-1 into at most ``_GROUPS`` contiguous runs [a, e)."""
+    bounds = np.unique(np.linspace(0, blocks, min(_GROUPS, blocks) + 1).round().astype(int))
+    return list(zip(bounds[:-1].tolist(), bounds[1:].tolist()))
+
+
+def _split_blocks(x: jax.Array, blocks: int, block: int) -> jax.Array:
+    """[b, hkv, g, n*block, ...] -> [n, b, hkv, g, block, ...] (scan over the leading axis)."""
+    x = x.reshape(*x.shape[:3], blocks, block, *x.shape[4:])
+    return jnp.moveaxis(x, 3, 0)
+
+
+def _dot(x: jax.Array, y: jax.Array, cx: int, cy: int) -> jax.Array:
+    """Batched (over the leading [b, hkv]) product contracting x's axis cx with y's axis cy."""
+    return jax.lax.dot_general(x, y, (((cx,), (cy,)), ((0, 1), (0, 1))),
+                               preferred_element_type=jnp.float32)
+
+
+def _block_probs(qb, sq, start, k, seg_k, lse=None):
+    """Scores and probabilities of one query block over keys [0, L).
+
+    qb [b, hkv, g, B, Dh]; sq [b, B]; k [b, hkv, L, Dh]; seg_k [b, L]. Without ``lse`` the block's
+    own row max normalises (forward); with it, ``exp(s - lse)`` gives the exact softmax
+    (backward). Returns (p [b, hkv, g*B, L] fp32, zero where masked; the row max or ``lse``
+    [b, hkv, g*B]).
+    """
+    b, hkv, g, blk, dh = qb.shape
+    keys = k.shape[2]
+    mask = (
+        (sq[:, :, None] == seg_k[:, None, :])
+        & (sq != 0)[:, :, None]
+        & ((start + jnp.arange(blk))[:, None] >= jnp.arange(keys)[None, :])[None]
+    )
+    mask = jnp.broadcast_to(mask[:, None, None], (b, 1, g, blk, keys)).reshape(b, 1, g * blk, keys)
+    s = _dot(qb.reshape(b, hkv, g * blk, dh), k, 3, 3) * (dh**-0.5)
+    s = jnp.where(mask, s, jnp.finfo(jnp.float32).min)
+    m = s.max(-1) if lse is None else lse
+    return jnp.where(mask, jnp.exp(s - m[..., None]), 0.0), m
+
+
+def _packed_forward(q, k, v, segment_ids, block):
+    b, t, hq, dh = q.shape
+    hkv = k.shape[2]
+    g, n = hq // hkv, -(-t // block)
+    pad = n * block - t
+    q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
+    segment_ids = jnp.pad(segment_ids, ((0, 0), (0, pad)))
+    qt = jnp.transpose(q.reshape(b, n * block, hkv, g, dh), (0, 2, 3, 1, 4))  # [b, hkv, g, T, Dh]
+    kt, vt = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [b, hkv, T, Dh]
+    qs = _split_blocks(qt, n, block)
+    ss = jnp.moveaxis(segment_ids.reshape(b, n, block), 1, 0)
+    outs, lses = [], []
+    for a, e in _groups(n):
+        keys = e * block
+        kk, vv, sk = kt[:, :, :keys], vt[:, :, :keys], segment_ids[:, :keys]
+
+        def body(_, x, kk=kk, vv=vv, sk=sk):
+            qb, sq, start = x
+            p, m = _block_probs(qb, sq, start, kk, sk)
+            total = jnp.maximum(p.sum(-1), jnp.finfo(jnp.float32).tiny)
+            o = _dot(p.astype(vv.dtype), vv, 3, 2) / total[..., None]
+            return None, (o.reshape(qb.shape).astype(q.dtype), m + jnp.log(total))
+
+        _, (o, lse) = jax.lax.scan(body, None, (qs[a:e], ss[a:e], jnp.arange(a, e) * block))
+        outs.append(o)
+        lses.append(lse)
+    o, lse = jnp.concatenate(outs), jnp.concatenate(lses)  # [n, b, hkv, g, B, Dh], [n, b, hkv, g*B]
+    out = jnp.transpose(o, (1, 0, 4, 2, 3, 5)).reshape(b, n * block, hq, dh)[:, :t]
+    return out, (qs, kt, vt, ss, segment_ids, o, lse)
+
+
+def _packed_backward(block, residuals, d_out):
+    qs, kt, vt, ss, segment_ids, o, lse = residuals
+    n, b, hkv, g, blk, dh = qs.shape
+    t = d_out.shape[1]
+    d_out = jnp.pad(d_out, ((0, 0), (0, n * blk - t), (0, 0), (0, 0)))
+    dos = _split_blocks(jnp.transpose(d_out.reshape(b, n * blk, hkv, g, dh), (0, 2, 3, 1, 4)),
+                        n, blk)
+    dqs, dk, dv = [], jnp.zeros(kt.shape, jnp.float32), jnp.zeros(vt.shape, jnp.float32)
+    for a, e in _groups(n):
+        keys = e * blk
+        kk, vv, sk = kt[:, :, :keys], vt[:, :, :keys], segment_ids[:, :keys]
+
+        def body(carry, x, kk=kk, vv=vv, sk=sk):
+            dk, dv = carry
+            qb, sq, start, ob, dob, lb = x
+            p, _ = _block_probs(qb, sq, start, kk, sk, lse=lb)
+            do = dob.reshape(b, hkv, g * blk, dh)
+            dv = dv + _dot(p.astype(do.dtype), do, 2, 2)
+            dp = _dot(do, vv, 3, 3)
+            delta = jnp.sum(do.astype(jnp.float32) * ob.reshape(do.shape).astype(jnp.float32), -1)
+            ds = (p * (dp - delta[..., None]) * (dh**-0.5)).astype(kk.dtype)
+            dk = dk + _dot(ds, qb.reshape(b, hkv, g * blk, dh), 2, 2)
+            return (dk, dv), _dot(ds, kk, 3, 2).reshape(qb.shape).astype(qb.dtype)
+
+        zeros = jnp.zeros((b, hkv, keys, dh), jnp.float32)
+        xs = (qs[a:e], ss[a:e], jnp.arange(a, e) * blk, o[a:e], dos[a:e], lse[a:e])
+        (dk_g, dv_g), dq = jax.lax.scan(body, (zeros, zeros), xs)
+        pad = ((0, 0), (0, 0), (0, n * blk - keys), (0, 0))
+        dk, dv = dk + jnp.pad(dk_g, pad), dv + jnp.pad(dv_g, pad)
+        dqs.append(dq)
+    dq = jnp.transpose(jnp.concatenate(dqs), (1, 0, 4, 2, 3, 5)).reshape(b, n * blk, hkv * g, dh)
+    dk, dv = (jnp.swapaxes(x, 1, 2)[:, :t].astype(kt.dtype) for x in (dk, dv))
+    seg_zero = np.zeros(segment_ids[:, :t].shape, jax.dtypes.float0)
+    return dq[:, :t], dk, dv, seg_zero
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _packed(q, k, v, segment_ids, block):
+    return _packed_forward(q, k, v, segment_ids, block)[0]
+
+
+_packed.defvjp(_packed_forward, _packed_backward)
 
 
 def packed_attention(
@@ -62,29 +180,15 @@ def packed_attention(
     k: jax.Array,
     v: jax.Array,
     segment_ids: jax.Array,
-    block: int | None = None,
+    block: int = _BLOCK,
 ) -> jax.Array:
     """Causal attention inside the segments of packed rows.
 
-    q [B, T, Hq, Dh], k/v [B, T, Hkv, Dh], segment_ids [B, T] (0 = padding) -> [B, T, Hq, Dh].
-    Query i sees key j iff j <= i and both carry the same non-zero segment id. ``block``: query
-    rows per block (default ``block_size(T)``).
+    q [B, T, Hq, Dh], k/v [B, T, Hkv, Dh], segment_ids [B, T] (0 = padding) -> [B, T, Hq, Dh];
+    padding rows give zeros. Query i sees key j iff j <= i and both carry the same non-zero
+    segment id. ``block``: query rows per block (at most T).
     """
-    t = q.shape[1]
-    block = block or block_size(t)
-    k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
-    index = jnp.arange(t)
-    outs = []
-    for start in range(0, t, block):
-        end = min(start + block, t)
-        seg_q, seg_k = segment_ids[:, start:end], segment_ids[:, :end]
-        mask = (
-            (seg_q[:, :, None] == seg_k[:, None, :])
-            & (seg_q != 0)[:, :, None]
-            & (index[start:end, None] >= index[None, :end])[None]
-        )
-        outs.append(_attend(q[:, start:end], [(k[:, :, :end], v[:, :, :end], mask)]))
-    return jnp.concatenate(outs, axis=1)
+    return _packed(q, k, v, segment_ids, min(block, q.shape[1]))
 
 
 def cached_attention(

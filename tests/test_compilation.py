@@ -124,8 +124,8 @@ def test_ahead_compiler_starts_a_job_once_an_idle_window_has_lasted_settle_s():
     ahead = AheadCompiler(settle_s=0.5)
     started = []
     ahead.submit("a", lambda: started.append(time.monotonic()))
+    opened = time.monotonic()  # before the window opens: the compiler's clock starts inside
     with ahead.idle():
-        opened = time.monotonic()
         time.sleep(0.3)
         with ahead.idle():  # a nested window does not restart the clock
             assert ahead.wait_done(10)

@@ -66,10 +66,23 @@ def _groups(blocks: int) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1].tolist(), bounds[1:].tolist()))
 
 
-def _split_blocks(x: jax.Array, blocks: int, block: int) -> jax.Array:
-    """[b, hkv, g, n*block, ...] -> [n, b, hkv, g, block, ...] (scan over the leading axis)."""
-    x = x.reshape(*x.shape[:3], blocks, block, *x.shape[4:])
-    return jnp.moveaxis(x, 3, 0)
+def _to_blocks(x: jax.Array, hkv: int, block: int) -> jax.Array:
+    """[b, T, Hq, Dh] -> [n, b, hkv, g, block, Dh], T padded to n blocks (scan over axis 0)."""
+    b, t, hq, dh = x.shape
+    n = -(-t // block)
+    x = jnp.pad(x, ((0, 0), (0, n * block - t), (0, 0), (0, 0)))
+    return jnp.transpose(x.reshape(b, n, block, hkv, hq // hkv, dh), (1, 0, 3, 4, 2, 5))
+
+
+def _from_blocks(x: jax.Array, t: int) -> jax.Array:
+    """Inverse of ``_to_blocks``: [n, b, hkv, g, block, Dh] -> [b, t, Hq, Dh]."""
+    n, b, hkv, g, block, dh = x.shape
+    return jnp.transpose(x, (1, 0, 4, 2, 3, 5)).reshape(b, n * block, hkv * g, dh)[:, :t]
+
+
+def _group_keys(kt, vt, segment_ids, keys: int):
+    """The keys, values and key segment ids [0, keys) one group of query blocks attends to."""
+    return kt[:, :, :keys], vt[:, :, :keys], segment_ids[:, :keys]
 
 
 def _dot(x: jax.Array, y: jax.Array, cx: int, cy: int) -> jax.Array:
@@ -101,51 +114,45 @@ def _block_probs(qb, sq, start, k, seg_k, lse=None):
 
 
 def _packed_forward(q, k, v, segment_ids, block):
-    b, t, hq, dh = q.shape
-    hkv = k.shape[2]
-    g, n = hq // hkv, -(-t // block)
-    pad = n * block - t
-    q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
-    segment_ids = jnp.pad(segment_ids, ((0, 0), (0, pad)))
-    qt = jnp.transpose(q.reshape(b, n * block, hkv, g, dh), (0, 2, 3, 1, 4))  # [b, hkv, g, T, Dh]
-    kt, vt = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [b, hkv, T, Dh]
-    qs = _split_blocks(qt, n, block)
-    ss = jnp.moveaxis(segment_ids.reshape(b, n, block), 1, 0)
+    t, hkv = q.shape[1], k.shape[2]
+    qs = _to_blocks(q, hkv, block)  # [n, b, hkv, g, B, Dh]
+    n = qs.shape[0]
+    pad = ((0, 0), (0, n * block - t))
+    segment_ids = jnp.pad(segment_ids, pad)
+    kt, vt = (jnp.swapaxes(jnp.pad(x, (*pad, (0, 0), (0, 0))), 1, 2) for x in (k, v))
     outs, lses = [], []
     for a, e in _groups(n):
-        keys = e * block
-        kk, vv, sk = kt[:, :, :keys], vt[:, :, :keys], segment_ids[:, :keys]
+        kk, vv, sk = _group_keys(kt, vt, segment_ids, e * block)
 
         def body(_, x, kk=kk, vv=vv, sk=sk):
-            qb, sq, start = x
+            qb, start = x
+            sq = jax.lax.dynamic_slice_in_dim(segment_ids, start, block, axis=1)
             p, m = _block_probs(qb, sq, start, kk, sk)
             total = jnp.maximum(p.sum(-1), jnp.finfo(jnp.float32).tiny)
             o = _dot(p.astype(vv.dtype), vv, 3, 2) / total[..., None]
             return None, (o.reshape(qb.shape).astype(q.dtype), m + jnp.log(total))
 
-        _, (o, lse) = jax.lax.scan(body, None, (qs[a:e], ss[a:e], jnp.arange(a, e) * block))
+        _, (o, lse) = jax.lax.scan(body, None, (qs[a:e], jnp.arange(a, e) * block))
         outs.append(o)
         lses.append(lse)
     o, lse = jnp.concatenate(outs), jnp.concatenate(lses)  # [n, b, hkv, g, B, Dh], [n, b, hkv, g*B]
-    out = jnp.transpose(o, (1, 0, 4, 2, 3, 5)).reshape(b, n * block, hq, dh)[:, :t]
-    return out, (qs, kt, vt, ss, segment_ids, o, lse)
+    return _from_blocks(o, t), (qs, kt, vt, segment_ids, o, lse)
 
 
 def _packed_backward(block, residuals, d_out):
-    qs, kt, vt, ss, segment_ids, o, lse = residuals
+    qs, kt, vt, segment_ids, o, lse = residuals
     n, b, hkv, g, blk, dh = qs.shape
     t = d_out.shape[1]
-    d_out = jnp.pad(d_out, ((0, 0), (0, n * blk - t), (0, 0), (0, 0)))
-    dos = _split_blocks(jnp.transpose(d_out.reshape(b, n * blk, hkv, g, dh), (0, 2, 3, 1, 4)),
-                        n, blk)
+    dos = _to_blocks(d_out, hkv, blk)
     dqs, dk, dv = [], jnp.zeros(kt.shape, jnp.float32), jnp.zeros(vt.shape, jnp.float32)
     for a, e in _groups(n):
         keys = e * blk
-        kk, vv, sk = kt[:, :, :keys], vt[:, :, :keys], segment_ids[:, :keys]
+        kk, vv, sk = _group_keys(kt, vt, segment_ids, keys)
 
         def body(carry, x, kk=kk, vv=vv, sk=sk):
             dk, dv = carry
-            qb, sq, start, ob, dob, lb = x
+            qb, start, ob, dob, lb = x
+            sq = jax.lax.dynamic_slice_in_dim(segment_ids, start, blk, axis=1)
             p, _ = _block_probs(qb, sq, start, kk, sk, lse=lb)
             do = dob.reshape(b, hkv, g * blk, dh)
             dv = dv + _dot(p.astype(do.dtype), do, 2, 2)
@@ -156,15 +163,14 @@ def _packed_backward(block, residuals, d_out):
             return (dk, dv), _dot(ds, kk, 3, 2).reshape(qb.shape).astype(qb.dtype)
 
         zeros = jnp.zeros((b, hkv, keys, dh), jnp.float32)
-        xs = (qs[a:e], ss[a:e], jnp.arange(a, e) * blk, o[a:e], dos[a:e], lse[a:e])
+        xs = (qs[a:e], jnp.arange(a, e) * blk, o[a:e], dos[a:e], lse[a:e])
         (dk_g, dv_g), dq = jax.lax.scan(body, (zeros, zeros), xs)
         pad = ((0, 0), (0, 0), (0, n * blk - keys), (0, 0))
         dk, dv = dk + jnp.pad(dk_g, pad), dv + jnp.pad(dv_g, pad)
         dqs.append(dq)
-    dq = jnp.transpose(jnp.concatenate(dqs), (1, 0, 4, 2, 3, 5)).reshape(b, n * blk, hkv * g, dh)
     dk, dv = (jnp.swapaxes(x, 1, 2)[:, :t].astype(kt.dtype) for x in (dk, dv))
-    seg_zero = np.zeros(segment_ids[:, :t].shape, jax.dtypes.float0)
-    return dq[:, :t], dk, dv, seg_zero
+    seg_zero = np.zeros((b, t), jax.dtypes.float0)
+    return _from_blocks(jnp.concatenate(dqs), t), dk, dv, seg_zero
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))

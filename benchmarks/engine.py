@@ -219,15 +219,12 @@ async def decode_benchmark(path, args) -> tuple[list[dict], list[dict], list[dic
 async def swap_segment(paths, mode: str, seconds: float, seed: int, warm: bool, args) -> dict:
     """One timed stretch of load with updates in ``mode``: tokens, seconds, update call times.
 
-    ``warm`` first compiles every prefill bucket and decode window (compiled programs are
-    shared by later engines in the process)."""
+    ``warm`` first compiles every program the engine can call (``precompile``: every prefill
+    bucket, every decode window at every batch bucket; compiled programs are shared by later
+    engines in the process), so no timed segment waits for a compile."""
     seq_len = 1 << (MAX_PROMPT + args.max_new - 1).bit_length()
     engine = await engine_for(paths[0], num_slots=args.swap_slots, max_seq_len=seq_len,
-                              decode_steps_per_call=8, swap_mode=mode)
-    if warm:
-        for bucket in engine.options.prefill_buckets:
-            await engine.generate_full([1] * (bucket - 1), SamplingParams(1), "warm")
-        await engine.generate_full([1] * 10, SamplingParams(seq_len - 10), "warm")
+                              decode_steps_per_call=8, swap_mode=mode, precompile=warm)
     rng = random.Random(seed)
     stop = time.perf_counter() + seconds
     counted = 0

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from areal_jax.compilation import CompileMeter, compiling_ahead
-from areal_jax.trainer.ahead import NICE, AheadCompiler
+from areal_jax.trainer.ahead import NICE, AheadCompiler, start_after
 
 PROGRAM = """
 import sys
@@ -134,6 +134,51 @@ def test_ahead_compiler_starts_a_job_once_an_idle_window_has_lasted_settle_s():
     with ahead.idle():
         time.sleep(0.2)  # closed before settle_s: the job does not start
     assert not ahead.wait_done(0.7) and len(started) == 1
+    ahead.close()
+
+
+def test_start_after_waits_for_windows_that_history_says_cover_half_a_job():
+    assert start_after([], 10.0, 1.0) == 1.0  # nothing known yet: settle_s
+    assert start_after([4.0] * 5, None, 1.0) == 1.0  # no job finished yet
+    # Waits of 4 s, jobs of 5 s: started at 1 s, a job spills 2 s of 5: it starts.
+    assert start_after([4.0] * 10, 5.0, 1.0) == 1.0
+    # Jobs of 8 s would spill 5 s of 8 in such a window: only a window as long as the longest
+    # seen (here 4 s) is out of what history shows.
+    assert start_after([4.0] * 10, 8.0, 1.0) == 4.0
+    # A synchronous trainer's one-second waits after a first long one: 1 s into a window the
+    # job would spill 8.3 s on average (over the windows that lasted 1 s), and at 30 s all of
+    # it: it starts only past the longest window.
+    assert start_after([30.0] + [1.0] * 5, 10.0, 1.0) == 30.0
+    # Short gaps and long waits mixed: past settle_s only the long waits are left, and they
+    # cover a whole job.
+    assert start_after([0.5] * 8 + [20.0] * 2, 6.0, 1.0) == 1.0
+    # Windows of 2 s and 12 s, jobs of 6 s: started at 1 s, half the windows would spill 5 s,
+    # half nothing (mean 2.5 <= 3): it starts at once.
+    assert start_after([2.0, 12.0] * 4, 6.0, 1.0) == 1.0
+
+
+def test_ahead_compiler_keeps_jobs_out_of_windows_shorter_than_a_job():
+    ahead = AheadCompiler(settle_s=0.05)
+    started = []
+
+    def job():
+        started.append(time.monotonic())
+        time.sleep(0.6)
+
+    ahead.submit("first", job)
+    with ahead.idle():  # nothing known yet: the job starts after settle_s
+        assert ahead.wait_done(10)
+    for _ in range(5):  # the owner's usual waits: far shorter than a job
+        with ahead.idle():
+            time.sleep(0.1)
+    ahead.submit("second", job)
+    with ahead.idle():
+        time.sleep(0.1)
+    assert not ahead.wait_done(0.3) and len(started) == 1  # not started in a short window
+    with ahead.idle():  # one that outlasts every window seen: it starts, past the longest
+        opened = time.monotonic()
+        assert ahead.wait_done(10)
+    assert len(started) == 2 and started[1] - opened >= 0.6
     ahead.close()
 
 

@@ -277,6 +277,38 @@ def test_no_recompiles_as_requests_come_and_go(model_dir):
     assert prefill_calls < 13 and stats["running_slots"] == 0
 
 
+def test_precompile_leaves_nothing_to_compile_and_serves_the_same_tokens(ref_model, model_dir):
+    traced = []
+
+    def on_event(event, duration, **kwargs):
+        if event == "/jax/core/compile/jaxpr_trace_duration":
+            traced.append(event)
+
+    # Shapes of their own (no other test uses them), so nothing here is compiled already.
+    options = dict(num_slots=3, max_seq_len=48, decode_steps_per_call=3, precompile=True)
+    lengths = [16, 23, 9]
+    expected = [hf_greedy(ref_model, p, n) for p, n in zip(PROMPTS, lengths)]
+
+    async def main():
+        engine = await started(model_dir, **options)
+        jax.monitoring.register_event_duration_secs_listener(on_event)
+        try:
+            company = [engine.generate_full([7] * (2 + 9 * i), SamplingParams(4 + 5 * i, seed=i),
+                                            f"c{i}") for i in range(3)]
+            mine = [engine.generate_full(p, SamplingParams(n, temperature=0.0), f"b{i}")
+                    for i, (p, n) in enumerate(zip(PROMPTS, lengths))]
+            out = await asyncio.gather(*company[:2], *mine, company[2])
+            await engine.generate_full(list(range(1, 41)), SamplingParams(8, seed=5), "long")
+        finally:
+            jax.monitoring.unregister_event_duration_listener(on_event)
+        await engine.shutdown()
+        return out[2:5]
+
+    together = run(main())
+    assert traced == []  # every program a request met was compiled at start
+    assert [t.output_ids for t in together] == expected  # the empty calls wrote nothing read
+
+
 def test_pause_holds_tokens_until_resume(model_dir):
     async def main():
         engine = await started(model_dir)
@@ -392,6 +424,7 @@ def test_invalid_requests_name_the_field(model_dir):
     ({"batch_buckets": [2, 5]}, "engine.options.batch_buckets[1]"),
     ({"batch_buckets": []}, "engine.options.batch_buckets"),
     ({"dtype": "float8"}, "engine.options.dtype"),
+    ({"precompile": "yes"}, "engine.options.precompile"),
 ])
 def test_bad_options_name_the_key(model_dir, options, key):
     with pytest.raises(ConfigError, match=key.replace("[", r"\[").replace("]", r"\]")):
@@ -402,7 +435,7 @@ def test_option_defaults(model_dir):
     engine = create_engine(EngineConfig(kind="jax", model_path=model_dir))
     o = engine.options
     assert (o.num_slots, o.decode_steps_per_call) == (8, 8)
-    assert (o.swap_mode, o.dtype, o.seed) == ("interrupt", "float32", 0)
+    assert (o.swap_mode, o.dtype, o.seed, o.precompile) == ("interrupt", "float32", 0, False)
     assert o.max_seq_len == engine.max_context_len == 256  # the model's max positions
     assert o.prefill_buckets == [16, 32, 64, 128, 256]
     assert o.batch_buckets == [2, 4, 8]

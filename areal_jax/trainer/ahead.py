@@ -8,18 +8,23 @@ shape finds it compiled. Jobs are keyed: a key compiled, queued or running is no
 again, and a step about to need a key ``claim``s it first (it waits for a running job, and
 takes a queued one off the queue to compile it itself, as it would have anyway).
 
-Jobs start only inside the owner's ``idle()`` windows, once a window has lasted ``settle_s``:
-the loop opens one while it waits for rollouts to fill a batch, a follower process while it
-waits for the leader's next command. Tracing and lowering hold Python's GIL and compiling takes
-CPU, so a compile beside a step slows the step; in a long wait, where the trainer would idle
-anyway, it costs the loop nothing. The short gaps of a loop whose trainer is the bottleneck end
-before ``settle_s``: such a trainer compiles nothing ahead, and its new shapes compile in the
-step, as without this thread (measured on the 2-core CPU, starting jobs in those gaps made the
-quickstart's RL phase about 20% slower). A job that started in a window finishes, and where it
-outlasts the window it runs beside the next steps: its thread runs at the lowest CPU priority
-(nice ``NICE``), so its tracing and lowering, Python work, leave the steps the CPU, but XLA
-compiles on threads of its own at the process's priority (``benchmarks/compile_beside_step.py``:
-on one core, steps beside the Python part ran at full speed, beside XLA's part about 2x slower).
+Jobs start only inside the owner's ``idle()`` windows: the loop opens one while it waits for
+rollouts to fill a batch, a follower process while it waits for the leader's next command.
+Tracing and lowering hold Python's GIL and compiling takes CPU, so a compile beside a step
+slows the step; in a long wait, where the trainer would idle anyway, it costs the loop nothing.
+A job that started in a window finishes, and where it outlasts the window it runs beside the
+next steps: its thread runs at the lowest CPU priority (nice ``NICE``), so its tracing and
+lowering, Python work, leave the steps the CPU, but XLA compiles on threads of its own at the
+process's priority (``benchmarks/compile_beside_step.py``: on one core, steps beside the Python
+part ran at full speed, beside XLA's part about 2x slower). So a job starts only once the window
+has lasted ``settle_s`` and, judged by the windows before it and the jobs compiled so far, is
+likely to cover at least half of a job (``start_after``). The short gaps of a loop whose
+trainer is the bottleneck end before ``settle_s`` (measured on the 2-core CPU, starting jobs
+in those gaps made the quickstart's RL phase about 20% slower); the waits of a synchronous
+trainer whose rollouts take about a second are longer than that but much shorter than a
+compile (in the long-tail benchmark, steps beside such spilled jobs took 1.4-1.7x as long per
+token). Such a trainer compiles nothing ahead after its first long wait, and its new shapes
+compile in the step, as without this thread.
 
 A job that fails is logged and dropped: the step then compiles the program itself, as without
 compiling ahead. The thread is marked for ``CompileMeter``, so its seconds are reported apart
@@ -32,6 +37,7 @@ import collections
 import contextlib
 import logging
 import os
+import statistics
 import sys
 import threading
 import time
@@ -42,6 +48,27 @@ from areal_jax.compilation import compiling_ahead
 log = logging.getLogger(__name__)
 
 NICE = 19  # the compile thread's nice value: the lowest CPU priority
+_HISTORY = 32  # idle windows and job durations remembered for ``start_after``
+
+
+def start_after(windows: list[float], job_s: float | None, settle_s: float) -> float:
+    """Seconds into an idle window after which a job may start, given how long earlier windows
+    lasted (``windows``) and how long a job takes (``job_s``; None before any finished).
+
+    The earliest ``t >= settle_s`` at which the windows that lasted at least ``t`` would, on
+    average, have covered at least half of a job started at ``t`` (the rest runs beside the
+    owner's next work). A window that outlasts every earlier one is out of what history shows:
+    the job starts. With no history or no job duration yet: ``settle_s``.
+    """
+    if not windows or not job_s:
+        return settle_s
+    for t in sorted({settle_s, *(w for w in windows if w > settle_s)}):
+        lasted = [w for w in windows if w >= t]
+        if not lasted:
+            return t
+        if statistics.fmean(max(0.0, t + job_s - w) for w in lasted) <= job_s / 2:
+            return t
+    return max(windows)
 
 
 class AheadCompiler:
@@ -60,6 +87,8 @@ class AheadCompiler:
         self._closed = False
         self._idle = 0  # idle windows open: jobs start only while > 0
         self._idle_since = 0.0  # when the current stretch of open windows began
+        self._windows: collections.deque[float] = collections.deque(maxlen=_HISTORY)
+        self._job_seconds: collections.deque[float] = collections.deque(maxlen=_HISTORY)
 
     def submit(self, key: Hashable, compile_fn: Callable[[], None]) -> bool:
         """Queue ``compile_fn`` under ``key`` unless that key was already submitted or claimed;
@@ -99,6 +128,8 @@ class AheadCompiler:
         finally:
             with self._cv:
                 self._idle -= 1
+                if self._idle == 0:
+                    self._windows.append(time.monotonic() - self._idle_since)
 
     def compiled(self) -> set[Hashable]:
         """Keys compiled (by the thread, or claimed by a caller)."""
@@ -129,7 +160,9 @@ class AheadCompiler:
         """How long the worker waits before a job may start: 0 now, None until notified."""
         if not self._queue or not self._idle:
             return None
-        return max(0.0, self._idle_since + self._settle_s - time.monotonic())
+        job_s = statistics.median(self._job_seconds) if self._job_seconds else None
+        after = start_after(list(self._windows), job_s, self._settle_s)
+        return max(0.0, self._idle_since + after - time.monotonic())
 
     def _known(self, key: Hashable) -> bool:
         return (key in self._done or key in self._queue or key == self._running
@@ -146,6 +179,7 @@ class AheadCompiler:
                         return
                     key, job = self._queue.popitem(last=False)
                     self._running = key
+                began = time.monotonic()
                 try:
                     job()
                     ok = True
@@ -155,6 +189,8 @@ class AheadCompiler:
                     ok = False
                 with self._cv:
                     (self._done if ok else self._failed).add(key)
+                    if ok:
+                        self._job_seconds.append(time.monotonic() - began)
                     self._running = None
                     self._cv.notify_all()
 

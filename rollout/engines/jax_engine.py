@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Literal
 
@@ -32,6 +34,8 @@ from rollout.engines.jax_worker import ABORTED, DecodeWorker
 from rollout.timing import ThroughputMeter
 from rollout.validation import check_prompt
 
+log = logging.getLogger(__name__)
+
 DEFAULT_MAX_SEQ_LEN = 2048
 SMALLEST_BUCKET = 16
 
@@ -50,6 +54,10 @@ class JaxEngineOptions:
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: float32 on CPU, else bfloat16
     seed: int = 0  # draws the seeds of requests that bring none
     swap_mode: Literal["interrupt", "keep_cache", "drain"] = "interrupt"
+    # compile every prefill and decode program at start (before the engine takes requests),
+    # so no request waits for a compile in the middle of serving; off: each compiles when
+    # first needed (either way they go to the persistent compilation cache)
+    precompile: bool = False
 
     def __post_init__(self):
         for name in ("num_slots", "decode_steps_per_call"):
@@ -169,6 +177,11 @@ class JaxEngine(GenerationEngine):
             batch_buckets=o.batch_buckets,
             decode_steps=o.decode_steps_per_call, swap_mode=o.swap_mode, dtype=self._dtype,
         )
+        if o.precompile:
+            began = time.perf_counter()
+            calls = await asyncio.to_thread(self._worker.precompile)
+            log.info("JAX engine: %d prefill and decode programs ready in %.1f s", calls,
+                     time.perf_counter() - began)
         self._worker.start()
 
     def _started(self) -> DecodeWorker:

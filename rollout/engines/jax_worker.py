@@ -111,6 +111,36 @@ class DecodeWorker:
     def queued(self) -> int:
         return len(self._pending)
 
+    def precompile(self) -> int:
+        """Run every program serving can call (prefill per bucket, decode per attention window
+        and batch bucket) once on empty slots, before ``start``, so no request waits for a
+        compile; returns how many calls ran. Empty slots write no cache row that a request
+        reads: a slot's row is prefilled before it decodes."""
+        num_slots = len(self._slots.seqs)
+        empty = SlotTable(num_slots)
+        requests = empty.requests([], num_slots)
+        unused, last = np.full(num_slots, num_slots, np.int32), np.zeros(num_slots, np.int32)
+        stop_rows = np.zeros((num_slots, self._stop_mask.shape[1]), bool)
+        calls = 0
+        for bucket in self._buckets:
+            row = np.zeros((1, bucket), np.int32)
+            self._cache, self._stop_mask, *outputs = jax_decode.prefill(
+                self._graphdef, self._params, self._cache, self._stop_mask, row, row, row,
+                unused, last, requests, stop_rows,
+            )
+            jax.block_until_ready(outputs)
+            calls += 1
+        for window in self._buckets:
+            for size in self._batch_buckets:
+                self._cache, *outputs = jax_decode.decode(
+                    self._graphdef, self._steps, window, self._params, self._layers,
+                    self._cache, self._stop_mask, jax.device_put(empty.arrays, self._placement),
+                    np.arange(size, dtype=np.int32),
+                )
+                jax.block_until_ready(outputs)
+                calls += 1
+        return calls
+
     def submit(self, seq: Sequence) -> bool:
         """Queue ``seq``; False if the worker has stopped (shut down or failed)."""
         with self._cond:

@@ -161,6 +161,9 @@ def steady_rate(train_rows: list[dict], skip: int) -> dict:
 
     Trainer idle: its time waiting for a batch (``timing/wait_s``) over the wall time.
     Rollout idle: 1 - the mean of ``rollout/busy_fraction`` (slots the gate let it fill).
+    Compile share: the seconds the loop compiled on its critical path (``timing/compile_s``)
+    over the wall time; versions per hour without them is what the rate would be if every
+    program had been compiled off the critical path (derived, not measured).
     """
     rows = sorted(train_rows, key=lambda r: r["step"])
     if len(rows) < skip + 2:
@@ -169,7 +172,10 @@ def steady_rate(train_rows: list[dict], skip: int) -> dict:
     seconds = steady[-1]["wall_time"] - first["wall_time"]
     busy = [r["rollout/busy_fraction"] for r in steady
             if r.get("rollout/busy_fraction") is not None]
+    compile_s = sum(r.get("timing/compile_s", 0.0) for r in steady)
     return {"versions_per_hour": 3600 * len(steady) / seconds,
+            "compile_share": compile_s / seconds,
+            "versions_per_hour_without_compile": 3600 * len(steady) / (seconds - compile_s),
             "tokens_per_hour": 3600 * sum(r["tokens"] for r in steady) / seconds,
             "trainer_idle": sum(r["timing/wait_s"] for r in steady) / seconds,
             "rollout_idle": 1 - statistics.mean(busy) if busy else float("nan"),

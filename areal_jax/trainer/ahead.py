@@ -24,7 +24,10 @@ in those gaps made the quickstart's RL phase about 20% slower); the waits of a s
 trainer whose rollouts take about a second are longer than that but much shorter than a
 compile (in the long-tail benchmark, steps beside such spilled jobs took 1.4-1.7x as long per
 token). Such a trainer compiles nothing ahead after its first long wait, and its new shapes
-compile in the step, as without this thread.
+compile in the step, as without this thread. This applies where the steps run on the CPUs that
+compile (a CPU backend). A GPU or TPU trainer's steps run on the accelerator, not on the host
+CPUs that compile, so there a job starts once a wait has lasted ``settle_s``
+(``fit_to_waits=False``; not measured here, for want of an accelerator).
 
 A job that fails is logged and dropped: the step then compiles the program itself, as without
 compiling ahead. The thread is marked for ``CompileMeter``, so its seconds are reported apart
@@ -74,8 +77,13 @@ def start_after(windows: list[float], job_s: float | None, settle_s: float) -> f
 class AheadCompiler:
     """A background thread that runs keyed compile jobs, each at most once."""
 
-    def __init__(self, settle_s: float = 1.0, name: str = "compile-ahead"):
+    def __init__(self, settle_s: float = 1.0, name: str = "compile-ahead",
+                 fit_to_waits: bool = True):
+        """``fit_to_waits``: start jobs only where ``start_after`` says they mostly fit (where
+        a compile slows the owner's steps: a CPU backend); False: once a window has lasted
+        ``settle_s`` (an accelerator's steps do not run on the host CPUs that compile)."""
         self._settle_s = settle_s
+        self._fit_to_waits = fit_to_waits
         self._name = name
         self._cv = threading.Condition()
         self._queue: collections.OrderedDict[Hashable, Callable[[], None]] = (
@@ -160,8 +168,10 @@ class AheadCompiler:
         """How long the worker waits before a job may start: 0 now, None until notified."""
         if not self._queue or not self._idle:
             return None
-        job_s = statistics.median(self._job_seconds) if self._job_seconds else None
-        after = start_after(list(self._windows), job_s, self._settle_s)
+        after = self._settle_s
+        if self._fit_to_waits:
+            job_s = statistics.median(self._job_seconds) if self._job_seconds else None
+            after = start_after(list(self._windows), job_s, self._settle_s)
         return max(0.0, self._idle_since + after - time.monotonic())
 
     def _known(self, key: Hashable) -> bool:

@@ -116,7 +116,9 @@ class Trainer:
         # every process packs alike however far its background compiles got.
         self._train_shapes: set[tuple[int, int]] = set()
         self._forward_shapes: set[tuple[int, int]] = set()
-        self._ahead = AheadCompiler() if config.compile_ahead else None
+        self._ahead = None
+        if config.compile_ahead:  # on a CPU backend a compile beside the steps slows them
+            self._ahead = AheadCompiler(fit_to_waits=self.mesh.devices.flat[0].platform == "cpu")
         self._abstract_params = abstract_like(params)
         self._checkpoints = (
             Checkpointer(Path(config.run_dir) / "checkpoints", config.checkpoint_keep,

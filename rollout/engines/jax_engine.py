@@ -178,8 +178,7 @@ class JaxEngine(GenerationEngine):
             decode_steps=o.decode_steps_per_call, swap_mode=o.swap_mode, dtype=self._dtype,
         )
         if o.precompile:
-            log.info("JAX engine: compiling %d prefill and decode programs before serving",
-                     len(o.prefill_buckets) * (1 + len(o.batch_buckets)))
+            log.info("JAX engine: compiling its prefill and decode programs before serving")
             began = time.perf_counter()
             calls = await asyncio.to_thread(self._worker.precompile)
             log.info("JAX engine: %d prefill and decode programs ready in %.1f s", calls,

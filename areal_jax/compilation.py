@@ -92,6 +92,13 @@ class CompileMeter:
                 total[0] += duration
                 total[1] += event == _BACKEND_EVENT
 
+    @classmethod
+    def add_ahead(cls, seconds: float) -> None:
+        """Count ``seconds`` compiled ahead elsewhere (in a helper process) as this process's
+        own compiling ahead (not as programs: those count where they load from the cache)."""
+        with cls._lock:
+            cls._totals[True][0] += seconds
+
     def take(self) -> tuple[float, int]:
         """(seconds, programs) compiled where they were needed, since the previous ``take``."""
         return self._take(ahead=False)

@@ -108,7 +108,8 @@ def test_shapes_compiled_ahead_spare_later_steps_their_compilation(model):
 
     runs = {}
     for ahead in (False, True):  # the step-independent programs compile in the first run
-        trainer = _trainer(model, micro_batch=micro, compile_ahead=ahead)
+        trainer = _trainer(model, micro_batch=micro, compile_ahead=ahead,
+                           compile_ahead_in="thread")
         new, step_programs, losses = [], [], []
         for n in (4, 6, 8):
             meter.take()
@@ -136,7 +137,7 @@ def test_a_sketched_batch_compiles_its_shapes_before_the_first_step(model):
     programs, new = {}, {}
     for sketch in (True, False):
         jax.clear_caches()
-        trainer = _trainer(model, micro_batch=micro)
+        trainer = _trainer(model, micro_batch=micro, compile_ahead_in="thread")
         if sketch:  # six sequences of 30 tokens: six rows of 32, then the neighbours
             queued = trainer.compile_ahead_for([[30] * 6])
             assert queued[0] == (6, 32) and (8, 32) in queued
@@ -169,7 +170,8 @@ def test_the_first_step_finds_its_update_compiled_ahead(model):
     programs, params = {}, {}
     for ahead in (True, False):
         jax.clear_caches()
-        trainer = _trainer(model, micro_batch=micro, compile_ahead=ahead)
+        trainer = _trainer(model, micro_batch=micro, compile_ahead=ahead,
+                           compile_ahead_in="thread")
         assert trainer.wait_compiled_ahead(120)  # as while waiting for the first batch
         meter.take()
         trainer.train_on_batch([TrajectoryGroup("p", trajs)])
@@ -188,7 +190,8 @@ def test_the_first_checkpoint_finds_its_checksum_program_compiled_ahead(model, t
     for ahead in (True, False):
         jax.clear_caches()  # the checksum program is module-wide: compile it anew each time
         trainer = _trainer(model, micro_batch=micro, compile_ahead=ahead,
-                           run_dir=str(tmp_path / str(ahead)), checkpoint_async=False)
+                           compile_ahead_in="thread", run_dir=str(tmp_path / str(ahead)),
+                           checkpoint_async=False)
         trainer.train_on_batch([TrajectoryGroup("p", trajs)])
         assert trainer.wait_compiled_ahead(120)
         meter.take()

@@ -29,9 +29,18 @@ compile (a CPU backend). A GPU or TPU trainer's steps run on the accelerator, no
 CPUs that compile, so there a job starts once a wait has lasted ``settle_s``
 (``fit_to_waits=False``; not measured here, for want of an accelerator).
 
+With a ``CompileHelper`` (a child process at the lowest priority, ``compile_helper``), jobs
+run there instead, each as soon as it is queued, windows or not: the process takes only CPU time
+nobody else wants, so it cannot slow the steps the way this process's own compiles do. The
+helper compiles into the persistent cache, and the step that needs the programs loads them from
+it. A step that needs a key the helper is still compiling waits for it, but no longer than the
+helper's longest job so far (``DEFAULT_PATIENCE_S`` before any finished): a helper starved of
+CPU time is not waited for. If the helper ends or cannot start, the jobs run on the thread from then on,
+under the rules above.
+
 A job that fails is logged and dropped: the step then compiles the program itself, as without
-compiling ahead. The thread is marked for ``CompileMeter``, so its seconds are reported apart
-from the step's.
+compiling ahead. The thread is marked for ``CompileMeter``, so its seconds, and the helper's,
+are reported apart from the step's.
 """
 
 from __future__ import annotations
@@ -46,12 +55,14 @@ import threading
 import time
 from collections.abc import Callable, Hashable, Iterator
 
-from areal_jax.compilation import compiling_ahead
+from areal_jax.compilation import CompileMeter, compiling_ahead
+from areal_jax.trainer.compile_helper import HelperGone, HelperJobError
 
 log = logging.getLogger(__name__)
 
 NICE = 19  # the compile thread's nice value: the lowest CPU priority
 _HISTORY = 32  # idle windows and job durations remembered for ``start_after``
+DEFAULT_PATIENCE_S = 30.0  # how long a step waits for the helper's job before any finished
 
 
 def start_after(windows: list[float], job_s: float | None, settle_s: float) -> float:
@@ -78,10 +89,13 @@ class AheadCompiler:
     """A background thread that runs keyed compile jobs, each at most once."""
 
     def __init__(self, settle_s: float = 1.0, name: str = "compile-ahead",
-                 fit_to_waits: bool = True):
+                 fit_to_waits: bool = True, helper: Callable[[Hashable], float] | None = None):
         """``fit_to_waits``: start jobs only where ``start_after`` says they mostly fit (where
         a compile slows the owner's steps: a CPU backend); False: once a window has lasted
-        ``settle_s`` (an accelerator's steps do not run on the host CPUs that compile)."""
+        ``settle_s`` (an accelerator's steps do not run on the host CPUs that compile).
+        ``helper``: run jobs by their key with it instead (it returns the seconds the job took;
+        e.g. ``CompileHelper.compile`` for one trainer), without waiting for windows."""
+        self._helper = helper
         self._settle_s = settle_s
         self._fit_to_waits = fit_to_waits
         self._name = name
@@ -112,13 +126,20 @@ class AheadCompiler:
             return True
 
     def claim(self, key: Hashable) -> bool:
-        """The caller is about to need ``key``'s programs: wait while the thread compiles them;
-        a job still queued is dropped (the caller compiles it). Returns whether the thread had
-        compiled them."""
+        """The caller is about to need ``key``'s programs: wait while the thread compiles them
+        (for the helper: at most its longest job so far); a job still queued is dropped (the caller
+        compiles it). Returns whether they were compiled ahead."""
         with self._cv:
             self._queue.pop(key, None)
+            patience = self._patience_s()
+            deadline = None if patience is None else time.monotonic() + patience
             while self._running == key:
-                self._cv.wait()
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    log.info("not waiting longer for the compile helper's %s: compiling it "
+                             "here", key)
+                    break
+                self._cv.wait(left)
             compiled = key in self._done
             self._done.add(key)  # from now on the caller's own call has compiled it
             return compiled
@@ -164,8 +185,17 @@ class AheadCompiler:
         if thread is not None:
             thread.join()
 
+    def _patience_s(self) -> float | None:
+        """How long a claim waits for a running job: without limit on the thread; for the
+        helper, its longest job so far (it may be starved of CPU time)."""
+        if self._helper is None:
+            return None
+        return max(self._job_seconds) if self._job_seconds else DEFAULT_PATIENCE_S
+
     def _wait_s(self) -> float | None:
         """How long the worker waits before a job may start: 0 now, None until notified."""
+        if self._queue and self._helper is not None:
+            return 0.0
         if not self._queue or not self._idle:
             return None
         after = self._settle_s
@@ -191,18 +221,47 @@ class AheadCompiler:
                     self._running = key
                 began = time.monotonic()
                 try:
-                    job()
+                    self._run(key, job)
                     ok = True
+                except HelperGone as e:
+                    self._lose_helper(key, job, e)
+                    continue
                 except Exception:  # noqa: BLE001 - the step compiles it itself instead
                     log.warning("compiling %s ahead failed; the step that needs it will compile "
                                 "it", key, exc_info=True)
                     ok = False
+                seconds = time.monotonic() - began
+                if ok:
+                    log.info("compiled %s ahead in %.1f s", key, seconds)
                 with self._cv:
                     (self._done if ok else self._failed).add(key)
                     if ok:
-                        self._job_seconds.append(time.monotonic() - began)
+                        self._job_seconds.append(seconds)
                     self._running = None
                     self._cv.notify_all()
+
+    def _run(self, key: Hashable, job: Callable[[], None]) -> None:
+        """Run one job: in the helper, by its key, if there is one; else ``job`` here."""
+        helper = self._helper
+        if helper is None:
+            job()
+            return
+        try:
+            seconds = helper(key)
+        except HelperJobError as e:
+            raise RuntimeError(f"the compile helper failed:\n{e}") from None
+        CompileMeter.add_ahead(seconds)
+
+    def _lose_helper(self, key: Hashable, job: Callable[[], None], error: HelperGone) -> None:
+        """The helper is gone: put ``key`` back first in line, go on with this thread."""
+        with self._cv:
+            self._running = None
+            if not self._closed:
+                log.warning("%s; compiling ahead on a thread of the trainer from now on", error)
+                self._queue[key] = job
+                self._queue.move_to_end(key, last=False)
+            self._helper = None
+            self._cv.notify_all()
 
 
 def _lower_this_threads_priority() -> None:

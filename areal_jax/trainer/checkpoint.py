@@ -75,11 +75,6 @@ class Checkpointer:
             args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
         )
 
-    def compile(self, abstract_state: Any) -> None:
-        """Compile the checksum program ``save`` runs on a state shaped like ``abstract_state``
-        (ShapeDtypeStructs with shardings), so the first save does not compile it."""
-        _device_checksums.lower(abstract_state).compile()
-
     def restore(self, abstract_state: Any, step: int | None = None) -> tuple[Any, dict] | None:
         """(state, meta) of checkpoint ``step``, or None if there is no checkpoint.
 
@@ -177,6 +172,12 @@ def checksums(tree: Any) -> dict[str, list[int]]:
     computed on the devices; keys are the arrays' dotted paths."""
     sums = jax.device_get(_device_checksums(tree))
     return {_name(path): [int(v) for v in s] for path, s in _flat(sums)}
+
+
+def compile_checksums(abstract_state: Any) -> None:
+    """Compile the checksum program ``Checkpointer.save`` runs on a state shaped like
+    ``abstract_state`` (ShapeDtypeStructs with shardings), so the first save does not."""
+    _device_checksums.lower(abstract_state).compile()
 
 
 @jax.jit

@@ -49,6 +49,9 @@ class TrainerConfig:
     advantage: AdvantageConfig = dataclasses.field(default_factory=AdvantageConfig)
     logprob_chunk_size: int = 256
     compile_ahead: bool = True  # compile the programs of likely next shapes in the background
+    # where: "process" (a helper process at the lowest priority), "thread", or "auto": the
+    # process on a single-process CPU trainer with the compilation cache on, else the thread
+    compile_ahead_in: Literal["auto", "process", "thread"] = "auto"
 
     checkpoint_keep: int = 3
     checkpoint_async: bool = True
@@ -66,6 +69,9 @@ class TrainerConfig:
             raise ConfigError(f"remat must be none, full or dots, got {self.remat!r}")
         if self.lr_schedule not in ("constant", "cosine"):
             raise ConfigError(f"lr_schedule must be constant or cosine, got {self.lr_schedule!r}")
+        if self.compile_ahead_in not in ("auto", "process", "thread"):
+            raise ConfigError("compile_ahead_in must be auto, process or thread, got "
+                              f"{self.compile_ahead_in!r}")
         if self.export_dtype not in ("source", "float32", "bfloat16"):
             raise ConfigError(
                 f"export_dtype must be source, float32 or bfloat16, got {self.export_dtype!r}"

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from areal_jax.config import ConfigError
 from areal_jax.models import (
@@ -39,12 +39,13 @@ from areal_jax.rl import (
 )
 from areal_jax.trainer import batches
 from areal_jax.trainer.ahead import AheadCompiler
+from areal_jax.trainer.compile_helper import shared_helper
 from areal_jax.trainer.checkpoint import Checkpointer, abstract_like
 from areal_jax.trainer.config import TrainerConfig
-from areal_jax.trainer.optimizer import lr_schedule, make_optimizer
+from areal_jax.trainer.programs import ProgramSpec, TrainPrograms
 from areal_jax.trainer.publish import publish_tensors
 from areal_jax.trainer.stats import batch_metrics, loss_metrics
-from areal_jax.trainer.step import TrainState, compile_steps
+from areal_jax.trainer.step import TrainState
 from areal_jax.trajectory import Trajectory, TrajectoryGroup
 
 log = logging.getLogger(__name__)
@@ -90,17 +91,11 @@ class Trainer:
         self.mesh = mesh if mesh is not None else make_mesh(config.mesh)
         graphdef, params, self._source_dtypes = self._load_policy(model)
         self._graphdef = graphdef
-        tx, schedule = make_optimizer(config), lr_schedule(config)
-        replicated = NamedSharding(self.mesh, PartitionSpec())
-        opt_shardings = model_shardings(jax.eval_shape(tx.init, params), self.mesh)
-        self._shardings = TrainState(model_shardings(params, self.mesh), opt_shardings, replicated)
-        opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
-        self._state = TrainState(params, opt_state, jax.device_put(jnp.int32(0), replicated))
-        self._steps = compile_steps(
-            graphdef, self._shardings, self.mesh, tx, schedule,
-            loss_cfg=config.loss, temperature=config.temperature,
-            chunk_size=config.logprob_chunk_size,
-        )  # fmt: skip
+        self._programs = TrainPrograms(config, graphdef, params, self.mesh)
+        self._shardings = shardings = self._programs.shardings
+        opt_state = jax.jit(self._programs.tx.init, out_shardings=shardings.opt_state)(params)
+        self._state = TrainState(params, opt_state, jax.device_put(jnp.int32(0), shardings.step))
+        self._steps = self._programs.steps
         self._ref_params = self._load_reference() if config.uses_reference else None
         multiple = math.lcm(config.micro_batch.row_multiple, batches.batch_axis_size(self.mesh))
         model_cfg = self.model.cfg
@@ -116,10 +111,7 @@ class Trainer:
         # every process packs alike however far its background compiles got.
         self._train_shapes: set[tuple[int, int]] = set()
         self._forward_shapes: set[tuple[int, int]] = set()
-        self._ahead = None
-        if config.compile_ahead:  # on a CPU backend a compile beside the steps slows them
-            self._ahead = AheadCompiler(fit_to_waits=self.mesh.devices.flat[0].platform == "cpu")
-        self._abstract_params = abstract_like(params)
+        self._ahead = self._ahead_compiler() if config.compile_ahead else None
         self._checkpoints = (
             Checkpointer(Path(config.run_dir) / "checkpoints", config.checkpoint_keep,
                          config.checkpoint_async)
@@ -332,7 +324,26 @@ class Trainer:
     @property
     def _recomputes_proximal(self) -> bool:
         """Whether a step recomputes proximal log-probs with a forward of its own."""
-        return self.config.loss.needs_proximal and self.config.loss.prox_logp == "recompute"
+        return self._programs.recomputes_proximal
+
+    def _ahead_compiler(self) -> AheadCompiler:
+        """Where programs compile ahead (``compile_ahead_in``): a helper process on a
+        single-process CPU trainer with the persistent cache (on a CPU backend a compile beside
+        the steps slows them), else a thread."""
+        where, cache_dir = self.config.compile_ahead_in, jax.config.jax_compilation_cache_dir
+        on_cpu = self.mesh.devices.flat[0].platform == "cpu"
+        if where == "process" and (jax.process_count() > 1 or not cache_dir):
+            raise ConfigError(
+                "compile_ahead_in: process needs a single-process trainer and the persistent "
+                "compilation cache (compilation_cache_dir); use thread or auto")
+        helper = None
+        if where == "process" or (where == "auto" and on_cpu and jax.process_count() == 1
+                                  and cache_dir):
+            run_dir = self.config.run_dir
+            log_path = Path(run_dir) / "logs" / "compile_helper.log" if run_dir else None
+            spec = ProgramSpec.of(self.config, self.model.cfg, self.mesh)
+            helper = functools.partial(shared_helper(cache_dir, log_path).compile, spec)
+        return AheadCompiler(fit_to_waits=on_cpu, helper=helper)
 
     def _claim_shapes(self, shapes: set[tuple[int, int]]) -> int:
         """Record the step's micro-batch shapes, waiting for any still compiling ahead; returns
@@ -356,16 +367,13 @@ class Trainer:
         optimiser update of the first step, and the checkpoint checksums of the first save."""
         if self._ahead is None:
             return
-        params, state = self._abstract_params, abstract_like(self._state)
-
-        def update() -> None:
-            self._steps.zero_grads.lower(params).compile()
-            self._steps.update.lower(state, params).compile()
-
-        self._ahead.submit(("update",), update)
+        self._submit(("update",))
         if self._checkpoints is not None:
-            tree = abstract_like(self._checkpoint_tree())
-            self._ahead.submit(("checksums",), functools.partial(self._checkpoints.compile, tree))
+            self._submit(("checksums",))
+
+    def _submit(self, key: tuple) -> bool:
+        """Queue ``key``'s programs to compile ahead; returns whether they were queued."""
+        return self._ahead.submit(key, functools.partial(self._programs.compile, key))
 
     def _compile_ahead(self, used: set[tuple[int, int]]) -> None:
         """Ask for the train programs of the shapes next to ``used``, likeliest first."""
@@ -374,18 +382,11 @@ class Trainer:
 
     def _queue_train_shapes(self, shapes) -> list[tuple[int, int]]:
         """Submit the train programs of each shape not met yet; returns those newly queued."""
-        return [s for s in shapes if s not in self._train_shapes and self._ahead.submit(
-            ("train", s), functools.partial(self._compile_train_programs, s))]
-
-    def _compile_train_programs(self, shape: tuple[int, int]) -> None:
-        """Compile what ``train_on_batch`` runs on a micro-batch of ``shape``, with the very
-        argument kinds it passes (a Python float normaliser, a Python int version)."""
-        params, batch = self._abstract_params, batches.abstract_batch(shape, self.mesh)
-        prox = None
-        if self._recomputes_proximal:
-            logprobs = self._steps.logprobs.lower(params, batch).compile()
-            prox = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=logprobs.output_shardings)
-        self._steps.ppo_accumulate.lower(params, params, batch, prox, 1.0, 1).compile()
+        queued = [s for s in shapes
+                  if s not in self._train_shapes and self._submit(("train", s))]
+        if queued:
+            log.info("queued the programs of shapes %s to compile ahead", queued)
+        return queued
 
     def _update_minibatch(self, packed, arrays, prox, next_version):
         """Accumulate the minibatch's micro-batch gradients, then one optimiser update.
@@ -457,10 +458,8 @@ class Trainer:
         return [np.asarray(kl_penalty(t.behav_logprobs, r, est)) for t, r in zip(trajs, ref)]
 
     def _checkpoint_tree(self) -> dict:
-        replicated = self._shardings.step
-        rng = jax.device_put(jax.random.key_data(self._rng), replicated)
-        s = self._state
-        return {"params": s.params, "opt_state": s.opt_state, "step": s.step, "rng": rng}
+        rng = jax.device_put(jax.random.key_data(self._rng), self._shardings.step)
+        return self._programs.checkpoint_tree(self._state, rng)
 
     def _require_checkpoints(self) -> Checkpointer:
         if self._checkpoints is None:

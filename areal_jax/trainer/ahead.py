@@ -56,7 +56,7 @@ import time
 from collections.abc import Callable, Hashable, Iterator
 
 from areal_jax.compilation import CompileMeter, compiling_ahead
-from areal_jax.trainer.compile_helper import HelperGone, HelperJobError
+from areal_jax.trainer.compile_helper import HelperGone
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,8 @@ def start_after(windows: list[float], job_s: float | None, settle_s: float) -> f
 
 
 class AheadCompiler:
-    """A background thread that runs keyed compile jobs, each at most once."""
+    """A background thread that runs keyed compile jobs, each at most once, itself or in a
+    helper process."""
 
     def __init__(self, settle_s: float = 1.0, name: str = "compile-ahead",
                  fit_to_waits: bool = True, helper: Callable[[Hashable], float] | None = None):
@@ -246,11 +247,7 @@ class AheadCompiler:
         if helper is None:
             job()
             return
-        try:
-            seconds = helper(key)
-        except HelperJobError as e:
-            raise RuntimeError(f"the compile helper failed:\n{e}") from None
-        CompileMeter.add_ahead(seconds)
+        CompileMeter.add_ahead(helper(key))
 
     def _lose_helper(self, key: Hashable, job: Callable[[], None], error: HelperGone) -> None:
         """The helper is gone: put ``key`` back first in line, go on with this thread."""

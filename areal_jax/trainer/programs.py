@@ -43,9 +43,9 @@ class ProgramSpec:
     @classmethod
     def of(cls, config: TrainerConfig, model_cfg: ModelConfig, mesh: Mesh) -> ProgramSpec:
         """The spec of a trainer with ``config`` and ``model_cfg`` on ``mesh``."""
-        flat = mesh.devices.flat
-        return cls(config, model_cfg, mesh.devices.flat[0].platform,
-                   tuple(d.id for d in flat), tuple(mesh.devices.shape), tuple(mesh.axis_names))
+        devices = list(mesh.devices.flat)
+        return cls(config, model_cfg, devices[0].platform, tuple(d.id for d in devices),
+                   tuple(mesh.devices.shape), tuple(mesh.axis_names))
 
     def make_mesh(self) -> Mesh:
         """The same mesh in this process; ValueError if its devices are not here."""
@@ -59,14 +59,17 @@ class ProgramSpec:
         return Mesh(grid, self.axis_names)
 
     def programs(self) -> TrainPrograms:
-        """The trainer's programs, built from shapes (``abstract_model``) on ``make_mesh()``."""
-        cfg = self.config
-        dtype = jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
-        graphdef, shapes = nnx.split(
-            abstract_model(self.model_cfg, dtype, cfg.remat, cfg.scan_layers))
+        """The trainer's programs, built from shapes (``abstract_policy``) on ``make_mesh()``."""
+        graphdef, shapes = abstract_policy(self.config, self.model_cfg)
         mesh = self.make_mesh()
         params = _with_shardings(shapes, model_shardings(shapes, mesh))
-        return TrainPrograms(cfg, graphdef, params, mesh)
+        return TrainPrograms(self.config, graphdef, params, mesh)
+
+
+def abstract_policy(config: TrainerConfig, model_cfg: ModelConfig) -> tuple[nnx.GraphDef, Any]:
+    """(graphdef, parameter shapes) of the policy a trainer with ``config`` builds."""
+    dtype = jnp.bfloat16 if config.dtype == "bfloat16" else jnp.float32
+    return nnx.split(abstract_model(model_cfg, dtype, config.remat, config.scan_layers))
 
 
 class TrainPrograms:

@@ -25,7 +25,7 @@ from jax.sharding import Mesh
 
 from areal_jax.config import ConfigError
 from areal_jax.models import (
-    ModelConfig, Transformer, abstract_model, hf_state_dict, load_hf_model,
+    ModelConfig, Transformer, hf_state_dict, load_hf_model,
 )  # fmt: skip
 from areal_jax.parallel import make_mesh, model_shardings
 from areal_jax.parallel.multihost import host_array, is_leader
@@ -39,10 +39,10 @@ from areal_jax.rl import (
 )
 from areal_jax.trainer import batches
 from areal_jax.trainer.ahead import AheadCompiler
-from areal_jax.trainer.compile_helper import shared_helper
 from areal_jax.trainer.checkpoint import Checkpointer, abstract_like
+from areal_jax.trainer.compile_helper import shared_helper
 from areal_jax.trainer.config import TrainerConfig
-from areal_jax.trainer.programs import ProgramSpec, TrainPrograms
+from areal_jax.trainer.programs import ProgramSpec, TrainPrograms, abstract_policy
 from areal_jax.trainer.publish import publish_tensors
 from areal_jax.trainer.stats import batch_metrics, loss_metrics
 from areal_jax.trainer.step import TrainState
@@ -332,13 +332,13 @@ class Trainer:
         the steps slows them), else a thread."""
         where, cache_dir = self.config.compile_ahead_in, jax.config.jax_compilation_cache_dir
         on_cpu = self.mesh.devices.flat[0].platform == "cpu"
-        if where == "process" and (jax.process_count() > 1 or not cache_dir):
+        helper_possible = jax.process_count() == 1 and bool(cache_dir)
+        if where == "process" and not helper_possible:
             raise ConfigError(
                 "compile_ahead_in: process needs a single-process trainer and the persistent "
                 "compilation cache (compilation_cache_dir); use thread or auto")
         helper = None
-        if where == "process" or (where == "auto" and on_cpu and jax.process_count() == 1
-                                  and cache_dir):
+        if where == "process" or (where == "auto" and on_cpu and helper_possible):
             run_dir = self.config.run_dir
             log_path = Path(run_dir) / "logs" / "compile_helper.log" if run_dir else None
             spec = ProgramSpec.of(self.config, self.model.cfg, self.mesh)
@@ -423,7 +423,7 @@ class Trainer:
             )
             graphdef, params = nnx.split(loaded)
             return graphdef, params, source_dtypes
-        graphdef, abstract = nnx.split(abstract_model(model.cfg, dtype, cfg.remat, cfg.scan_layers))
+        graphdef, abstract = abstract_policy(cfg, model.cfg)
         shardings = model_shardings(abstract, self.mesh)
         params = jax.device_put(nnx.state(model, nnx.Param), shardings, may_alias=False)
         return graphdef, params, {}

@@ -20,7 +20,7 @@ def test_two_trainer_processes_train_through_a_local_rollout_server(tmp_path):
     cfg["sft"]["steps"] = 2
     cfg["checkpoint_every"] = 3
     cfg["distributed"] = True
-    cfg["compile_first_batches"] = True  # both processes compile the sketches ("expect")
+    cfg["compile_first_batches"] = True  # both processes compile the sketches ("sketches")
     path = write_experiment(tmp_path / "exp.yaml", cfg)
     port = free_port()
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}

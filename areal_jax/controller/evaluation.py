@@ -15,8 +15,11 @@ _rounds = itertools.count()
 
 
 async def evaluate(pool: RolloutPool, items: list[PromptItem], reward: str, *,
-                   max_new_tokens: int, temperature: float = 0.0) -> dict[str, float]:
-    """Mean reward (accuracy for 0/1 rewards) and response length, one sample per prompt."""
+                   max_new_tokens: int, temperature: float = 0.0,
+                   token_counts: list[int] | None = None) -> dict[str, float]:
+    """Mean reward (accuracy for 0/1 rewards) and response length, one sample per prompt.
+
+    ``token_counts``, if given, is extended with each answer's prompt + response tokens."""
     tag = next(_rounds)
     futures = [
         pool.submit(rollout_request(item, f"eval-{tag}-{i}", reward, 1, max_new_tokens,
@@ -32,6 +35,8 @@ async def evaluate(pool: RolloutPool, items: list[PromptItem], reward: str, *,
         for t in group.trajectories:
             rewards.append(t.reward)
             lengths.append(len(t.output_ids))
+            if token_counts is not None:
+                token_counts.append(len(group.prompt_ids) + len(t.output_ids))
     return {
         "eval/accuracy": float(np.mean(rewards)) if rewards else float("nan"),
         "eval/response_length": float(np.mean(lengths)) if lengths else float("nan"),

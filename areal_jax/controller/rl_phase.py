@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 from pathlib import Path
@@ -138,16 +139,23 @@ async def run_rl(cfg: ExperimentConfig, trainer, tokenizer, train_set: PromptDat
             else:
                 pool.record_weights(published, version, push)
 
-            async def run_eval(step: int) -> dict:
+            async def run_eval(step: int, token_counts: list[int] | None = None) -> dict:
                 if not eval_items:
                     return {}
                 return await evaluate(pool, eval_items, cfg.eval.dataset.reward,
                                       max_new_tokens=cfg.eval.max_new_tokens,
-                                      temperature=cfg.eval.temperature)
+                                      temperature=cfg.eval.temperature,
+                                      token_counts=token_counts)
 
             if eval_items:
-                results["before"] = await _accuracy_before_rl(run_dir, version, run_eval,
-                                                              metrics_log)
+                token_counts: list[int] = []
+                results["before"] = await _accuracy_before_rl(
+                    run_dir, version, functools.partial(run_eval, token_counts=token_counts),
+                    metrics_log)
+                token_counts = [n for n in token_counts if n >= 2]  # answers, not bare prompts
+                if sketching and token_counts:  # the policy's own lengths: a better forecast
+                    trainer.expect_lengths(token_counts,
+                                           cfg.schedule.batch_size * cfg.sampling.group_size)
             waiting.close()
             loop = RLLoop(cfg, trainer, pool, train_set.iterator(), {i.id: i for i in train_set},
                           on_step=None, on_eval=run_eval, ledger=ledger)

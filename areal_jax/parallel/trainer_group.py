@@ -73,7 +73,14 @@ class TrainerGroup:
         """``Trainer.compile_ahead_for`` on every process (each compiles for its own devices)."""
         sketches = [[int(n) for n in lengths] for lengths in sketches]
         shapes = self.trainer.compile_ahead_for(sketches)  # bad input raises before sending
-        self._send("expect", {"sketches": sketches})
+        self._send("sketches", {"sketches": sketches})
+        return shapes
+
+    def expect_lengths(self, lengths, batch_trajectories: int) -> list[tuple[int, int]]:
+        """``Trainer.expect_lengths`` on every process."""
+        lengths = [int(n) for n in lengths]
+        shapes = self.trainer.expect_lengths(lengths, batch_trajectories)
+        self._send("lengths", {"lengths": lengths, "batch_trajectories": batch_trajectories})
         return shapes
 
     def idle(self):
@@ -121,8 +128,10 @@ class TrainerGroup:
             t.restore(header["version"])
         elif command == "snapshot":
             t.snapshot_for_publish(header["version"])
-        elif command == "expect":
+        elif command == "sketches":
             t.compile_ahead_for(header["sketches"])
+        elif command == "lengths":
+            t.expect_lengths(header["lengths"], header["batch_trajectories"])
         elif command == "close":
             t.close()
         else:

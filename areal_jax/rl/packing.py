@@ -181,9 +181,10 @@ def plan_fixed_micro_batches(
 
 
 def split_minibatches(
-    items: Sequence[Trajectory | TrajectoryGroup], n: int
-) -> list[list[Trajectory | TrajectoryGroup]]:
-    """Split trajectories or whole groups into ``n`` minibatches balanced by token count.
+    items: Sequence[Trajectory | TrajectoryGroup | int], n: int
+) -> list[list[Trajectory | TrajectoryGroup | int]]:
+    """Split trajectories, whole groups or token counts into ``n`` minibatches balanced by
+    token count.
 
     Largest item first into the lightest minibatch (ties: lower index); each minibatch keeps the
     input order. Deterministic.
@@ -203,7 +204,9 @@ def split_minibatches(
     return [[items[i] for i in sorted(m)] for m in members]
 
 
-def _token_count(item: Trajectory | TrajectoryGroup) -> int:
+def _token_count(item: Trajectory | TrajectoryGroup | int) -> int:
+    if isinstance(item, int):
+        return item
     if isinstance(item, TrajectoryGroup):
         return sum(t.length for t in item.trajectories)
     return item.length
@@ -383,6 +386,24 @@ def _output_advantages(adv, traj: Trajectory, i: int) -> np.ndarray:
     return a
 
 
+def _row_layout(
+    lengths: Sequence[int],
+    buckets: Sequence[int],
+    row_multiple: int,
+    attention_break_even: int | None,
+    one_per_row: bool,
+    known: Collection[tuple[int, int]],
+    reuse_tolerance: float,
+) -> tuple[int, int, list[list[int]]]:
+    """(T, R, rows) of one micro-batch: ``padded_row_layout``'s with ``one_per_row``, else
+    ``choose_row_layout``'s."""
+    if one_per_row:
+        return padded_row_layout(lengths, buckets, row_multiple)
+    return choose_row_layout(
+        lengths, buckets, row_multiple, attention_break_even, known, reuse_tolerance
+    )
+
+
 def pack_micro_batch(
     trajectories: Sequence[Trajectory],
     advantages: Sequence[float | np.ndarray],
@@ -401,18 +422,24 @@ def pack_micro_batch(
     """
     if not trajectories:
         raise ValueError("cannot pack an empty micro-batch")
+    row_len, n_rows, rows = _row_layout(
+        [t.length for t in trajectories], buckets, row_multiple, attention_break_even,
+        one_per_row, known, reuse_tolerance,
+    )
+    return _fill_rows(trajectories, advantages, (n_rows, row_len), rows)
+
+
+def _fill_rows(
+    trajectories: Sequence[Trajectory],
+    advantages: Sequence[float | np.ndarray],
+    shape: tuple[int, int],
+    rows: list[list[int]],
+) -> PackedBatch:
+    """The PackedBatch of ``shape`` holding ``rows`` (trajectory indices per row, in order)."""
     if len(advantages) != len(trajectories):
         raise ValueError(
             f"advantages has {len(advantages)} entries for {len(trajectories)} trajectories"
         )
-    lengths = [t.length for t in trajectories]
-    if one_per_row:
-        row_len, n_rows, rows = padded_row_layout(lengths, buckets, row_multiple)
-    else:
-        row_len, n_rows, rows = choose_row_layout(
-            lengths, buckets, row_multiple, attention_break_even, known, reuse_tolerance
-        )
-    shape = (n_rows, row_len)
     fields = PackedBatch.ROW_FIELDS.items()
     out = {name: np.full(shape, fill, dtype) for name, (dtype, fill) in fields}
     placements = np.zeros((len(trajectories), 4), np.int32)
@@ -443,15 +470,39 @@ def pack_micro_batch(
     )
 
 
+def micro_batch_layouts(
+    lengths: Sequence[int], cfg: MicroBatchConfig, known: Collection[tuple[int, int]] = ()
+) -> list[tuple[list[int], tuple[int, int], list[list[int]]]]:
+    """How a minibatch of sequences of ``lengths`` tokens is cut and laid out (Algorithm 1,
+    or the fixed count of ``cfg.mode``), preferring ``known`` (already compiled) shapes, and
+    those of the micro-batches before, within ``cfg.reuse_tolerance``.
+
+    Per micro-batch: (its sequence indices, its shape (R, T), its rows as lists of positions
+    in those indices). Arrays are not built: ``pack_micro_batches`` fills them.
+    """
+    fixed = cfg.mode == "fixed"
+    if fixed:
+        plan = plan_fixed_micro_batches(lengths, cfg.num_micro_batches, cfg.token_budget)
+    else:
+        plan = plan_micro_batches(lengths, cfg.token_budget, cfg.min_micro_batches)
+    layouts, known = [], set(known)
+    for members in plan:
+        row_len, n_rows, rows = _row_layout(
+            [lengths[i] for i in members], cfg.buckets, cfg.row_multiple,
+            cfg.attention_break_even, fixed, known, cfg.reuse_tolerance,
+        )
+        layouts.append((members, (n_rows, row_len), rows))
+        known.add((n_rows, row_len))  # the next micro-batches may share its program
+    return layouts
+
+
 def pack_micro_batches(
     trajectories: Sequence[Trajectory],
     advantages: Sequence[float | np.ndarray],
     cfg: MicroBatchConfig,
     known: Collection[tuple[int, int]] = (),
 ) -> list[PackedBatch]:
-    """Plan micro-batches over a minibatch (Algorithm 1, or the fixed count of ``cfg.mode``)
-    and pack each one, preferring ``known`` (already compiled) shapes, and those of the
-    micro-batches packed before it, within ``cfg.reuse_tolerance``.
+    """Pack a minibatch into the micro-batches ``micro_batch_layouts`` plans for it.
 
     Each result's ``traj_index`` maps its local trajectory index to the position in
     ``trajectories``.
@@ -460,27 +511,12 @@ def pack_micro_batches(
         raise ValueError(
             f"advantages has {len(advantages)} entries for {len(trajectories)} trajectories"
         )
-    lengths = [t.length for t in trajectories]
-    fixed = cfg.mode == "fixed"
-    if fixed:
-        plan = plan_fixed_micro_batches(lengths, cfg.num_micro_batches, cfg.token_budget)
-    else:
-        plan = plan_micro_batches(lengths, cfg.token_budget, cfg.min_micro_batches)
-    packed, known = [], set(known)
-    for members in plan:
-        batch = pack_micro_batch(
-            [trajectories[i] for i in members],
-            [advantages[i] for i in members],
-            cfg.buckets,
-            cfg.row_multiple,
-            cfg.attention_break_even,
-            one_per_row=fixed,
-            known=known,
-            reuse_tolerance=cfg.reuse_tolerance,
-        )
+    packed = []
+    for members, shape, rows in micro_batch_layouts([t.length for t in trajectories], cfg, known):
+        batch = _fill_rows([trajectories[i] for i in members], [advantages[i] for i in members],
+                           shape, rows)
         batch.traj_index = np.asarray(members, dtype=np.int32)
         packed.append(batch)
-        known.add(batch.shape)  # the next micro-batches may share its program
     return packed
 
 

@@ -2,11 +2,13 @@
 
 A new micro-batch shape met in the middle of a run costs its programs' compilation inside the
 step, on the critical path of the loop. The trainer instead asks for the shapes a later batch
-is likely to need (``packing.neighbour_shapes``) as soon as a step has used its own, and this
-thread compiles them while the next batches are generated; the step that first meets such a
-shape finds it compiled. Jobs are keyed: a key compiled, queued or running is not compiled
-again, and a step about to need a key ``claim``s it first (it waits for a running job, and
-takes a queued one off the queue to compile it itself, as it would have anyway).
+is likely to need (``forecast.ShapeForecast``, then ``packing.neighbour_shapes``) as soon as a
+step has used its own, and this thread compiles them while the next batches are generated; the
+step that first meets such a shape finds it compiled. Jobs are keyed: a key compiled, queued or
+running is not compiled again; jobs run in the order queued, except that the owner may move
+keys to the front (``prioritise``: a fresh forecast outranks older guesses); and a step about
+to need a key ``claim``s it first (it waits for a running job, and takes a queued one off the
+queue to compile it itself, as it would have anyway).
 
 Jobs start only inside the owner's ``idle()`` windows: the loop opens one while it waits for
 rollouts to fill a batch, a follower process while it waits for the leader's next command.
@@ -53,7 +55,7 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Sequence
 
 from areal_jax.compilation import CompileMeter, compiling_ahead
 from areal_jax.trainer.compile_helper import HelperGone
@@ -125,6 +127,13 @@ class AheadCompiler:
                 self._thread.start()
             self._cv.notify_all()
             return True
+
+    def prioritise(self, keys: Sequence[Hashable]) -> None:
+        """Move those of ``keys`` still queued to the front of the queue, in that order."""
+        with self._cv:
+            for key in reversed(keys):
+                if key in self._queue:
+                    self._queue.move_to_end(key, last=False)
 
     def claim(self, key: Hashable) -> bool:
         """The caller is about to need ``key``'s programs: wait while the thread compiles them

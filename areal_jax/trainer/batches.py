@@ -11,7 +11,13 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from areal_jax.parallel import DEFAULT_RULES, logical_to_spec
-from areal_jax.rl import MicroBatchConfig, PackedBatch, pack_micro_batches, split_minibatches
+from areal_jax.rl import (
+    MicroBatchConfig,
+    PackedBatch,
+    micro_batch_layouts,
+    pack_micro_batches,
+    split_minibatches,
+)
 from areal_jax.trajectory import Trajectory, TrajectoryGroup
 
 
@@ -74,6 +80,23 @@ def minibatch_plan(
             known.add(batch.shape)  # later minibatches may share its programs
         plan.append(packed)
     return plan
+
+
+def minibatch_shapes(
+    lengths: Sequence[int],
+    n_minibatches: int,
+    cfg: MicroBatchConfig,
+    order: np.ndarray,
+    known: Collection[tuple[int, int]] = (),
+) -> list[tuple[int, int]]:
+    """The micro-batch shapes (R, T), in order, that ``minibatch_plan`` gives trajectories of
+    ``lengths`` tokens (prompt + response) under ``order``, without packing any array."""
+    shapes, known = [], set(known)
+    for members in split_minibatches([int(lengths[i]) for i in order], n_minibatches):
+        for _, shape, _ in micro_batch_layouts(members, cfg, known):
+            shapes.append(shape)
+            known.add(shape)
+    return shapes
 
 
 def pack_all(

@@ -42,6 +42,7 @@ from areal_jax.trainer.ahead import AheadCompiler
 from areal_jax.trainer.checkpoint import Checkpointer, abstract_like
 from areal_jax.trainer.compile_helper import shared_helper
 from areal_jax.trainer.config import TrainerConfig
+from areal_jax.trainer.forecast import ShapeForecast
 from areal_jax.trainer.programs import ProgramSpec, TrainPrograms, abstract_policy
 from areal_jax.trainer.publish import publish_tensors
 from areal_jax.trainer.stats import batch_metrics, loss_metrics
@@ -112,6 +113,8 @@ class Trainer:
         self._train_shapes: set[tuple[int, int]] = set()
         self._forward_shapes: set[tuple[int, int]] = set()
         self._ahead = self._ahead_compiler() if config.compile_ahead else None
+        self._forecast = (ShapeForecast(config.ppo_n_minibatches, self._mb_cfg, seed=config.seed)
+                          if self._ahead is not None else None)
         self._checkpoints = (
             Checkpointer(Path(config.run_dir) / "checkpoints", config.checkpoint_keep,
                          config.checkpoint_async)
@@ -162,7 +165,7 @@ class Trainer:
                    for packed, arrays, mb_prox in zip(plan, device, prox)]  # fmt: skip
         losses, stats, updates = zip(*jax.device_get(results))
         self._version = next_version
-        self._compile_ahead(shapes)
+        self._compile_ahead(shapes, groups, len(trajs))
         stats = [s for mb in stats for s in mb]
         metrics.update(loss_metrics(stats, [sum(mb) for mb in losses], updates))
         metrics["version"] = float(self._version)
@@ -223,25 +226,39 @@ class Trainer:
         (none without ``compile_ahead``).
         """
         for i, lengths in enumerate(sketches):
-            if not lengths or min(lengths) < 2:
-                raise ValueError(f"sketches[{i}]: every trajectory needs >= 2 tokens (a prompt "
-                                 f"token and a response token), got {list(lengths)[:8]}")
+            _check_lengths(f"sketches[{i}]", lengths)
         if self._ahead is None:
             return []
         queued = []
         for i, lengths in enumerate(sketches):
-            trajs = [_sketch_trajectory(n) for n in lengths]
-            order = np.arange(len(trajs))
             try:
-                plan = batches.minibatch_plan(trajs, [0.0] * len(trajs),
-                                              self.config.ppo_n_minibatches, self._mb_cfg, order,
-                                              self._train_shapes)
+                shapes = batches.minibatch_shapes(lengths, self.config.ppo_n_minibatches,
+                                                  self._mb_cfg, np.arange(len(lengths)),
+                                                  self._train_shapes)
             except ValueError as e:  # a guess the packing refuses: nothing to compile for it
                 log.info("sketch %d is not compiled ahead: %s", i, e)
                 continue
-            shapes = list(dict.fromkeys(b.shape for mb in plan for b in mb))
+            shapes = list(dict.fromkeys(shapes))
             queued += self._queue_train_shapes(shapes + neighbour_shapes(shapes, self._mb_cfg))
         return queued
+
+    def expect_lengths(self, lengths: Sequence[int], batch_trajectories: int
+                       ) -> list[tuple[int, int]]:
+        """Compile first the train programs that batches of ``batch_trajectories`` trajectories
+        drawn from ``lengths`` would need: token counts (prompt + response) of trajectories like
+        those to come, e.g. the held-out evaluation's under the current policy.
+
+        They inform the shape forecast until the first batches have been trained on
+        (``forecast.ShapeForecast``). Returns the shapes, most likely first (none without
+        ``compile_ahead``).
+        """
+        _check_lengths("lengths", lengths)
+        if batch_trajectories < 1:
+            raise ValueError(f"batch_trajectories must be >= 1, got {batch_trajectories}")
+        if self._forecast is None:
+            return []
+        self._forecast.set_prior(lengths)
+        return self._queue_forecast(batch_trajectories)
 
     def compute_logprobs(self, trajectories: Sequence[Trajectory]) -> list[np.ndarray]:
         """Log-prob [O_i] of every output token under the current parameters, at the sampling
@@ -375,10 +392,25 @@ class Trainer:
         """Queue ``key``'s programs to compile ahead; returns whether they were queued."""
         return self._ahead.submit(key, functools.partial(self._programs.compile, key))
 
-    def _compile_ahead(self, used: set[tuple[int, int]]) -> None:
-        """Ask for the train programs of the shapes next to ``used``, likeliest first."""
-        if self._ahead is not None:
-            self._queue_train_shapes(neighbour_shapes(used, self._mb_cfg))
+    def _compile_ahead(self, used: set[tuple[int, int]], groups: Sequence[TrajectoryGroup],
+                       n_trajectories: int) -> None:
+        """After a step on ``groups`` that used the shapes ``used``: ask first for the train
+        programs the forecast ranks likeliest for batches like those seen so far, then for the
+        shapes next to ``used``."""
+        if self._ahead is None:
+            return
+        self._forecast.observe([[t.length for t in g.trajectories] for g in groups])
+        self._queue_forecast(n_trajectories)
+        self._queue_train_shapes(neighbour_shapes(used, self._mb_cfg))
+
+    def _queue_forecast(self, n_trajectories: int) -> list[tuple[int, int]]:
+        """Queue the forecast's shapes for batches of ``n_trajectories``, ahead of the rest."""
+        ranked = self._forecast.rank(n_trajectories, self._train_shapes)
+        self._queue_train_shapes(ranked)
+        self._ahead.prioritise([("train", s) for s in ranked])
+        if ranked:
+            log.info("the forecast ranks shapes %s first", ranked)
+        return ranked
 
     def _queue_train_shapes(self, shapes) -> list[tuple[int, int]]:
         """Submit the train programs of each shape not met yet; returns those newly queued."""
@@ -467,12 +499,12 @@ class Trainer:
         return self._checkpoints
 
 
-def _sketch_trajectory(n_tokens: int) -> Trajectory:
-    """A stand-in trajectory of ``n_tokens`` (one prompt token): its length is all packing
-    reads."""
-    n = n_tokens - 1
-    return Trajectory(np.zeros(1, np.int32), np.zeros(n, np.int32), np.zeros(n, np.float32),
-                      np.zeros(n, np.int32))
+def _check_lengths(name: str, lengths: Sequence[int]) -> None:
+    """Reject token counts of no trajectory, or of one under 2 tokens (a prompt token and a
+    response token), naming them ``name``."""
+    if len(lengths) == 0 or min(lengths) < 2:
+        raise ValueError(f"{name}: every trajectory needs >= 2 tokens (a prompt token and a "
+                         f"response token), got {list(lengths)[:8]}")
 
 
 def _masked_mean(values: list[np.ndarray], trajs: list[Trajectory]) -> float:

@@ -77,13 +77,14 @@ def main() -> None:
                      common.fmt_spread(s["ratio_without_compile"]),
                      common.fmt_spread(s["staleness_p90"], 1),
                      common.fmt_spread(s["accuracy"], 3)])
+    bound = common.spread([r["overlap_bound"] for r in runs["sync"]])
     best = max((n for n in stats if n != "sync"), key=lambda n: stats[n]["ratio"]["median"])
     info = common.with_load_after(before)
     ratio = stats[best]["ratio"]
     verdict = "met" if ratio["median"] >= 1.8 else "NOT met"
     common.bar_plot(args.out / "async_vs_sync.png", "Speed-up over sync (median, min-max)",
                     "versions/hour ÷ sync", {n: stats[n]["ratio"] for n in stats},
-                    reference=(2.0, "overlap bound 2x"))
+                    reference=(bound["median"], "overlap bound of this workload"))
     sections = [
         f"## Results ({len(args.seeds)} seed(s), {args.versions} versions per run, rates after "
         f"the first {args.skip}; median [min-max] over seeds)\n\n" + common.table(
@@ -96,17 +97,21 @@ def main() -> None:
         f"tokens/hour. Compile share: seconds compiled on the loop's critical path over its "
         f"wall time; the ratio without compile compares the rates with those seconds taken out "
         f"(derived: what the ratio would be if every program were compiled off the critical "
-        f"path).",
+        f"path). Overlap bound of this workload: {common.fmt_spread(bound)}x (derived from "
+        f"the sync runs: their cycle without compilation over the longer of the trainer's busy "
+        f"time without compilation and its wait for rollouts; overlapping the two sides cannot "
+        f"beat it, and it reaches 2x only where the two take equally long).",
         "![speed-up](async_vs_sync.png)",
     ]
     payload = {"machine": info, "args": common.arguments(args),
                "trainer_cpus": trainer_cpus, "rollout_cpus": rollout_cpus, "runs": runs,
-               "stats": stats,
+               "stats": stats, "overlap_bound": bound,
                "summary": [common.summary_row(
                    "end-to-end speed-up, async vs sync (paper Table 1 / Fig. 4)",
                    "2.77x (1.5B-32B models, GPUs)", ">= 1.8x (overlap bound 2x)",
                    f"{common.fmt_spread(ratio)}x at {best} "
-                   f"({common.fmt_spread(stats[best]['token_ratio'])}x in trained tokens/hour)",
+                   f"({common.fmt_spread(stats[best]['token_ratio'])}x in trained tokens/hour; "
+                   f"overlap bound of the workload {common.fmt_spread(bound)}x)",
                    info)]}
     common.write_report(args.out, "async_vs_sync", "Asynchronous vs synchronous RL", sections,
                         payload)

@@ -164,6 +164,9 @@ def steady_rate(train_rows: list[dict], skip: int) -> dict:
     Compile share: the seconds the loop compiled on its critical path (``timing/compile_s``)
     over the wall time; versions per hour without them is what the rate would be if every
     program had been compiled off the critical path (derived, not measured).
+    Overlap bound (read on a synchronous run, where the sides take turns): the cycle without
+    compilation over the longer of the trainer's busy time without compilation and its wait
+    for rollouts; the speed-up a perfect overlap of the two sides would give (derived).
     """
     rows = sorted(train_rows, key=lambda r: r["step"])
     if len(rows) < skip + 2:
@@ -173,11 +176,14 @@ def steady_rate(train_rows: list[dict], skip: int) -> dict:
     busy = [r["rollout/busy_fraction"] for r in steady
             if r.get("rollout/busy_fraction") is not None]
     compile_s = sum(r.get("timing/compile_s", 0.0) for r in steady)
+    wait_s = sum(r["timing/wait_s"] for r in steady)
+    busy_s = sum(r["timing/train_s"] for r in steady) - compile_s
     return {"versions_per_hour": 3600 * len(steady) / seconds,
+            "overlap_bound": (seconds - compile_s) / max(busy_s, wait_s),
             "compile_share": compile_s / seconds,
             "versions_per_hour_without_compile": 3600 * len(steady) / (seconds - compile_s),
             "tokens_per_hour": 3600 * sum(r["tokens"] for r in steady) / seconds,
-            "trainer_idle": sum(r["timing/wait_s"] for r in steady) / seconds,
+            "trainer_idle": wait_s / seconds,
             "rollout_idle": 1 - statistics.mean(busy) if busy else float("nan"),
             "staleness_p90": statistics.mean(r.get("staleness/p90") or 0.0 for r in steady)}
 

@@ -1,0 +1,109 @@
+"""The shape forecast: shapes from lengths alone, ranked by how often drawn batches need them,
+and the trainer compiling the forecast's shapes before older guesses."""
+
+import logging
+
+import numpy as np
+import pytest
+
+from areal_jax.rl import MicroBatchConfig
+from areal_jax.trainer import Trainer, TrainerConfig
+from areal_jax.trainer.ahead import AheadCompiler
+from areal_jax.trainer.batches import minibatch_plan, minibatch_shapes
+from areal_jax.trainer.forecast import ShapeForecast
+from areal_jax.trajectory import Trajectory, TrajectoryGroup
+
+from _trainer_kit import one_device_mesh, tiny_model
+
+BUDGET = MicroBatchConfig(token_budget=1024)  # rows of 128, 256, 512 or 1024 tokens
+
+
+def _trajs(lengths):
+    return [Trajectory([1], list(range(2, n + 1)), np.zeros(n - 1), np.zeros(n - 1))
+            for n in lengths]
+
+
+@pytest.mark.parametrize("cfg", [
+    MicroBatchConfig(token_budget=1024, attention_break_even=300, reuse_tolerance=1.5),
+    MicroBatchConfig(token_budget=8192, mode="fixed", num_micro_batches=3),
+], ids=["dynamic", "fixed"])
+def test_shapes_from_lengths_are_those_the_packed_plan_has(cfg):
+    rng = np.random.default_rng(0)
+    for trial in range(20):
+        lengths = [int(n) for n in rng.integers(2, 700, size=int(rng.integers(4, 40)))]
+        order = rng.permutation(len(lengths))
+        known = {(2, 512), (4, 128)} if trial % 2 else set()
+        plan = minibatch_plan(_trajs(lengths), [0.0] * len(lengths), 2, cfg, order, known)
+        assert minibatch_shapes(lengths, 2, cfg, order, known) == [
+            b.shape for mb in plan for b in mb]
+
+
+def test_identical_groups_forecast_exactly_their_shapes_less_the_known():
+    forecast = ShapeForecast(2, BUDGET, samples=4)
+    assert forecast.rank(64, set()) == []  # nothing seen: nothing to forecast
+    forecast.observe([[100] * 8] * 10)
+    # Per minibatch of 32 x 100 tokens: 3 micro-batches of 10 sequences, 5 per row of 512
+    # (as little padding as 1 row of 1024, and shorter rows), and one of 2 in rows of 128.
+    shapes = [(2, 512)] * 3 + [(2, 128)]
+    assert minibatch_shapes([100] * 64, 2, BUDGET, np.arange(64)) == shapes * 2
+    assert forecast.rank(64, set()) == [(2, 128), (2, 512)]  # equally likely: in (R, T) order
+    assert forecast.rank(64, {(2, 512)}) == [(2, 128)]
+
+
+def test_shapes_are_ranked_by_how_many_drawn_batches_need_them():
+    """Batches of one group: three in four draws are the short group, one the long one."""
+    forecast = ShapeForecast(1, BUDGET, samples=400)
+    forecast.observe([[40] * 8, [40] * 8, [40] * 8, [600] * 8])
+    short = set(minibatch_shapes([40] * 8, 1, BUDGET, np.arange(8)))
+    long = set(minibatch_shapes([600] * 8, 1, BUDGET, np.arange(8)))
+    assert short.isdisjoint(long)
+    ranked = forecast.rank(8, set())
+    assert set(ranked[:len(short)]) == short and set(ranked[len(short):]) == long
+
+
+def test_the_prior_informs_the_forecast_until_enough_groups_are_seen():
+    """Two trajectories of 900 tokens go one per micro-batch of 1024; a group of two of 100
+    packs into one micro-batch of 2 rows of 128; 900 + 100 share a row of 1024."""
+    forecast = ShapeForecast(1, BUDGET, samples=64, prior_until=4)
+    forecast.set_prior([1, 900, 900])  # a count under 2 tokens is no trajectory: ignored
+    assert forecast.rank(2, set()) == [(1, 1024)]
+    forecast.observe([[100, 100]] * 3)
+    assert set(forecast.rank(2, set())) == {(1, 1024), (2, 128)}
+    forecast.observe([[100, 100]])  # the fourth group: the prior is no longer drawn from
+    assert forecast.rank(2, set()) == [(2, 128)]
+    with pytest.raises(ValueError, match="samples"):
+        ShapeForecast(1, BUDGET, samples=0)
+
+
+def test_prioritised_keys_run_first_in_the_order_given():
+    ran = []
+    ahead = AheadCompiler(settle_s=0.0, fit_to_waits=False)
+    for key in "abcd":
+        ahead.submit(key, lambda key=key: ran.append(key))
+    ahead.prioritise(["d", "x", "b"])  # "x" was never queued: nothing to move
+    with ahead.idle():
+        assert ahead.wait_done(30)
+    ahead.close()
+    assert ran == ["d", "b", "a", "c"]
+
+
+def test_expected_lengths_compile_before_older_guesses_and_spare_the_first_step(caplog):
+    """Sketches queue long-row shapes first; lengths like the batches to come (30 tokens)
+    put their shape (6 rows of 32) ahead of them, and the first step compiles no shape."""
+    micro = MicroBatchConfig(token_budget=256, row_buckets=(32, 64, 256))
+    trainer = Trainer(TrainerConfig(lr=1e-2, ppo_n_minibatches=1, micro_batch=micro,
+                                    compile_ahead_in="thread"),
+                      mesh=one_device_mesh(), model=tiny_model(seed=7))
+    assert trainer.compile_ahead_for([[60] * 4])[0] == (4, 64)
+    assert trainer.expect_lengths([30] * 20, 6) == [(6, 32)]
+    with pytest.raises(ValueError, match="lengths: every trajectory needs >= 2 tokens"):
+        trainer.expect_lengths([30, 1], 6)
+    with caplog.at_level(logging.INFO, logger="areal_jax.trainer"):
+        assert trainer.wait_compiled_ahead(300)
+    compiled = [r.getMessage() for r in caplog.records if " ahead in " in r.getMessage()]
+    assert compiled[0].startswith("compiled ('train', (6, 32)) ahead")
+    assert any(m.startswith("compiled ('train', (4, 64)) ahead") for m in compiled[1:])
+    trajs = [Trajectory([1, 2, 3, 4], list(range(5, 31)), np.zeros(26), np.zeros(26),
+                        reward=float(i % 3)) for i in range(6)]
+    assert trainer.train_on_batch([TrajectoryGroup("p", trajs)])["packing/new_shapes"] == 0.0
+    trainer.close()

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+from types import SimpleNamespace
 from concurrent.futures import ThreadPoolExecutor
 
 import jax
@@ -15,6 +16,7 @@ from areal_jax.config import ConfigError, from_dict
 from areal_jax.models import load_hf_model
 from areal_jax.rl import AdvantageConfig, LossConfig, MicroBatchConfig
 from areal_jax.trainer import Trainer, TrainerConfig, list_exports, prune_exports
+from areal_jax.trainer.programs import compiler_options
 from areal_jax.trajectory import Trajectory, TrajectoryGroup
 
 from _hf_models import hf_logits, hf_model, save_hf_model
@@ -335,6 +337,18 @@ def test_config_errors_name_the_field():
     assert cfg.lr == 1e-5 and cfg.mesh.fsdp == 2 and cfg.micro_batch.row_buckets == (2048, 4096)
     with pytest.raises(ConfigError, match="model_path is required"):
         Trainer(TrainerConfig(), mesh=one_device_mesh())
+    with pytest.raises(ConfigError, match="cpu_opt_level must be 0, 1, 2, 3 or null, got 4"):
+        TrainerConfig(cpu_opt_level=4)
+
+
+def test_the_cpu_optimisation_level_reaches_the_train_programs_on_a_cpu_mesh_only():
+    mesh = one_device_mesh()
+    assert compiler_options(TrainerConfig(), mesh) == {"xla_backend_optimization_level": 1}
+    assert compiler_options(TrainerConfig(cpu_opt_level=None), mesh) is None
+    assert compiler_options(TrainerConfig(cpu_opt_level=3), mesh) == {
+        "xla_backend_optimization_level": 3}
+    tpu = SimpleNamespace(devices=np.array([SimpleNamespace(platform="tpu")]))
+    assert compiler_options(TrainerConfig(), tpu) is None  # accelerators keep XLA's options
 
 
 def test_bad_batches_are_rejected_before_any_update(model):

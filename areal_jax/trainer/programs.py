@@ -87,7 +87,7 @@ class TrainPrograms:
         self.steps = compile_steps(
             graphdef, self.shardings, mesh, self.tx, lr_schedule(config),
             loss_cfg=config.loss, temperature=config.temperature,
-            chunk_size=config.logprob_chunk_size,
+            chunk_size=config.logprob_chunk_size, compiler_options=compiler_options(config, mesh),
         )  # fmt: skip
         self.abstract_params = _with_shardings(params, self.shardings.params)
         self.abstract_state = TrainState(
@@ -129,6 +129,13 @@ class TrainPrograms:
             logprobs = self.steps.logprobs.lower(params, batch).compile()
             prox = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=logprobs.output_shardings)
         self.steps.ppo_accumulate.lower(params, params, batch, prox, 1.0, 1).compile()
+
+
+def compiler_options(config: TrainerConfig, mesh: Mesh) -> dict[str, Any] | None:
+    """XLA options of the train programs: ``cpu_opt_level`` on a CPU mesh, else none."""
+    if config.cpu_opt_level is None or mesh.devices.flat[0].platform != "cpu":
+        return None
+    return {"xla_backend_optimization_level": config.cpu_opt_level}
 
 
 def _with_shardings(tree: Any, shardings: Any) -> Any:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -127,8 +128,12 @@ def compile_steps(
     loss_cfg: LossConfig,
     temperature: float,
     chunk_size: int,
+    compiler_options: dict[str, Any] | None = None,
 ) -> StepFunctions:
-    """Jit the step functions with explicit output shardings (gradients shaped like params)."""
+    """Jit the step functions with explicit output shardings (gradients shaped like params),
+    each compiled with ``compiler_options`` (XLA options, e.g. the backend optimisation
+    level)."""
+    jit = functools.partial(jax.jit, compiler_options=compiler_options)
     replicated = NamedSharding(mesh, PartitionSpec())
     param_sh = state_shardings.params
     ppo = functools.partial(
@@ -137,19 +142,19 @@ def compile_steps(
     sft = functools.partial(sft_loss, graphdef=graphdef, chunk_size=chunk_size)
     acc_shardings = (param_sh, replicated, replicated)
     return StepFunctions(
-        logprobs=jax.jit(
+        logprobs=jit(
             lambda params, batch: logprobs(
                 graphdef, params, batch, temperature=temperature, chunk_size=chunk_size
             )[0]
         ),
-        ppo_accumulate=jax.jit(
+        ppo_accumulate=jit(
             functools.partial(accumulate, ppo), out_shardings=acc_shardings, donate_argnums=0
         ),
-        sft_accumulate=jax.jit(
+        sft_accumulate=jit(
             functools.partial(accumulate, sft), out_shardings=acc_shardings, donate_argnums=0
         ),
-        zero_grads=jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p), out_shardings=param_sh),
-        update=jax.jit(
+        zero_grads=jit(lambda p: jax.tree.map(jnp.zeros_like, p), out_shardings=param_sh),
+        update=jit(
             functools.partial(apply_update, tx, schedule),
             out_shardings=(state_shardings, replicated),
             donate_argnums=0,

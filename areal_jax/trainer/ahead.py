@@ -37,8 +37,8 @@ nobody else wants, so it cannot slow the steps the way this process's own compil
 helper compiles into the persistent cache, and the step that needs the programs loads them from
 it. A step that needs a key the helper is still compiling waits for it, but no longer than the
 helper's longest job so far (``DEFAULT_PATIENCE_S`` before any finished): a helper starved of
-CPU time is not waited for. If the helper ends or cannot start, the jobs run on the thread from then on,
-under the rules above.
+CPU time is not waited for. If the helper ends or cannot start, the jobs run on the thread
+from then on, under the rules above.
 
 A job that fails is logged and dropped: the step then compiles the program itself, as without
 compiling ahead. The thread is marked for ``CompileMeter``, so its seconds, and the helper's,

@@ -52,7 +52,8 @@ class ShapeForecast:
                 self._groups.append(tuple(int(n) for n in lengths))
                 self._seen += 1
 
-    def rank(self, n_trajectories: int, known: Collection[tuple[int, int]]) -> list[tuple[int, int]]:
+    def rank(self, n_trajectories: int, known: Collection[tuple[int, int]]
+             ) -> list[tuple[int, int]]:
         """Shapes not in ``known`` that a batch of ``n_trajectories`` would pack into, most
         often needed first (ties in (R, T) order); empty with nothing to draw from."""
         units = list(self._groups)

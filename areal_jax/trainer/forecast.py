@@ -61,6 +61,7 @@ class ShapeForecast:
             units += self._prior
         if not units or n_trajectories < self._n_minibatches:
             return []
+        known = set(known)
         counts: collections.Counter[tuple[int, int]] = collections.Counter()
         for _ in range(self._samples):
             lengths: list[int] = []
@@ -72,5 +73,5 @@ class ShapeForecast:
                 shapes = minibatch_shapes(lengths, self._n_minibatches, self._cfg, order, known)
             except ValueError:  # a draw the packing refuses (e.g. over a fixed-mode budget)
                 continue
-            counts.update(set(shapes) - set(known))
+            counts.update(set(shapes) - known)
         return sorted(counts, key=lambda s: (-counts[s], s))

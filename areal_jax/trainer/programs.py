@@ -44,7 +44,7 @@ class ProgramSpec:
     def of(cls, config: TrainerConfig, model_cfg: ModelConfig, mesh: Mesh) -> ProgramSpec:
         """The spec of a trainer with ``config`` and ``model_cfg`` on ``mesh``."""
         devices = list(mesh.devices.flat)
-        return cls(config, model_cfg, devices[0].platform, tuple(d.id for d in devices),
+        return cls(config, model_cfg, mesh_platform(mesh), tuple(d.id for d in devices),
                    tuple(mesh.devices.shape), tuple(mesh.axis_names))
 
     def make_mesh(self) -> Mesh:
@@ -131,9 +131,14 @@ class TrainPrograms:
         self.steps.ppo_accumulate.lower(params, params, batch, prox, 1.0, 1).compile()
 
 
+def mesh_platform(mesh: Mesh) -> str:
+    """The platform of ``mesh``'s devices ("cpu", "gpu", "tpu")."""
+    return mesh.devices.flat[0].platform
+
+
 def compiler_options(config: TrainerConfig, mesh: Mesh) -> dict[str, Any] | None:
     """XLA options of the train programs: ``cpu_opt_level`` on a CPU mesh, else none."""
-    if config.cpu_opt_level is None or mesh.devices.flat[0].platform != "cpu":
+    if config.cpu_opt_level is None or mesh_platform(mesh) != "cpu":
         return None
     return {"xla_backend_optimization_level": config.cpu_opt_level}
 

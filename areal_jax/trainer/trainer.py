@@ -43,7 +43,9 @@ from areal_jax.trainer.checkpoint import Checkpointer, abstract_like
 from areal_jax.trainer.compile_helper import shared_helper
 from areal_jax.trainer.config import TrainerConfig
 from areal_jax.trainer.forecast import ShapeForecast
-from areal_jax.trainer.programs import ProgramSpec, TrainPrograms, abstract_policy
+from areal_jax.trainer.programs import (
+    ProgramSpec, TrainPrograms, abstract_policy, mesh_platform,
+)  # fmt: skip
 from areal_jax.trainer.publish import publish_tensors
 from areal_jax.trainer.stats import batch_metrics, loss_metrics
 from areal_jax.trainer.step import TrainState
@@ -348,7 +350,7 @@ class Trainer:
         single-process CPU trainer with the persistent cache (on a CPU backend a compile beside
         the steps slows them), else a thread."""
         where, cache_dir = self.config.compile_ahead_in, jax.config.jax_compilation_cache_dir
-        on_cpu = self.mesh.devices.flat[0].platform == "cpu"
+        on_cpu = mesh_platform(self.mesh) == "cpu"
         helper_possible = jax.process_count() == 1 and bool(cache_dir)
         if where == "process" and not helper_possible:
             raise ConfigError(

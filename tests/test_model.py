@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from areal_jax.models import KVCache, export_hf, load_hf_model
 from areal_jax.models.attention import cached_attention, packed_attention
+from areal_jax.models.dense import dense
 
 from _hf_models import hf_logits, hf_model, save_hf_model
 
@@ -34,6 +35,26 @@ def test_logits_match_transformers(tmp_path, model_type, tie):
     ours, ref = _forward(model, tokens), hf_logits(ref_model, tokens)
     assert ref.std() > 0.1
     np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("x_shape,w_shape,n_in,spec", [
+    ((2, 5, 6), (6, 3, 4), 1, "btd,dhk->bthk"),
+    ((2, 5, 3, 4), (3, 4, 6), 2, "bthk,hkd->btd"),
+    ((2, 5, 6), (6, 7), 1, "btd,dv->btv"),
+])
+def test_dense_equals_the_einsum_in_value_and_gradients(x_shape, w_shape, n_in, spec):
+    kx, kw, kg = jax.random.split(jax.random.PRNGKey(0), 3)
+    x, w = jax.random.normal(kx, x_shape), jax.random.normal(kw, w_shape)
+    out = jnp.einsum(spec, x, w, precision="highest")
+    cotangent = jax.random.normal(kg, out.shape)
+    ours, pull = jax.vjp(lambda a, b: dense(a, b, n_in=n_in), x, w)
+    _, ref_pull = jax.vjp(lambda a, b: jnp.einsum(spec, a, b, precision="highest"), x, w)
+    assert ours.shape == out.shape
+    np.testing.assert_allclose(ours, out, rtol=1e-5, atol=1e-5)
+    for got, want in zip(pull(cotangent), ref_pull(cotangent)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    bf16 = dense(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16), n_in=n_in, out_dtype=jnp.float32)
+    assert bf16.dtype == jnp.float32
 
 
 def test_packed_row_equals_each_sequence_alone(tmp_path):

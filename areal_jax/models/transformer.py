@@ -35,6 +35,7 @@ from areal_jax.models.attention import (
     packed_attention,
 )
 from areal_jax.models.config import ModelConfig
+from areal_jax.models.dense import dense
 from areal_jax.models.rope import apply_rope, inverse_frequencies
 
 RematPolicy = Literal["none", "full", "dots"]
@@ -144,8 +145,7 @@ class Transformer(nnx.Module):
     def logits(self, hidden: jax.Array) -> jax.Array:
         """fp32 logits [..., V] from final hidden states [..., D]."""
         w = self.head_kernel().astype(self.dtype)
-        return jnp.einsum("...d,dv->...v", hidden.astype(self.dtype), w,
-                          preferred_element_type=jnp.float32)
+        return dense(hidden.astype(self.dtype), w, out_dtype=jnp.float32)
 
     def __call__(
         self,
@@ -248,9 +248,9 @@ class Transformer(nnx.Module):
         inv_freq, rope_scale = rope
         cast = lambda a: a.astype(dtype)
         h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
-        q = jnp.einsum("btd,dhk->bthk", h, cast(w["q_kernel"]))
-        k = jnp.einsum("btd,dhk->bthk", h, cast(w["k_kernel"]))
-        v = jnp.einsum("btd,dhk->bthk", h, cast(w["v_kernel"]))
+        q = dense(h, cast(w["q_kernel"]))
+        k = dense(h, cast(w["k_kernel"]))
+        v = dense(h, cast(w["v_kernel"]))
         if cfg.qkv_bias:
             q, k, v = q + cast(w["q_bias"]), k + cast(w["k_bias"]), v + cast(w["v_bias"])
         if cfg.qk_norm:
@@ -259,12 +259,12 @@ class Transformer(nnx.Module):
         q = apply_rope(q, positions, inv_freq, rope_scale)
         k = apply_rope(k, positions, inv_freq, rope_scale)
         attn, extra = attend(q, k, v)
-        out = jnp.einsum("bthk,hkd->btd", attn, cast(w["o_kernel"]))
+        out = dense(attn, cast(w["o_kernel"]), n_in=2)
         x = x + (out + cast(w["o_bias"]) if cfg.o_bias else out)
         h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
-        gate = jnp.einsum("btd,df->btf", h, cast(w["gate_kernel"]))
-        up = jnp.einsum("btd,df->btf", h, cast(w["up_kernel"]))
-        x = x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, cast(w["down_kernel"]))
+        gate = dense(h, cast(w["gate_kernel"]))
+        up = dense(h, cast(w["up_kernel"]))
+        x = x + dense(jax.nn.silu(gate) * up, cast(w["down_kernel"]))
         return x, extra
 
     def forward_logits(self, tokens, segment_ids, positions) -> jax.Array:

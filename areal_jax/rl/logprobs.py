@@ -14,6 +14,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from areal_jax.models.dense import dense
+
 
 def token_logprobs(
     hidden: jax.Array,
@@ -60,7 +62,7 @@ def _token_logprobs(hidden, head_kernel, targets, temperature, chunk_size):
     @jax.checkpoint
     def chunk(args):
         h, t = args
-        logits = jnp.einsum("rcd,dv->rcv", h, head_kernel, preferred_element_type=jnp.float32)
+        logits = dense(h, head_kernel, out_dtype=jnp.float32)
         logits = logits.astype(jnp.float32) / temperature  # the rollout engines' convention
         log_z = jax.nn.logsumexp(logits, axis=-1)
         logp = jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0] - log_z

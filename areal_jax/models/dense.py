@@ -14,7 +14,7 @@ def dense(x: jax.Array, w: jax.Array, n_in: int = 1, out_dtype=None) -> jax.Arra
     Computed as one 2-D product of x flattened to [tokens, in]: with the batch and sequence
     dims kept apart (an einsum such as ``btd,df->btf``), the weight gradient contracts two
     dims, and XLA's CPU backend then writes a transposed copy of the output gradient for it
-    (the SiLU backward fused with a [F, tokens] write: a fifth of an equal-length train step
+    (the SiLU backward fused with a [F, tokens] write: a quarter of an equal-length train step
     on the 2-core CPU, ``benchmarks/results/train_step.md``).
     """
     lead, din, dout = x.shape[: x.ndim - n_in], w.shape[:n_in], w.shape[n_in:]

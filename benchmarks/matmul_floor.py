@@ -5,13 +5,15 @@ each product shape bounds how fast either can go, whatever the program around th
 each shape, XLA runs a chain of ``--chain`` products with distinct weights inside one jitted
 program (dispatch amortised, as inside the decode or train program), PyTorch the same chain
 of ``torch.mm`` calls with ``--torch-threads`` threads. The sides alternate per shape and
-repetition; medians are shown.
+repetition; medians are shown. ``--dtypes``: fp32, and bf16 on both sides (operands and
+result; PyTorch's CPU bf16 products use AMX units where the CPU has them).
 
 Shapes: the 23M decode model's projections at 32 rows (the engine's batch) and 8 rows, and the
 train-step benchmark model's products at 4096 tokens in the three forms of a training step:
 forward ``x @ w``, input gradient ``g @ w.T`` and weight gradient ``x.T @ g``.
 
-Usage: PYTHONPATH=. python benchmarks/matmul_floor.py [--reps 5 --chain 16]
+Usage: PYTHONPATH=. python benchmarks/matmul_floor.py [--reps 5 --chain 16 --dtypes float32
+       bfloat16]
 """
 
 from __future__ import annotations
@@ -58,13 +60,14 @@ def product(form: str):
         form]
 
 
-def sides(form: str, a: np.ndarray, ws: list[np.ndarray]):
-    """(XLA, PyTorch) callables computing the ``form`` product of ``a`` with each weight; XLA
-    in one jitted program. Both are checked to agree first."""
+def sides(form: str, dtype: str, a: np.ndarray, ws: list[np.ndarray]):
+    """(XLA, PyTorch) callables computing the ``form`` product of ``a`` with each weight in
+    ``dtype``; XLA in one jitted program. Both are checked to agree first."""
     op = product(form)
     run = jax.jit(lambda a, ws: [op(a, w) for w in ws])
-    ja, jws = jnp.asarray(a), [jnp.asarray(w) for w in ws]
-    ta, tws = torch.from_numpy(a), [torch.from_numpy(w) for w in ws]
+    ja, jws = jnp.asarray(a, dtype), [jnp.asarray(w, dtype) for w in ws]
+    to_torch = lambda x: torch.from_numpy(x).to(getattr(torch, dtype))  # noqa: E731
+    ta, tws = to_torch(a), [to_torch(w) for w in ws]
 
     def ours():
         return jax.block_until_ready(run(ja, jws))
@@ -72,7 +75,9 @@ def sides(form: str, a: np.ndarray, ws: list[np.ndarray]):
     def theirs():
         return [op(ta, w) for w in tws]
 
-    np.testing.assert_allclose(np.asarray(ours()[-1]), theirs()[-1].numpy(), rtol=1e-3, atol=1e-2)
+    tol = 1e-3 if dtype == "float32" else 2e-2
+    np.testing.assert_allclose(np.asarray(ours()[-1], np.float32),
+                               theirs()[-1].float().numpy(), rtol=tol, atol=tol * 10)
     return ours, theirs
 
 
@@ -92,15 +97,18 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--chain", type=int, default=16, help="products per timed program")
     parser.add_argument("--torch-threads", type=int, default=2)
+    parser.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16"],
+                        default=["float32", "bfloat16"])
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     torch.set_num_threads(args.torch_threads)
     before = machine()
     rng = np.random.default_rng(0)
     cases = []
-    for label, rows, n_in, n_out, form in SHAPES:
-        ours, theirs = sides(form, *operands(rows, n_in, n_out, form, args.chain, rng))
-        cases.append((label, rows, n_in, n_out, form, ours, theirs, [], []))
+    for dtype in args.dtypes:
+        for label, rows, n_in, n_out, form in SHAPES:
+            ours, theirs = sides(form, dtype, *operands(rows, n_in, n_out, form, args.chain, rng))
+            cases.append((label, rows, n_in, n_out, form, dtype, ours, theirs, [], []))
     for _ in range(args.reps):
         for *_, ours, theirs, ours_s, theirs_s in cases:
             ours_s.append(seconds(ours))
@@ -109,18 +117,20 @@ def main() -> None:
     lines = [
         "# Matrix products: XLA against PyTorch on this CPU", "",
         f"Command: `PYTHONPATH=. python benchmarks/matmul_floor.py --reps {args.reps} "
-        f"--chain {args.chain}`", "",
+        f"--chain {args.chain} --dtypes {' '.join(args.dtypes)}`", "",
         f"Machine: {m['cpu']}, {m['cores']} cores, {m['machine']}; 1-minute load average "
         f"{m['load_before']:.1f} before, {m['load_avg_1m']:.1f} after; jax {jax.__version__}, "
-        f"torch {torch.__version__} ({args.torch_threads} threads). Chains of {args.chain} products per timed call, median "
-        f"of {args.reps} alternating rounds (each round the median of 5 calls).", "",
-        "| product | rows | in | out | form | XLA GFLOP/s | PyTorch GFLOP/s | XLA / PyTorch |",
-        "|---|---:|---:|---:|---|---:|---:|---:|",
+        f"torch {torch.__version__} ({args.torch_threads} threads). Chains of {args.chain} "
+        f"products per timed call, median of {args.reps} alternating rounds (each round the "
+        f"median of 5 calls).", "",
+        "| product | rows | in | out | form | dtype | XLA GFLOP/s | PyTorch GFLOP/s "
+        "| XLA / PyTorch |",
+        "|---|---:|---:|---:|---|---|---:|---:|---:|",
     ]
-    for label, rows, n_in, n_out, form, _, _, ours_s, theirs_s in cases:
+    for label, rows, n_in, n_out, form, dtype, _, _, ours_s, theirs_s in cases:
         flops = 2 * rows * n_in * n_out * args.chain
         ours_r, theirs_r = (flops / statistics.median(s) / 1e9 for s in (ours_s, theirs_s))
-        lines.append(f"| {label} | {rows} | {n_in} | {n_out} | {form} | {ours_r:.0f} | "
+        lines.append(f"| {label} | {rows} | {n_in} | {n_out} | {form} | {dtype} | {ours_r:.0f} | "
                      f"{theirs_r:.0f} | {ours_r / theirs_r:.2f} |")
     text = "\n".join(lines) + "\n"
     print(text)

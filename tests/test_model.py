@@ -53,8 +53,15 @@ def test_dense_equals_the_einsum_in_value_and_gradients(x_shape, w_shape, n_in, 
     np.testing.assert_allclose(ours, out, rtol=1e-5, atol=1e-5)
     for got, want in zip(pull(cotangent), ref_pull(cotangent)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    bf16 = dense(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16), n_in=n_in, out_dtype=jnp.float32)
-    assert bf16.dtype == jnp.float32
+    xb, wb = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+    exact = jnp.einsum(spec, xb.astype(jnp.float32), wb.astype(jnp.float32), precision="highest")
+    wide = dense(xb, wb, n_in=n_in, out_dtype=jnp.float32)
+    assert wide.dtype == jnp.float32  # accumulated in fp32, not rounded to bf16
+    np.testing.assert_allclose(wide, exact, rtol=1e-5, atol=1e-5)
+    narrow = dense(xb, wb, n_in=n_in)
+    assert narrow.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(narrow, np.float32),
+                                  np.asarray(wide.astype(jnp.bfloat16), np.float32))
 
 
 def test_packed_row_equals_each_sequence_alone(tmp_path):

@@ -2,6 +2,7 @@
 
 import asyncio
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -10,10 +11,13 @@ import textwrap
 import time
 import uuid
 
+import pytest
+
 from areal_jax.rewards import RewardPool
 from areal_jax.rewards.pool import SCRATCH_PREFIX
 from areal_jax.rewards.code_tests import time_budget_s
-from areal_jax.rewards.sandbox import SandboxLimits, run_python
+from areal_jax.rewards import sandbox
+from areal_jax.rewards.sandbox import SandboxLimits, reap_scratch_root, run_python
 
 
 def sandboxed(completion: str, metadata: dict) -> float:
@@ -132,3 +136,45 @@ def test_a_new_pool_reaps_the_scratch_of_a_killed_one(tmp_path, monkeypatch):
     finally:
         for pid in _marked(mark):
             os.kill(pid, signal.SIGKILL)
+
+
+def _scratch_with_runs(root) -> None:
+    for run in ("run-a", "run-b"):
+        (root / run / "inner").mkdir(parents=True)
+        (root / run / "inner" / "f.txt").write_text("data")
+
+
+def test_reaping_finishes_when_a_run_deletes_its_own_directory_meanwhile(tmp_path, monkeypatch):
+    """The killed supervisor's fork survives it, and when the reaper kills its sandbox it
+    deletes its own run directory at the same time: the reaper's pass then meets a vanished
+    entry, and must still delete the whole scratch."""
+    root = tmp_path / "scratch"
+    _scratch_with_runs(root)
+    real_rmtree, passes = shutil.rmtree, []
+
+    def racing_rmtree(path, *args, **kwargs):
+        passes.append(path)
+        if len(passes) == 1:  # the run's supervisor deletes its directory under the reaper
+            real_rmtree(root / "run-a")
+            raise FileNotFoundError(2, "No such file or directory", str(root / "run-a"))
+        return real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(sandbox.shutil, "rmtree", racing_rmtree)
+    reap_scratch_root(str(root))
+    assert not root.exists() and len(passes) == 2
+
+
+def test_removal_that_keeps_meeting_vanished_entries_stops_with_the_error(tmp_path, monkeypatch):
+    root = tmp_path / "scratch"
+    _scratch_with_runs(root)
+    passes = []
+
+    def always_vanishing(path, *args, **kwargs):
+        passes.append(path)
+        raise FileNotFoundError(2, "No such file or directory", str(root / "run-a"))
+
+    monkeypatch.setattr(sandbox.shutil, "rmtree", always_vanishing)
+    with pytest.raises(FileNotFoundError):
+        reap_scratch_root(str(root))
+    assert len(passes) == sandbox._REMOVE_ATTEMPTS and root.exists()
+

@@ -390,11 +390,28 @@ def _read(f, limit: int) -> str:
     return f.read(limit).decode("utf-8", errors="replace")
 
 
+_REMOVE_ATTEMPTS = 3  # rmtree passes over a tree that another process is also deleting
+
+
 def _remove_tree(path: str) -> None:
-    """Delete the work directory even where the sandboxed code removed its own permissions."""
+    """Delete the work directory even where the sandboxed code removed its own permissions.
+
+    Another process may delete parts of the tree at the same time (a reaper and the run's
+    surviving supervisor, ``reap_scratch_root``): entries that vanish meanwhile are not an
+    error, and a pass they interrupt is retried, at most ``_REMOVE_ATTEMPTS`` passes in all.
+    """
     for root, dirs, _ in os.walk(path):
         for d in dirs:
             full = os.path.join(root, d)
             if not os.path.islink(full):
-                os.chmod(full, 0o700)
-    shutil.rmtree(path)
+                with contextlib.suppress(FileNotFoundError):
+                    os.chmod(full, 0o700)
+    for attempt in range(1, _REMOVE_ATTEMPTS + 1):
+        try:
+            shutil.rmtree(path)
+            return
+        except FileNotFoundError:
+            if not os.path.lexists(path):
+                return
+            if attempt == _REMOVE_ATTEMPTS:
+                raise

@@ -5,8 +5,9 @@ each product shape bounds how fast either can go, whatever the program around th
 each shape, XLA runs a chain of ``--chain`` products with distinct weights inside one jitted
 program (dispatch amortised, as inside the decode or train program), PyTorch the same chain
 of ``torch.mm`` calls with ``--torch-threads`` threads. The sides alternate per shape and
-repetition; medians are shown. ``--dtypes``: fp32, and bf16 on both sides (operands and
-result; PyTorch's CPU bf16 products use AMX units where the CPU has them).
+repetition; medians are shown. XLA's side is the model's own ``models.dense``: products
+accumulated into fp32, the result cast to the operands' type. ``--dtypes``: fp32, and bf16 on
+both sides (PyTorch's CPU bf16 products use AMX units where the CPU has them).
 
 Shapes: the 23M decode model's projections at 32 rows (the engine's batch) and 8 rows, and the
 train-step benchmark model's products at 4096 tokens in the three forms of a training step:
@@ -28,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from areal_jax.models.dense import dense
 from benchmarks.paper.common import machine, with_load_after
 
 RESULTS = Path(__file__).parent / "results" / "matmul_floor.md"
@@ -54,17 +56,18 @@ def operands(rows: int, n_in: int, n_out: int, form: str, chain: int, rng):
     return a, [rng.standard_normal(weight, dtype=np.float32) for _ in range(chain)]
 
 
-def product(form: str):
-    """The product of one form, written once for both sides (``.T`` works on both)."""
-    return {"fwd": lambda a, w: a @ w, "dx": lambda a, w: a @ w.T, "dw": lambda a, w: a.T @ w}[
-        form]
+def product(form: str, matmul):
+    """The product of one form through ``matmul(a, b)`` (``.T`` works on both sides)."""
+    return {"fwd": lambda a, w: matmul(a, w), "dx": lambda a, w: matmul(a, w.T),
+            "dw": lambda a, w: matmul(a.T, w)}[form]
 
 
 def sides(form: str, dtype: str, a: np.ndarray, ws: list[np.ndarray]):
     """(XLA, PyTorch) callables computing the ``form`` product of ``a`` with each weight in
-    ``dtype``; XLA in one jitted program. Both are checked to agree first."""
-    op = product(form)
-    run = jax.jit(lambda a, ws: [op(a, w) for w in ws])
+    ``dtype``; XLA in one jitted program through the model's own ``dense`` (fp32 accumulation,
+    result in ``dtype``). Both are checked to agree first."""
+    ours_op, op = product(form, dense), product(form, lambda a, b: a @ b)
+    run = jax.jit(lambda a, ws: [ours_op(a, w) for w in ws])
     ja, jws = jnp.asarray(a, dtype), [jnp.asarray(w, dtype) for w in ws]
     to_torch = lambda x: torch.from_numpy(x).to(getattr(torch, dtype))  # noqa: E731
     ta, tws = to_torch(a), [to_torch(w) for w in ws]

@@ -62,8 +62,7 @@ def _token_logprobs(hidden, head_kernel, targets, temperature, chunk_size):
     @jax.checkpoint
     def chunk(args):
         h, t = args
-        logits = dense(h, head_kernel, out_dtype=jnp.float32)
-        logits = logits.astype(jnp.float32) / temperature  # the rollout engines' convention
+        logits = dense(h, head_kernel, out_dtype=jnp.float32) / temperature  # engines' convention
         log_z = jax.nn.logsumexp(logits, axis=-1)
         logp = jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0] - log_z
         probs = jnp.exp(logits - log_z[..., None])

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from areal_jax.models import KVCache, export_hf, load_hf_model
+from areal_jax.models import KVCache, attention, export_hf, load_hf_model
 from areal_jax.models.attention import cached_attention, packed_attention
 from areal_jax.models.dense import dense
 
@@ -120,17 +120,23 @@ def _reference_attention(q, k, v, mask, xp=np):
     return xp.einsum("bhts,bshd->bthd", probs / probs.sum(-1, keepdims=True), v)
 
 
-def test_block_packed_attention_and_its_gradients_equal_dense_reference():
+@pytest.mark.parametrize("chunk_bytes", [0, 4 << 20])
+def test_block_packed_attention_and_its_gradients_equal_dense_reference(monkeypatch, chunk_bytes):
     """Rows of 40 (not a multiple of the block), segments crossing block boundaries; block 3
     gives 14 blocks in 8 key-length groups (several blocks per loop), 64 one block of 40.
     Gradients of the custom backward match autodiff of the dense reference; padding rows give
-    zeros and receive no gradient."""
+    zeros and receive no gradient. Without a gradient the 4 rows go through all at once
+    (``chunk_bytes`` 0) or in a loop over chunks of 2."""
+    monkeypatch.setattr(attention, "_CHUNK_BYTES", chunk_bytes)
+    assert attention._rows_per_chunk(4, 1) == (4 if chunk_bytes == 0 else 2)
     rng = np.random.RandomState(3)
-    q = rng.normal(size=(2, 40, 4, 8)).astype(np.float32)
-    k, v = (rng.normal(size=(2, 40, 2, 8)).astype(np.float32) for _ in range(2))
-    seg = np.zeros((2, 40), np.int32)
+    q = rng.normal(size=(4, 40, 4, 8)).astype(np.float32)
+    k, v = (rng.normal(size=(4, 40, 2, 8)).astype(np.float32) for _ in range(2))
+    seg = np.zeros((4, 40), np.int32)
     seg[0, :13], seg[0, 13:30], seg[0, 30:37] = 1, 2, 3  # 37..39 padding
     seg[1, :40] = 1
+    seg[2, :25] = 1
+    seg[3, :5], seg[3, 5:10], seg[3, 10:40] = 1, 2, 3
     idx = np.arange(40)
     mask = (seg[:, :, None] == seg[:, None, :]) & (seg != 0)[:, :, None] & (idx[:, None] >= idx)
     expected = _reference_attention(q, k, v, mask)

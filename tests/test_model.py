@@ -126,7 +126,10 @@ def test_block_packed_attention_and_its_gradients_equal_dense_reference(monkeypa
     gives 14 blocks in 8 key-length groups (several blocks per loop), 64 one block of 40.
     Gradients of the custom backward match autodiff of the dense reference; padding rows give
     zeros and receive no gradient. Without a gradient the 4 rows go through all at once
-    (``chunk_bytes`` 0) or in a loop over chunks of 2."""
+    (``chunk_bytes`` 0) or in a loop over chunks of 2 (as on a lone CPU device; the suite runs
+    8 virtual devices, where rows are never chunked)."""
+    assert not attention._one_cpu()
+    monkeypatch.setattr(attention, "_one_cpu", lambda: True)
     monkeypatch.setattr(attention, "_CHUNK_BYTES", chunk_bytes)
     assert attention._rows_per_chunk(4, 1) == (4 if chunk_bytes == 0 else 2)
     rng = np.random.RandomState(3)

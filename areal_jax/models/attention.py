@@ -179,18 +179,25 @@ def _packed_backward(block, residuals, d_out):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _packed(q, k, v, segment_ids, block):
-    # Without a gradient (prefill, log-probs), rows go through in chunks: all rows at once, a
-    # block's scores and probabilities outgrow the CPU's caches (2-core CPU, 8 rows x 512
-    # tokens: 34 ms for all rows at once, 17 ms in chunks of 4). Under a gradient the forward
-    # keeps all rows together: chunked there, the backward did not gain and long rows lost.
+    # Without a gradient (prefill, log-probs), rows go through in chunks on a lone CPU device:
+    # all rows at once, a block's scores and probabilities outgrow the CPU's caches (2-core
+    # CPU, 12 rows x 512 tokens: 49-51 ms for all rows at once, 24-26 ms in chunks of 4). Under a
+    # gradient the forward keeps all rows together: chunked there, the backward did not gain
+    # and long rows lost. Accelerators have no such caches to fit, and under a mesh a loop
+    # over row chunks would slice across the devices that hold the rows.
     rows = q.shape[0]
-    chunk = _rows_per_chunk(rows, q.shape[2] * block * q.shape[1] * 4)
+    chunk = _rows_per_chunk(rows, q.shape[2] * block * q.shape[1] * 4) if _one_cpu() else rows
     if chunk == rows:
         return _packed_forward(q, k, v, segment_ids, block)[0]
     split = lambda x: x.reshape(rows // chunk, chunk, *x.shape[1:])
     out = jax.lax.map(lambda xs: _packed_forward(*xs, block)[0],
                       tuple(split(x) for x in (q, k, v, segment_ids)))
     return out.reshape(q.shape)
+
+
+def _one_cpu() -> bool:
+    """Whether this process computes on a single CPU device (where row chunks pay)."""
+    return jax.default_backend() == "cpu" and jax.device_count() == 1
 
 
 def _rows_per_chunk(rows: int, row_bytes: int) -> int:

@@ -13,10 +13,9 @@ import uuid
 
 import pytest
 
-from areal_jax.rewards import RewardPool
+from areal_jax.rewards import RewardPool, sandbox
 from areal_jax.rewards.pool import SCRATCH_PREFIX
 from areal_jax.rewards.code_tests import time_budget_s
-from areal_jax.rewards import sandbox
 from areal_jax.rewards.sandbox import SandboxLimits, reap_scratch_root, run_python
 
 

@@ -150,7 +150,8 @@ def _packed_backward(block, residuals, d_out):
     n, b, hkv, g, blk, dh = qs.shape
     t = d_out.shape[1]
     dos = _to_blocks(d_out, hkv, blk)
-    dqs, dk, dv = [], *(jnp.zeros((b, hkv, dh, n * blk), jnp.float32) for _ in range(2))
+    dqs = []
+    dk = dv = jnp.zeros((b, hkv, dh, n * blk), jnp.float32)
     for a, e in _groups(n):
         keys = e * blk
         kk, vv, sk = _group_keys(kt, vt, segment_ids, keys)

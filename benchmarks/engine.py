@@ -216,8 +216,10 @@ async def decode_benchmark(path, args) -> tuple[list[dict], list[dict], list[dic
 # 2. Weight swaps under load -----------------------------------------------------------------
 
 
-async def swap_segment(paths, mode: str, seconds: float, seed: int, warm: bool, args) -> dict:
-    """One timed stretch of load with updates in ``mode``: tokens, seconds, update call times.
+async def swap_segment(paths, mode: str, seconds: float, seed: int, warm: bool, args,
+                       updates: bool = True) -> dict:
+    """One timed stretch of load with updates in ``mode`` (none unless ``updates``): tokens,
+    seconds, update call times, and the engine's prefill and decode counters.
 
     ``warm`` first compiles every program the engine can call (``precompile``: every prefill
     bucket, every decode window at every batch bucket; compiled programs are shared by later
@@ -245,7 +247,7 @@ async def swap_segment(paths, mode: str, seconds: float, seed: int, warm: bool, 
 
     async def updater() -> None:
         version, start = 0, time.perf_counter()
-        while True:
+        while updates:
             due = start + (version + 1) * args.update_every
             await asyncio.sleep(max(0.0, due - time.perf_counter()))
             if time.perf_counter() >= stop:
@@ -258,10 +260,11 @@ async def swap_segment(paths, mode: str, seconds: float, seed: int, warm: bool, 
     began = time.perf_counter()
     await asyncio.gather(updater(), *[client(i) for i in range(args.clients)])
     elapsed = time.perf_counter() - began
-    reprefills = engine.stats()["reprefills"]
+    stats = engine.stats()
     await engine.shutdown()
     return {"tokens": counted, "seconds": elapsed, "latencies": latencies,
-            "reprefills": reprefills}
+            **{k: stats[k] for k in ("reprefills", "prefill_calls", "prefill_seconds",
+                                     "decode_calls", "decode_rows")}}
 
 
 def swap_benchmark(paths, args) -> list[dict]:

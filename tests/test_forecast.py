@@ -1,6 +1,7 @@
 """The shape forecast: shapes from lengths alone, ranked by how often drawn batches need them,
 and the trainer compiling the forecast's shapes before older guesses."""
 
+import functools
 import logging
 
 import numpy as np
@@ -75,7 +76,7 @@ def test_the_prior_informs_the_forecast_until_enough_groups_are_seen():
         ShapeForecast(1, BUDGET, samples=0)
 
 
-def test_prioritised_keys_run_first_in_the_order_given():
+def test_prioritised_keys_go_first_and_every_other_job_is_the_key_queued_longest():
     ran = []
     ahead = AheadCompiler(settle_s=0.0, fit_to_waits=False)
     for key in "abcd":
@@ -84,7 +85,27 @@ def test_prioritised_keys_run_first_in_the_order_given():
     with ahead.idle():
         assert ahead.wait_done(30)
     ahead.close()
-    assert ran == ["d", "b", "a", "c"]
+    assert ran == ["d", "a", "b", "c"]  # the queue's order is d, b, a, c
+
+
+def test_a_key_that_every_later_priority_overtakes_is_not_starved():
+    """Each guess, once compiled, queues the next one ahead of everything (as each step's
+    forecast does): the neighbour queued early still runs second, not after every guess."""
+    ran = []
+    ahead = AheadCompiler(settle_s=0.0, fit_to_waits=False)
+
+    def guess(i: int) -> None:
+        ran.append(f"guess {i}")
+        if i < 4:
+            ahead.submit(f"guess {i + 1}", functools.partial(guess, i + 1))
+            ahead.prioritise([f"guess {i + 1}"])
+
+    ahead.submit("guess 0", functools.partial(guess, 0))
+    ahead.submit("neighbour", lambda: ran.append("neighbour"))
+    with ahead.idle():
+        assert ahead.wait_done(30)
+    ahead.close()
+    assert ran == ["guess 0", "neighbour", "guess 1", "guess 2", "guess 3", "guess 4"]
 
 
 def test_expected_lengths_compile_before_older_guesses_and_spare_the_first_step(caplog):

@@ -1,13 +1,12 @@
 """The shape forecast: shapes from lengths alone, ranked by how often drawn batches need them,
 and the trainer compiling the forecast's shapes before older guesses."""
 
-import functools
 import logging
 
 import numpy as np
 import pytest
 
-from areal_jax.rl import MicroBatchConfig
+from areal_jax.rl import MicroBatchConfig, neighbour_shapes
 from areal_jax.trainer import Trainer, TrainerConfig
 from areal_jax.trainer.ahead import AheadCompiler
 from areal_jax.trainer.batches import minibatch_plan, minibatch_shapes
@@ -76,7 +75,7 @@ def test_the_prior_informs_the_forecast_until_enough_groups_are_seen():
         ShapeForecast(1, BUDGET, samples=0)
 
 
-def test_prioritised_keys_go_first_and_every_other_job_is_the_key_queued_longest():
+def test_prioritised_keys_run_first_in_the_order_given():
     ran = []
     ahead = AheadCompiler(settle_s=0.0, fit_to_waits=False)
     for key in "abcd":
@@ -85,27 +84,7 @@ def test_prioritised_keys_go_first_and_every_other_job_is_the_key_queued_longest
     with ahead.idle():
         assert ahead.wait_done(30)
     ahead.close()
-    assert ran == ["d", "a", "b", "c"]  # the queue's order is d, b, a, c
-
-
-def test_a_key_that_every_later_priority_overtakes_is_not_starved():
-    """Each guess, once compiled, queues the next one ahead of everything (as each step's
-    forecast does): the neighbour queued early still runs second, not after every guess."""
-    ran = []
-    ahead = AheadCompiler(settle_s=0.0, fit_to_waits=False)
-
-    def guess(i: int) -> None:
-        ran.append(f"guess {i}")
-        if i < 4:
-            ahead.submit(f"guess {i + 1}", functools.partial(guess, i + 1))
-            ahead.prioritise([f"guess {i + 1}"])
-
-    ahead.submit("guess 0", functools.partial(guess, 0))
-    ahead.submit("neighbour", lambda: ran.append("neighbour"))
-    with ahead.idle():
-        assert ahead.wait_done(30)
-    ahead.close()
-    assert ran == ["guess 0", "neighbour", "guess 1", "guess 2", "guess 3", "guess 4"]
+    assert ran == ["d", "b", "a", "c"]
 
 
 def test_expected_lengths_compile_before_older_guesses_and_spare_the_first_step(caplog):
@@ -130,3 +109,25 @@ def test_expected_lengths_compile_before_older_guesses_and_spare_the_first_step(
                         reward=float(i % 3)) for i in range(6)]
     assert trainer.train_on_batch([TrajectoryGroup("p", trajs)])["packing/new_shapes"] == 0.0
     trainer.close()
+
+
+def test_after_a_step_the_shapes_next_to_its_own_compile_before_older_guesses(caplog):
+    """A sketch of long trajectories queues long-row shapes; a step on short ones (6 rows of
+    32 tokens) then puts the shapes next to its own ahead of those guesses."""
+    micro = MicroBatchConfig(token_budget=256, row_buckets=(32, 64, 256))
+    trainer = Trainer(TrainerConfig(lr=1e-2, ppo_n_minibatches=1, micro_batch=micro,
+                                    compile_ahead_in="thread"),
+                      mesh=one_device_mesh(), model=tiny_model(seed=7))
+    sketched = trainer.compile_ahead_for([[200] * 2])
+    trajs = [Trajectory([1, 2, 3, 4], list(range(5, 31)), np.zeros(26), np.zeros(26),
+                        reward=float(i % 3)) for i in range(6)]
+    with caplog.at_level(logging.INFO, logger="areal_jax.trainer"):
+        assert trainer.train_on_batch([TrajectoryGroup("p", trajs)])["packing/new_shapes"] == 1
+        assert trainer.wait_compiled_ahead(300)
+    neighbours = neighbour_shapes({(6, 32)}, micro)
+    guesses = [s for s in sketched if s not in neighbours]
+    assert neighbours and guesses
+    compiled = [r.getMessage().split(" ahead in ")[0] for r in caplog.records
+                if " ahead in " in r.getMessage()]
+    position = {s: compiled.index(f"compiled ('train', {s})") for s in neighbours + guesses}
+    assert max(position[s] for s in neighbours) < min(position[s] for s in guesses)

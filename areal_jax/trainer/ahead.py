@@ -6,12 +6,9 @@ is likely to need (``forecast.ShapeForecast``, then ``packing.neighbour_shapes``
 step has used its own, and this thread compiles them while the next batches are generated; the
 step that first meets such a shape finds it compiled. Jobs are keyed: a key compiled, queued or
 running is not compiled again; jobs run in the order queued, except that the owner may move
-keys to the front (``prioritise``: a fresh forecast outranks older guesses) and that every
-other job is the one queued longest, so a key that later forecasts keep overtaking (say, a
-shape queued as the neighbour of one a step used) still runs within about twice as many jobs
-as were queued before it; and a step about to need a key ``claim``s it first (it waits for a
-running job, and takes a queued one off the queue to compile it itself, as it would have
-anyway).
+keys to the front (``prioritise``: a fresh forecast outranks older guesses); and a step about
+to need a key ``claim``s it first (it waits for a running job, and takes a queued one off the
+queue to compile it itself, as it would have anyway).
 
 Jobs start only inside the owner's ``idle()`` windows: the loop opens one while it waits for
 rollouts to fill a batch, a follower process while it waits for the leader's next command.
@@ -108,9 +105,6 @@ class AheadCompiler:
         self._cv = threading.Condition()
         self._queue: collections.OrderedDict[Hashable, Callable[[], None]] = (
             collections.OrderedDict())
-        self._queued_at: dict[Hashable, int] = {}  # submission order of every key (each once)
-        self._submitted = 0
-        self._oldest_next = False  # jobs alternate: the queue's front, then the oldest key
         self._running: Hashable | None = None
         self._done: set[Hashable] = set()
         self._failed: set[Hashable] = set()
@@ -128,8 +122,6 @@ class AheadCompiler:
             if self._closed or self._known(key):
                 return False
             self._queue[key] = compile_fn
-            self._queued_at[key] = self._submitted
-            self._submitted += 1
             if self._thread is None:
                 self._thread = threading.Thread(target=self._work, name=self._name, daemon=True)
                 self._thread.start()
@@ -235,7 +227,7 @@ class AheadCompiler:
                         self._cv.wait(wait)
                     if self._closed:
                         return
-                    key, job = self._next_job()
+                    key, job = self._queue.popitem(last=False)
                     self._running = key
                 began = time.monotonic()
                 try:
@@ -257,16 +249,6 @@ class AheadCompiler:
                         self._job_seconds.append(seconds)
                     self._running = None
                     self._cv.notify_all()
-
-    def _next_job(self) -> tuple[Hashable, Callable[[], None]]:
-        """Take the next job off the queue: alternately its front and the key queued longest."""
-        if self._oldest_next:
-            key = min(self._queue, key=self._queued_at.__getitem__)
-            job = self._queue.pop(key)
-        else:
-            key, job = self._queue.popitem(last=False)
-        self._oldest_next = not self._oldest_next
-        return key, job
 
     def _run(self, key: Hashable, job: Callable[[], None]) -> None:
         """Run one job: in the helper, by its key, if there is one; else ``job`` here."""

@@ -396,20 +396,22 @@ class Trainer:
 
     def _compile_ahead(self, used: set[tuple[int, int]], groups: Sequence[TrajectoryGroup],
                        n_trajectories: int) -> None:
-        """After a step on ``groups`` that used the shapes ``used``: ask first for the train
-        programs the forecast ranks likeliest for batches like those seen so far, then for the
-        shapes next to ``used``."""
+        """After a step on ``groups`` that used the shapes ``used``: ask, ahead of everything
+        queued before, first for the train programs the forecast ranks likeliest for batches
+        like those seen so far, then for the shapes next to ``used``."""
         if self._ahead is None:
             return
         self._forecast.observe([[t.length for t in g.trajectories] for g in groups])
-        self._queue_forecast(n_trajectories)
-        self._queue_train_shapes(neighbour_shapes(used, self._mb_cfg))
+        self._queue_forecast(n_trajectories, then=neighbour_shapes(used, self._mb_cfg))
 
-    def _queue_forecast(self, n_trajectories: int) -> list[tuple[int, int]]:
-        """Queue the forecast's shapes for batches of ``n_trajectories``, ahead of the rest."""
+    def _queue_forecast(self, n_trajectories: int, then: Sequence[tuple[int, int]] = ()
+                        ) -> list[tuple[int, int]]:
+        """Queue the forecast's shapes for batches of ``n_trajectories``, then ``then``, ahead
+        of the rest in that order; returns the forecast's shapes."""
         ranked = self._forecast.rank(n_trajectories, self._train_shapes)
-        self._queue_train_shapes(ranked)
-        self._ahead.prioritise([("train", s) for s in ranked])
+        first = list(dict.fromkeys([*ranked, *then]))
+        self._queue_train_shapes(first)
+        self._ahead.prioritise([("train", s) for s in first])
         if ranked:
             log.info("the forecast ranks shapes %s first", ranked)
         return ranked

@@ -131,3 +131,4 @@ def test_after_a_step_the_shapes_next_to_its_own_compile_before_older_guesses(ca
                 if " ahead in " in r.getMessage()]
     position = {s: compiled.index(f"compiled ('train', {s})") for s in neighbours + guesses}
     assert max(position[s] for s in neighbours) < min(position[s] for s in guesses)
+    trainer.close()

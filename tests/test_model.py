@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from jax.extend.core import jaxprs_in_params
 from transformers import AutoModelForCausalLM
 
 from areal_jax.models import KVCache, attention, export_hf, load_hf_model
@@ -62,6 +63,36 @@ def test_dense_equals_the_einsum_in_value_and_gradients(x_shape, w_shape, n_in, 
     assert narrow.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(narrow, np.float32),
                                   np.asarray(wide.astype(jnp.bfloat16), np.float32))
+
+
+def _dot_operand_dtypes(jaxpr) -> list[tuple[str, ...]]:
+    """The operand dtypes of every dot_general in ``jaxpr`` and the jaxprs nested in it."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            found.append(tuple(str(v.aval.dtype) for v in eqn.invars))
+        for sub in jaxprs_in_params(eqn.params):
+            found += _dot_operand_dtypes(sub)
+    return found
+
+
+def test_dense_gradient_products_take_the_operands_dtype():
+    # bf16 operands with an fp32 result (the log-prob head): the incoming gradient is fp32, and
+    # without a cast the backward products would be fp32 (TF32 on a GPU, at a fraction of the
+    # bf16 rate). Both must take bf16 operands and equal the products of the rounded gradient.
+    kx, kw, kg = jax.random.split(jax.random.PRNGKey(1), 3)
+    x = jax.random.normal(kx, (2, 5, 6)).astype(jnp.bfloat16)
+    w = jax.random.normal(kw, (6, 7)).astype(jnp.bfloat16)
+    g = jax.random.normal(kg, (2, 5, 7))  # fp32, not representable in bf16
+    grad = jax.grad(lambda x, w: jnp.sum(dense(x, w, out_dtype=jnp.float32) * g), argnums=(0, 1))
+    dots = _dot_operand_dtypes(jax.make_jaxpr(grad)(x, w).jaxpr)
+    assert len(dots) == 3 and all(d == ("bfloat16", "bfloat16") for d in dots), dots
+    dx, dw = grad(x, w)
+    assert (dx.dtype, dw.dtype) == (jnp.bfloat16, jnp.bfloat16)
+    gb = np.asarray(g.astype(jnp.bfloat16), np.float64).reshape(10, 7)
+    xf, wf = np.asarray(x, np.float64).reshape(10, 6), np.asarray(w, np.float64)
+    np.testing.assert_allclose(np.asarray(dx, np.float64).reshape(10, 6), gb @ wf.T, rtol=1e-2)
+    np.testing.assert_allclose(np.asarray(dw, np.float64), xf.T @ gb, rtol=1e-2)
 
 
 def test_packed_row_equals_each_sequence_alone(tmp_path):

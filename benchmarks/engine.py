@@ -102,14 +102,14 @@ async def jax_batch(engine, prompts, kind: str, lengths: list[int]) -> float:
 def hf_batch(model, prompts, kind: str, n: int) -> float:
     import torch
 
-    ids = torch.tensor(prompts)
+    ids = torch.tensor(prompts, device=model.device)
     kw = dict(do_sample=False)
     if kind != "greedy":  # top_k=0 turns off transformers' default top-k of 50
         kw = {"do_sample": True, "top_k": 0, "top_p": 1.0, **SAMPLING[kind]}
     start = time.perf_counter()
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                             min_new_tokens=n, pad_token_id=0, **kw)
+                             min_new_tokens=n, pad_token_id=0, **kw).cpu()
     elapsed = time.perf_counter() - start
     assert out.shape[1] == ids.shape[1] + n
     return elapsed
@@ -296,7 +296,8 @@ def swap_benchmark(paths, args) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     keys = list(rows[0])
-    fmt = lambda v: f"{v:.2f}" if isinstance(v, float) else str(v)  # noqa: E731
+    fmt = lambda v: (f"{v:.2f}" if abs(v) >= 0.1 or v == 0 else f"{v:.2e}"  # noqa: E731
+                     ) if isinstance(v, float) else str(v)
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     lines += ["| " + " | ".join(fmt(r[k]) for k in keys) + " |" for r in rows]
     return "\n".join(lines)

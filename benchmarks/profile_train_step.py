@@ -30,15 +30,25 @@ from benchmarks.train_step import MODEL, make_batch, ours_step
 _NOT_OPS = re.compile(r"^\$|Execute|Pjit|ThreadPool|np\.asarray")
 
 
-def op_kinds(trace_dir: str) -> collections.Counter:
-    """Microseconds per kind of compiled operation in the trace under ``trace_dir``."""
+def kinds_by_thread(trace_dir: str) -> dict[str, collections.Counter]:
+    """Microseconds per kind of compiled operation in the trace under ``trace_dir``, for each
+    "process / thread" of the trace (on a GPU, its streams are threads of the device's process)."""
     path = next(Path(trace_dir).rglob("*.trace.json.gz"))
     events = json.load(gzip.open(path))["traceEvents"]
-    kinds: collections.Counter = collections.Counter()
+    names = {(e["pid"], e.get("tid") if e["name"] == "thread_name" else None): e["args"]["name"]
+             for e in events if e.get("ph") == "M" and e.get("name") in ("process_name",
+                                                                      "thread_name")}
+    threads: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     for e in events:
         if e.get("ph") == "X" and not _NOT_OPS.search(e["name"]):
-            kinds[re.sub(r"[.\d]+$", "", e["name"])] += e["dur"]
-    return kinds
+            where = f"{names.get((e['pid'], None), e['pid'])} / {names.get((e['pid'], e.get('tid')), e.get('tid'))}"
+            threads[where][re.sub(r"[.\d]+$", "", e["name"])] += e["dur"]
+    return dict(threads)
+
+
+def op_kinds(trace_dir: str) -> collections.Counter:
+    """Microseconds per kind of compiled operation in the trace under ``trace_dir``."""
+    return sum(kinds_by_thread(trace_dir).values(), collections.Counter())
 
 
 def main() -> None:

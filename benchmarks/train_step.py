@@ -113,9 +113,9 @@ def ours_step(model_dir: str, groups, rows: int, seq: int, decoupled: bool, scan
     return lambda: trainer.train_on_batch(groups)
 
 
-def torch_step(model_dir: str, groups, threads: int, dtype: str):
-    """A PyTorch forward + PPO loss + backward + clip + AdamW step as a callable (fp32 weights;
-    the forward under CPU autocast when ``dtype`` is bfloat16)."""
+def torch_step(model_dir: str, groups, threads: int, dtype: str, device: str = "cpu"):
+    """A PyTorch forward + PPO loss + backward + clip + AdamW step on ``device`` as a callable
+    (fp32 weights; the forward under autocast when ``dtype`` is bfloat16)."""
     import contextlib
 
     import torch
@@ -124,7 +124,7 @@ def torch_step(model_dir: str, groups, threads: int, dtype: str):
     from areal_jax.rl import trajectory_advantages
 
     torch.set_num_threads(threads)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).train()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.01)
     trajs = [t for g in groups for t in g.trajectories]
     adv = trajectory_advantages(groups, AdvantageConfig())
@@ -133,7 +133,7 @@ def torch_step(model_dir: str, groups, threads: int, dtype: str):
 
     def padded(rows, dtype, prefix=0):
         rows = [np.pad(r, (0, prefix + width - len(r))) for r in rows]
-        return torch.tensor(np.stack(rows), dtype=dtype)
+        return torch.tensor(np.stack(rows), dtype=dtype, device=device)
 
     tokens = padded([np.concatenate([t.prompt_ids, t.output_ids]) for t in trajs], torch.long,
                     prefix=PROMPT)
@@ -144,7 +144,7 @@ def torch_step(model_dir: str, groups, threads: int, dtype: str):
 
     def autocast():
         if dtype == "bfloat16":
-            return torch.autocast("cpu", dtype=torch.bfloat16)
+            return torch.autocast(device, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
     def step():

@@ -114,12 +114,10 @@ def ceilings(n: int, copy_elems: int, reps: int = 10) -> dict:
     x = jax.random.normal(jax.random.key(2), (copy_elems,), jnp.bfloat16)
     copy = jax.jit(lambda v: v + 1)
     copy_s = median_seconds(lambda: copy(x).block_until_ready(), reps)
-    del a, b, x
     gen = torch.Generator(torch_device()).manual_seed(0)
     ta, tb = (torch.randn(n, n, device=torch_device(), dtype=torch.bfloat16, generator=gen)
               for _ in range(2))
     torch_s = median_seconds(lambda: (ta @ tb, torch_sync()), reps)
-    del ta, tb
     return {"bf16 product, JAX TFLOP/s": 2 * n**3 / jax_s / 1e12,
             "bf16 product, PyTorch TFLOP/s": 2 * n**3 / torch_s / 1e12,
             "copy, JAX GB/s (read + write)": 2 * 2 * copy_elems / copy_s / 1e9}

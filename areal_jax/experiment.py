@@ -164,6 +164,9 @@ class ExperimentConfig:
     checkpoint_every: int = 10  # trainer steps
     trainer_cpus: list[int] | None = None  # pin the trainer process to these CPUs
     trainer_devices: list[int] | None = None  # accelerator ids the trainer uses (default: all)
+    # XLA_PYTHON_CLIENT_MEM_FRACTION of the trainer process (JAX's default: 0.75 of each device);
+    # set it, and rollout.server_memory_fraction, where trainer and local servers share devices
+    trainer_memory_fraction: float | None = None
     distributed: bool = False  # multi-process trainer: join a jax.distributed process group
     process_group: ProcessGroupConfig = dataclasses.field(default_factory=ProcessGroupConfig)
     seed: int = 0
@@ -193,3 +196,29 @@ class ExperimentConfig:
                 f"trainer.max_new_tokens ({budget}) must equal sampling.max_new_tokens "
                 f"({self.sampling.max_new_tokens}) or be left unset"
             )
+        fraction = self.trainer_memory_fraction
+        if fraction is not None and not 0 < fraction <= 1:
+            raise ConfigError(f"trainer_memory_fraction: must be in (0, 1], got {fraction}")
+        self._check_shared_device_memory()
+
+    def _check_shared_device_memory(self) -> None:
+        """With both memory fractions set, no device's processes (the trainer and the local
+        servers whose device lists include it; a null list means every device) may together
+        claim more than all of its memory: the last process to start would fail to allocate."""
+        r = self.rollout
+        trainer, server = self.trainer_memory_fraction, r.server_memory_fraction
+        if trainer is None or server is None or r.addresses:
+            return
+        servers = r.server_devices or [None] * r.num_local_servers
+        named = sorted({d for ids in [self.trainer_devices, *servers] if ids for d in ids})
+        for device in named or [None]:  # None: every list is null, all share every device
+            on = lambda ids: ids is None or device in ids  # noqa: E731
+            sharing = sum(on(ids) for ids in servers)
+            total = trainer * on(self.trainer_devices) + server * sharing
+            if total > 1 + 1e-9:
+                where = "every device" if device is None else f"device {device}"
+                raise ConfigError(
+                    f"trainer_memory_fraction ({trainer:g}) + rollout.server_memory_fraction "
+                    f"({server:g}) x {sharing} local server(s) on {where} = {total:g} > 1: "
+                    "lower the fractions or give the processes separate devices "
+                    "(trainer_devices, rollout.server_devices)")

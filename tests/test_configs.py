@@ -1,5 +1,6 @@
 """Every shipped experiment config parses into the typed config (no unknown or ill-typed key)."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -43,3 +44,47 @@ def test_cli_reports_config_errors_without_traceback(capsys):
     err = capsys.readouterr().err
     assert err.startswith("areal-jax train: error: trainer.temperature (1) must equal")
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["trainer_memory_fraction=0.5", "rollout.server_memory_fraction=0.6"],
+     r"trainer_memory_fraction \(0.5\) \+ rollout.server_memory_fraction \(0.6\) x 1 local "
+     r"server\(s\) on every device = 1.1 > 1"),
+    (["trainer_memory_fraction=0.9", "rollout.server_memory_fraction=0.6", "trainer_devices=[0]",
+      "rollout.num_local_servers=2", "rollout.server_devices=[[1], [0, 1]]"],
+     r"x 1 local server\(s\) on device 0 = 1.5 > 1"),
+    (["trainer_memory_fraction=0.2", "rollout.server_memory_fraction=0.6", "trainer_devices=[0]",
+      "rollout.num_local_servers=2", "rollout.server_devices=[[1], [0, 1]]"],
+     r"x 2 local server\(s\) on device 1 = 1.2 > 1"),
+    (["trainer_memory_fraction=1.5"], r"trainer_memory_fraction: must be in \(0, 1\], got 1.5"),
+])
+def test_memory_fractions_of_processes_sharing_a_device_must_fit(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(ExperimentConfig, CONFIGS[-1], overrides)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["trainer_memory_fraction=0.4", "rollout.server_memory_fraction=0.6"],  # one device, fits
+    ["trainer_memory_fraction=0.9", "rollout.server_memory_fraction=0.9", "trainer_devices=[0]",
+     "rollout.server_devices=[[1]]"],  # separate devices
+    ["trainer_memory_fraction=0.9"],  # the servers' share is their environment's: not checked
+])
+def test_memory_fractions_that_fit_are_accepted(overrides):
+    cfg = load_config(ExperimentConfig, CONFIGS[-1], overrides)
+    assert cfg.trainer_memory_fraction == float(overrides[0].split("=")[1])
+
+
+def test_the_trainers_memory_fraction_does_not_reach_its_servers(monkeypatch):
+    from areal_jax.controller.run import _claim_devices
+
+    variable = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+    cfg = load_config(ExperimentConfig, CONFIGS[-1], ["trainer_memory_fraction=0.4"])
+    for before in (None, "0.9"):
+        if before is None:
+            monkeypatch.delenv(variable, raising=False)
+        else:
+            monkeypatch.setenv(variable, before)
+        release = _claim_devices(cfg)
+        assert os.environ[variable] == "0.4"  # what the trainer's JAX reads when it starts
+        release()
+        assert os.environ.get(variable) == before  # what the servers it launches inherit

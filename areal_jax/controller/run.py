@@ -14,6 +14,7 @@ import asyncio
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from areal_jax.compilation import enable_compilation_cache
@@ -29,12 +30,26 @@ from areal_jax.data.dataset import PromptDataset
 from areal_jax.experiment import ExperimentConfig
 
 
-def _claim_devices(cfg: ExperimentConfig) -> None:
-    """Pin CPUs and limit the accelerators this process sees, before JAX starts its backends."""
+_MEMORY_FRACTION = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+
+
+def _claim_devices(cfg: ExperimentConfig) -> Callable[[], None]:
+    """Pin CPUs and limit the accelerators and the memory share this process's JAX takes,
+    before JAX starts its backends. Returns the call that puts the memory-fraction variable
+    back once JAX has read it, so the local servers this process starts get their own
+    (``rollout.server_memory_fraction``, else the launching environment's), not the trainer's."""
     if cfg.trainer_cpus:
         os.sched_setaffinity(0, cfg.trainer_cpus)
-    if cfg.trainer_devices is not None:
-        os.environ.update(device_env(cfg.trainer_devices, None))
+    before = os.environ.get(_MEMORY_FRACTION)
+    os.environ.update(device_env(cfg.trainer_devices, cfg.trainer_memory_fraction))
+
+    def release() -> None:
+        if before is None:
+            os.environ.pop(_MEMORY_FRACTION, None)
+        else:
+            os.environ[_MEMORY_FRACTION] = before
+
+    return release
 
 
 def train(cfg: ExperimentConfig) -> dict:
@@ -46,12 +61,13 @@ def train(cfg: ExperimentConfig) -> dict:
     from areal_jax.parallel.multihost import initialize_distributed, is_leader
     from areal_jax.parallel.trainer_group import TrainerGroup
 
-    _claim_devices(cfg)
+    release_memory_fraction = _claim_devices(cfg)
     enable_compilation_cache(cfg.compilation_cache_dir)
     if cfg.distributed:
         pg = cfg.process_group  # unset fields: from the cluster's environment
         initialize_distributed(pg.coordinator_address, pg.num_processes, pg.process_id)
-    leader = is_leader()
+    leader = is_leader()  # JAX's backends start here and read the claim
+    release_memory_fraction()
     run_dir = Path(cfg.run_dir)
     if leader:
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -7,10 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from flax import nnx
 from jax.extend.core import jaxprs_in_params
 from transformers import AutoModelForCausalLM
 
-from areal_jax.models import KVCache, attention, export_hf, load_hf_model
+from areal_jax.models import (KVCache, ModelConfig, attention, export_hf, init_model,
+                              load_hf_model)
 from areal_jax.models.attention import cached_attention, packed_attention
 from areal_jax.models.dense import dense
 
@@ -76,23 +78,60 @@ def _dot_operand_dtypes(jaxpr) -> list[tuple[str, ...]]:
     return found
 
 
-def test_dense_gradient_products_take_the_operands_dtype():
-    # bf16 operands with an fp32 result (the log-prob head): the incoming gradient is fp32, and
-    # without a cast the backward products would be fp32 (TF32 on a GPU, at a fraction of the
-    # bf16 rate). Both must take bf16 operands and equal the products of the rounded gradient.
+@pytest.mark.parametrize("out_dtype", [None, jnp.float32])
+@pytest.mark.parametrize("n_in", [1, 2])
+def test_dense_gradient_products_take_the_operands_dtype(out_dtype, n_in):
+    # bf16 operands: the gradient of the fp32 accumulation (or of an fp32 result, as the
+    # log-prob head's) is fp32, and without a cast the backward products would be fp32 (TF32
+    # on a GPU, at a fraction of the bf16 rate). Both must take bf16 operands and equal the
+    # products of the gradient rounded to bf16.
     kx, kw, kg = jax.random.split(jax.random.PRNGKey(1), 3)
-    x = jax.random.normal(kx, (2, 5, 6)).astype(jnp.bfloat16)
-    w = jax.random.normal(kw, (6, 7)).astype(jnp.bfloat16)
+    x = jax.random.normal(kx, (2, 5, 3, 4) if n_in == 2 else (2, 5, 12)).astype(jnp.bfloat16)
+    w = jax.random.normal(kw, (3, 4, 7) if n_in == 2 else (12, 7)).astype(jnp.bfloat16)
     g = jax.random.normal(kg, (2, 5, 7))  # fp32, not representable in bf16
-    grad = jax.grad(lambda x, w: jnp.sum(dense(x, w, out_dtype=jnp.float32) * g), argnums=(0, 1))
+    if out_dtype is None:  # the gradient reaching the product is fp32 all the same
+        loss = lambda x, w: jnp.sum(dense(x, w, n_in=n_in).astype(jnp.float32) * g)  # noqa: E731
+    else:
+        loss = lambda x, w: jnp.sum(dense(x, w, n_in=n_in, out_dtype=out_dtype) * g)  # noqa: E731
+    grad = jax.grad(loss, argnums=(0, 1))
     dots = _dot_operand_dtypes(jax.make_jaxpr(grad)(x, w).jaxpr)
     assert len(dots) == 3 and all(d == ("bfloat16", "bfloat16") for d in dots), dots
     dx, dw = grad(x, w)
     assert (dx.dtype, dw.dtype) == (jnp.bfloat16, jnp.bfloat16)
-    gb = np.asarray(g.astype(jnp.bfloat16), np.float64).reshape(10, 7)
-    xf, wf = np.asarray(x, np.float64).reshape(10, 6), np.asarray(w, np.float64)
-    np.testing.assert_allclose(np.asarray(dx, np.float64).reshape(10, 6), gb @ wf.T, rtol=1e-2)
-    np.testing.assert_allclose(np.asarray(dw, np.float64), xf.T @ gb, rtol=1e-2)
+    as64 = lambda a: np.asarray(a, np.float64).reshape(10, -1)  # noqa: E731
+    rounded, exact = as64(g.astype(jnp.bfloat16)), as64(g)
+    xf, wf = as64(x), np.asarray(w, np.float64).reshape(12, 7)
+
+    def bf16(a):  # the fp32 accumulation's result rounded to bf16
+        return np.asarray(jnp.asarray(a, jnp.float32).astype(jnp.bfloat16), np.float64)
+
+    np.testing.assert_array_equal(as64(dx), bf16(rounded @ wf.T))
+    np.testing.assert_array_equal(np.asarray(dw, np.float64).reshape(12, 7), bf16(xf.T @ rounded))
+    assert not np.array_equal(as64(dx), bf16(exact @ wf.T))  # the rounding is visible
+
+
+def test_remat_dots_keeps_the_projections_and_full_recomputes_them():
+    # The projections' products sit inside ``dense``'s custom gradient, out of sight of a
+    # policy that saves matrix products; ``remat: dots`` saves them by name instead, so its
+    # backward recomputes none of them, where ``full`` recomputes every one.
+    cfg = ModelConfig.from_hf_dict({
+        "model_type": "qwen2", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2})
+    tokens, positions = jnp.ones((1, 16), jnp.int32), jnp.arange(16)[None]
+    counts = {}
+    for remat in ("none", "dots", "full"):
+        model = init_model(cfg, dtype=jnp.bfloat16, remat=remat, scan_layers=False)
+        graphdef, params = nnx.split(model)
+
+        def loss(p, graphdef=graphdef):
+            hidden, _ = nnx.merge(graphdef, p)(tokens, jnp.ones_like(tokens), positions)
+            return hidden.astype(jnp.float32).sum()
+
+        lowered = jax.jit(jax.grad(loss)).lower(params).as_text()  # remat expanded
+        counts[remat] = lowered.count("stablehlo.dot_general")
+    projections = 7 * cfg.num_layers  # q, k, v, o, gate, up, down
+    assert counts["full"] - counts["none"] >= projections, counts
+    assert counts["dots"] - counts["none"] < projections, counts
 
 
 def test_packed_row_equals_each_sequence_alone(tmp_path):

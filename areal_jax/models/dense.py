@@ -7,6 +7,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 
 def dense(x: jax.Array, w: jax.Array, n_in: int = 1, out_dtype=None) -> jax.Array:
@@ -22,17 +23,22 @@ def dense(x: jax.Array, w: jax.Array, n_in: int = 1, out_dtype=None) -> jax.Arra
     fp32 result.
 
     The gradient's two products take their operands in the forward operands' type too: the
-    incoming gradient is cast to it first (for bf16 operands with an fp32 ``out_dtype``, as
-    the log-prob head has, the fp32 gradient would otherwise make both products fp32, which a
-    GPU runs as TF32 products at a fraction of the bf16 rate; measured on an H200, 40 of 179 ms
-    of a Qwen2.5-0.5B-shaped train step, ``benchmarks/results/gpu.md``). This is what PyTorch's
+    incoming gradient is cast to it first. Without the cast, the gradient of the fp32
+    accumulation is fp32 for every bf16 projection (and the log-prob head's fp32 logits give
+    it one anyway), so both backward products would be fp32, which a GPU runs as TF32 products
+    at a fraction of the bf16 rate (measured on an H200: 40 of 179 ms of a
+    Qwen2.5-0.5B-shaped train step, ``benchmarks/results/gpu.md``). This is what PyTorch's
     autocast does. fp32 operands are unaffected.
+
+    The result is named ``"dense"`` (``jax.ad_checkpoint.checkpoint_name``), so a remat policy
+    can save it: the product inside the custom gradient is hidden from policies that look
+    for matrix products.
     """
     lead, din, dout = x.shape[: x.ndim - n_in], w.shape[:n_in], w.shape[n_in:]
     out_dtype = jnp.dtype(out_dtype or jnp.result_type(x, w))
     y = _product(x.reshape(-1, math.prod(din)), w.reshape(math.prod(din), math.prod(dout)),
                  out_dtype)
-    return y.reshape(*lead, *dout)
+    return checkpoint_name(y, "dense").reshape(*lead, *dout)
 
 
 _ROWS = (((1,), (0,)), ((), ()))  # [n, k] x [k, m]

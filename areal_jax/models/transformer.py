@@ -182,10 +182,11 @@ class Transformer(nnx.Module):
 
         if self.remat == "full":
             layer = jax.checkpoint(layer)
-        elif self.remat == "dots":
-            layer = jax.checkpoint(
-                layer, policy=jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims
-            )
+        elif self.remat == "dots":  # the projections' outputs (``dense``) and other plain dots
+            policies = jax.checkpoint_policies
+            layer = jax.checkpoint(layer, policy=policies.save_from_both_policies(
+                policies.checkpoint_dots_with_no_batch_dims,
+                policies.save_only_these_names("dense")))
 
         weights = self.layers.weights()
         if cache is None:

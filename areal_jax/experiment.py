@@ -6,7 +6,9 @@ built-in arithmetic task's train/test files there, and dataset paths may use ``{
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import os
 from typing import Any, Literal
 
 from areal_jax.config import ConfigError
@@ -109,6 +111,17 @@ class RolloutConfig:
                                   f"{self.num_local_servers} local servers (one each)")
 
 
+def _environment_memory_fraction() -> float:
+    """The share of each device a JAX process started from this environment takes."""
+    try:
+        return float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", JAX_MEMORY_FRACTION))
+    except ValueError:
+        return JAX_MEMORY_FRACTION
+
+
+JAX_MEMORY_FRACTION = 0.75  # JAX's default XLA_PYTHON_CLIENT_MEM_FRACTION
+
+
 @dataclasses.dataclass
 class SFTConfig:
     """Supervised warm start before RL, on ``response_key`` of the training prompts' metadata."""
@@ -202,23 +215,34 @@ class ExperimentConfig:
         self._check_shared_device_memory()
 
     def _check_shared_device_memory(self) -> None:
-        """With both memory fractions set, no device's processes (the trainer and the local
-        servers whose device lists include it; a null list means every device) may together
-        claim more than all of its memory: the last process to start would fail to allocate."""
+        """Where a memory fraction is set, no device's JAX processes (the trainer and the local
+        JAX-engine servers whose device lists include it; a null list means every device) may
+        together claim more than all of its memory: the last to start would fail to allocate.
+        An unset fraction counts as the environment's ``XLA_PYTHON_CLIENT_MEM_FRACTION``, else
+        JAX's default 0.75. SGLang servers size their memory themselves and are not counted."""
         r = self.rollout
         trainer, server = self.trainer_memory_fraction, r.server_memory_fraction
-        if trainer is None or server is None or r.addresses:
+        if r.addresses or (trainer is None and server is None):
             return
-        servers = r.server_devices or [None] * r.num_local_servers
-        named = sorted({d for ids in [self.trainer_devices, *servers] if ids for d in ids})
+        inherited = _environment_memory_fraction()
+        # (setting, fraction, device ids or None for every device) of each JAX process
+        processes = [("trainer_memory_fraction", trainer, self.trainer_devices)]
+        if r.server.get("engine", {}).get("kind", "jax") == "jax":
+            processes += [("rollout.server_memory_fraction", server, ids)
+                          for ids in r.server_devices or [None] * r.num_local_servers]
+        named = sorted({d for _, _, ids in processes for d in ids or []})
         for device in named or [None]:  # None: every list is null, all share every device
-            on = lambda ids: ids is None or device in ids  # noqa: E731
-            sharing = sum(on(ids) for ids in servers)
-            total = trainer * on(self.trainer_devices) + server * sharing
+            counts = collections.Counter(
+                (name, fraction) for name, fraction, ids in processes
+                if ids is None or device in ids)
+            shares = {(name, fraction): inherited if fraction is None else fraction
+                      for name, fraction in counts}
+            total = sum(shares[key] * n for key, n in counts.items())
             if total > 1 + 1e-9:
+                parts = [f"{name} ({'unset: ' if fraction is None else ''}"
+                         f"{shares[name, fraction]:g})" + (f" x {n}" if n > 1 else "")
+                         for (name, fraction), n in counts.items()]
                 where = "every device" if device is None else f"device {device}"
                 raise ConfigError(
-                    f"trainer_memory_fraction ({trainer:g}) + rollout.server_memory_fraction "
-                    f"({server:g}) x {sharing} local server(s) on {where} = {total:g} > 1: "
-                    "lower the fractions or give the processes separate devices "
-                    "(trainer_devices, rollout.server_devices)")
+                    f"{' + '.join(parts)} on {where} = {total:g} > 1: lower the fractions or "
+                    "give the processes separate devices (trainer_devices, rollout.server_devices)")

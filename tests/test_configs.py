@@ -48,37 +48,49 @@ def test_cli_reports_config_errors_without_traceback(capsys):
 
 @pytest.mark.parametrize("overrides,message", [
     (["trainer_memory_fraction=0.5", "rollout.server_memory_fraction=0.6"],
-     r"trainer_memory_fraction \(0.5\) \+ rollout.server_memory_fraction \(0.6\) x 1 local "
-     r"server\(s\) on every device = 1.1 > 1"),
+     r"trainer_memory_fraction \(0.5\) \+ rollout.server_memory_fraction \(0.6\) on every "
+     r"device = 1.1 > 1"),
     (["trainer_memory_fraction=0.9", "rollout.server_memory_fraction=0.6", "trainer_devices=[0]",
       "rollout.num_local_servers=2", "rollout.server_devices=[[1], [0, 1]]"],
-     r"x 1 local server\(s\) on device 0 = 1.5 > 1"),
+     r"^trainer_memory_fraction \(0.9\) \+ rollout.server_memory_fraction \(0.6\) on device 0 "
+     r"= 1.5 > 1"),
     (["trainer_memory_fraction=0.2", "rollout.server_memory_fraction=0.6", "trainer_devices=[0]",
       "rollout.num_local_servers=2", "rollout.server_devices=[[1], [0, 1]]"],
-     r"x 2 local server\(s\) on device 1 = 1.2 > 1"),
+     r"^rollout.server_memory_fraction \(0.6\) x 2 on device 1 = 1.2 > 1"),  # trainer not on 1
+    (["trainer_memory_fraction=0.9"],  # the server takes its environment's share: JAX's 0.75
+     r"trainer_memory_fraction \(0.9\) \+ rollout.server_memory_fraction \(unset: 0.75\) on "
+     r"every device = 1.65 > 1"),
     (["trainer_memory_fraction=1.5"], r"trainer_memory_fraction: must be in \(0, 1\], got 1.5"),
 ])
-def test_memory_fractions_of_processes_sharing_a_device_must_fit(overrides, message):
+def test_memory_fractions_of_processes_sharing_a_device_must_fit(overrides, message, monkeypatch):
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
     with pytest.raises(ConfigError, match=message):
         load_config(ExperimentConfig, CONFIGS[-1], overrides)
 
 
-@pytest.mark.parametrize("overrides", [
-    ["trainer_memory_fraction=0.4", "rollout.server_memory_fraction=0.6"],  # one device, fits
-    ["trainer_memory_fraction=0.9", "rollout.server_memory_fraction=0.9", "trainer_devices=[0]",
-     "rollout.server_devices=[[1]]"],  # separate devices
-    ["trainer_memory_fraction=0.9"],  # the servers' share is their environment's: not checked
+@pytest.mark.parametrize("config,overrides,environment", [
+    ("quickstart", ["trainer_memory_fraction=0.4", "rollout.server_memory_fraction=0.6"], None),
+    ("quickstart", ["trainer_memory_fraction=0.9", "rollout.server_memory_fraction=0.9",
+                    "trainer_devices=[0]", "rollout.server_devices=[[1]]"], None),  # apart
+    ("quickstart", ["trainer_memory_fraction=0.9"], "0.1"),  # the servers' environment: 0.1
+    ("quickstart", [], None),  # nothing set: nothing checked (a CPU run)
+    ("gsm8k_qwen2.5_0.5B_sglang", ["trainer_memory_fraction=0.9"], None),  # SGLang sizes itself
 ])
-def test_memory_fractions_that_fit_are_accepted(overrides):
-    cfg = load_config(ExperimentConfig, CONFIGS[-1], overrides)
-    assert cfg.trainer_memory_fraction == float(overrides[0].split("=")[1])
+def test_memory_fractions_that_fit_are_accepted(config, overrides, environment, monkeypatch):
+    if environment is None:
+        monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    else:
+        monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", environment)
+    path = next(p for p in CONFIGS if p.stem == config)
+    assert load_config(ExperimentConfig, path, overrides).rollout.num_local_servers == 1
 
 
 def test_the_trainers_memory_fraction_does_not_reach_its_servers(monkeypatch):
     from areal_jax.controller.run import _claim_devices
 
     variable = "XLA_PYTHON_CLIENT_MEM_FRACTION"
-    cfg = load_config(ExperimentConfig, CONFIGS[-1], ["trainer_memory_fraction=0.4"])
+    cfg = load_config(ExperimentConfig, CONFIGS[-1],
+                      ["trainer_memory_fraction=0.4", "rollout.server_memory_fraction=0.5"])
     for before in (None, "0.9"):
         if before is None:
             monkeypatch.delenv(variable, raising=False)

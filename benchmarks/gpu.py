@@ -27,7 +27,7 @@ the rest. Each part writes its rows to ``--out`` as soon as it ends, so a run cu
 what it measured; a part that fails is reported with its error and the run goes on.
 
 Usage: PYTHONPATH=. python benchmarks/gpu.py [--models 0.5B 1.5B --batch 64 --prompt-len 128
-       --new-tokens 256 --reps 3 --seq 1024 --steps 5 --profile --out results/gpu.md]
+       --new-tokens 256 --reps 3 --seq 1024 --steps 5 --profile --out results/gpu_run.md]
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ MODELS = {
 }  # fmt: skip
 TRAIN_ROWS = {"0.5B": 8, "1.5B": 4, "tiny": 4}  # default sequences per train step, per model:
 # 8 x 1024 tokens of the 1.5B model did not fit beside the PyTorch side on a 141 GB H200
-RESULTS = Path(__file__).parent / "results" / "gpu.md"
+RESULTS = Path(__file__).parent / "results" / "gpu_run.md"  # results/gpu.md gathers several runs
 
 
 def torch_device() -> str:
@@ -216,7 +216,8 @@ async def decode_rows(path: str, args) -> tuple[list[dict], dict, dict | None]:
 def train_rows(path: str, cfg: ModelConfig, args,
                peak_tflops: float) -> tuple[list[dict], float, dict | None]:
     """Ours against PyTorch, alternating steps: seconds, tokens/s and MFU per side; the
-    seconds of our first step (compilation included); and (``--profile``) where our step's
+    seconds from building our trainer to the end of its first step (weight load and
+    compilation included); and (``--profile``) where our step's
     device time went."""
     sequences = args.rows or TRAIN_ROWS[args.current]
     groups = make_batch(sequences, args.seq, cfg.vocab_size)
@@ -397,14 +398,15 @@ def main() -> None:
                     path, cfg, args, peak_tflops(peaks)))
                 if out:
                     rows, first, profile = out
-                    part["train"] = {"rows": rows, "first step s": first, "profile": profile}
+                    part["train"] = {"rows": rows, "build and first step s": first, "profile": profile}
                     sections.append(
                         f"Train step, bf16 compute, fp32 weights and AdamW state: "
                         f"{args.rows or TRAIN_ROWS[name]} x {args.seq} tokens, standard PPO, "
                         f"median of {args.steps} alternating steps; MFU against the faster "
                         f"measured bf16 product ({peak_tflops(peaks):.0f} TFLOP/s):"
                         f"\n\n{table(rows)}"
-                        f"\n\nOur first step, compilation included: {first:.1f} s.")
+                        f"\n\nOur trainer's construction, weight load and first step "
+                        f"(compilation included): {first:.1f} s.")
                     if profile:
                         sections.append(profile_section("Profile of our train step", profile))
             write(args, header, sections, record)

@@ -41,7 +41,8 @@ def kinds_by_thread(trace_dir: str) -> dict[str, collections.Counter]:
     threads: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     for e in events:
         if e.get("ph") == "X" and not _NOT_OPS.search(e["name"]):
-            where = f"{names.get((e['pid'], None), e['pid'])} / {names.get((e['pid'], e.get('tid')), e.get('tid'))}"
+            process = names.get((e["pid"], None), e["pid"])
+            where = f"{process} / {names.get((e['pid'], e.get('tid')), e.get('tid'))}"
             threads[where][re.sub(r"[.\d]+$", "", e["name"])] += e["dur"]
     return dict(threads)
 

@@ -12,6 +12,8 @@ import os
 from typing import Any, Literal
 
 from areal_jax.config import ConfigError
+from areal_jax.controller.local_servers import (JAX_DEFAULT_MEMORY_FRACTION,
+                                               MEMORY_FRACTION_VARIABLE)
 from areal_jax.data.config import DatasetConfig
 from areal_jax.data.synthetic import SyntheticConfig
 from areal_jax.models.tiny import TinyModelSpec
@@ -114,12 +116,9 @@ class RolloutConfig:
 def _environment_memory_fraction() -> float:
     """The share of each device a JAX process started from this environment takes."""
     try:
-        return float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", JAX_MEMORY_FRACTION))
+        return float(os.environ.get(MEMORY_FRACTION_VARIABLE, JAX_DEFAULT_MEMORY_FRACTION))
     except ValueError:
-        return JAX_MEMORY_FRACTION
-
-
-JAX_MEMORY_FRACTION = 0.75  # JAX's default XLA_PYTHON_CLIENT_MEM_FRACTION
+        return JAX_DEFAULT_MEMORY_FRACTION
 
 
 @dataclasses.dataclass

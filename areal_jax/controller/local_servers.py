@@ -37,6 +37,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+MEMORY_FRACTION_VARIABLE = "XLA_PYTHON_CLIENT_MEM_FRACTION"  # a JAX process's share of a device
+JAX_DEFAULT_MEMORY_FRACTION = 0.75  # JAX's share where the variable is unset
+
+
 def device_env(devices: list[int] | None, memory_fraction: float | None) -> dict[str, str]:
     """Environment that gives a JAX process only ``devices`` (GPUs or TPU chips) and at most
     ``memory_fraction`` of each device's memory."""
@@ -46,7 +50,7 @@ def device_env(devices: list[int] | None, memory_fraction: float | None) -> dict
         env["CUDA_VISIBLE_DEVICES"] = ids
         env["TPU_VISIBLE_CHIPS"] = ids
     if memory_fraction is not None:
-        env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{memory_fraction:g}"
+        env[MEMORY_FRACTION_VARIABLE] = f"{memory_fraction:g}"
     return env
 
 

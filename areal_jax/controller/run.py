@@ -19,7 +19,7 @@ from pathlib import Path
 
 from areal_jax.compilation import enable_compilation_cache
 from areal_jax.config import to_dict
-from areal_jax.controller.local_servers import device_env
+from areal_jax.controller.local_servers import MEMORY_FRACTION_VARIABLE, device_env
 from areal_jax.controller.prepare import check_fingerprint, prepare_base_model, prepare_data
 from areal_jax.controller.prepare import base_model_path, dataset_config
 from areal_jax.controller.progress import TrainingProgress
@@ -30,9 +30,6 @@ from areal_jax.data.dataset import PromptDataset
 from areal_jax.experiment import ExperimentConfig
 
 
-_MEMORY_FRACTION = "XLA_PYTHON_CLIENT_MEM_FRACTION"
-
-
 def _claim_devices(cfg: ExperimentConfig) -> Callable[[], None]:
     """Pin CPUs and limit the accelerators and the memory share this process's JAX takes,
     before JAX starts its backends. Returns the call that puts the memory-fraction variable
@@ -40,14 +37,14 @@ def _claim_devices(cfg: ExperimentConfig) -> Callable[[], None]:
     (``rollout.server_memory_fraction``, else the launching environment's), not the trainer's."""
     if cfg.trainer_cpus:
         os.sched_setaffinity(0, cfg.trainer_cpus)
-    before = os.environ.get(_MEMORY_FRACTION)
+    before = os.environ.get(MEMORY_FRACTION_VARIABLE)
     os.environ.update(device_env(cfg.trainer_devices, cfg.trainer_memory_fraction))
 
     def release() -> None:
         if before is None:
-            os.environ.pop(_MEMORY_FRACTION, None)
+            os.environ.pop(MEMORY_FRACTION_VARIABLE, None)
         else:
-            os.environ[_MEMORY_FRACTION] = before
+            os.environ[MEMORY_FRACTION_VARIABLE] = before
 
     return release
 

@@ -123,9 +123,10 @@ def decode(
     """Run ``steps`` decode steps for every active slot; finished slots stop writing.
 
     layers: ``split_layers(params)``; cache: as for ``prefill``. Only the slots ``rows`` [N]
-    (distinct, every active slot among them) are computed, so a call costs what N rows cost,
-    not all B: their cache rows, state and stop masks are gathered once per call and written
-    back at its end. Attention reads only the first ``window`` cache entries, so every
+    (ascending, distinct, every active slot among them) are computed, so a call costs what N
+    rows cost, not all B: their cache rows, state and stop masks are gathered once per call and
+    written back at its end (with N = B, the cache's window is sliced and written back in
+    place instead: a gather of the window cost a quarter of a long-window call on a CPU). Attention reads only the first ``window`` cache entries, so every
     position this call writes must be below it: ``window >= max(active positions) + steps``
     (or = S). Returns (cache, slots after the last step, tokens [steps, B] int32, logprobs
     [steps, B] float32, status [steps, B] int8; rows not computed are ``IDLE``). Steps after
@@ -133,7 +134,9 @@ def decode(
     """
     model = nnx.merge(graphdef, params)
     full, every = cache, slots
-    cache = [KVCache(c.k[rows, ..., :window], c.v[rows, :, :window]) for c in full]
+    every_row = rows.shape[0] == full[0].k.shape[0]  # then rows = 0..B-1 (ascending)
+    picked = slice(None) if every_row else rows
+    cache = [KVCache(c.k[picked, ..., :window], c.v[picked, :, :window]) for c in full]
     slots = jax.tree.map(lambda a: a[rows], every)
     stop_mask = stop_mask[rows]
 
@@ -162,7 +165,7 @@ def decode(
 
     (cache, slots), outputs = jax.lax.scan(body, (cache, slots), length=steps)
     cache = [
-        KVCache(f.k.at[rows, ..., :window].set(c.k), f.v.at[rows, :, :window].set(c.v))
+        KVCache(f.k.at[picked, ..., :window].set(c.k), f.v.at[picked, :, :window].set(c.v))
         for f, c in zip(full, cache)
     ]
     slots = jax.tree.map(lambda a, part: a.at[rows].set(part), every, slots)

@@ -54,6 +54,7 @@ from flax import nnx  # noqa: E402
 
 from areal_jax.models import ModelConfig, export_hf, init_model, load_hf_model  # noqa: E402
 from benchmarks.engine import SAMPLING, engine_for, hf_batch, jax_batch, table  # noqa: E402
+from benchmarks.matmul_floor import seconds  # noqa: E402
 from benchmarks.paper.common import machine  # noqa: E402
 from benchmarks.profile_train_step import kinds_by_thread  # noqa: E402
 from benchmarks.train_step import make_batch, ours_step, step_flops, torch_step  # noqa: E402
@@ -88,18 +89,6 @@ def torch_sync() -> None:
         torch.cuda.synchronize()
 
 
-def median_seconds(fn, reps: int) -> float:
-    """Median wall seconds of ``fn`` (which must wait for its own device work) after one
-    warm-up call."""
-    fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 # 1. Ceilings --------------------------------------------------------------------------------
 
 
@@ -110,14 +99,14 @@ def ceilings(n: int, copy_elems: int, reps: int = 10) -> dict:
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
     b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
     product = jax.jit(jnp.matmul)
-    jax_s = median_seconds(lambda: product(a, b).block_until_ready(), reps)
+    jax_s = seconds(lambda: product(a, b).block_until_ready(), reps)
     x = jax.random.normal(jax.random.key(2), (copy_elems,), jnp.bfloat16)
     copy = jax.jit(lambda v: v + 1)
-    copy_s = median_seconds(lambda: copy(x).block_until_ready(), reps)
+    copy_s = seconds(lambda: copy(x).block_until_ready(), reps)
     gen = torch.Generator(torch_device()).manual_seed(0)
     ta, tb = (torch.randn(n, n, device=torch_device(), dtype=torch.bfloat16, generator=gen)
               for _ in range(2))
-    torch_s = median_seconds(lambda: (ta @ tb, torch_sync()), reps)
+    torch_s = seconds(lambda: (ta @ tb, torch_sync()), reps)
     return {"bf16 product, JAX TFLOP/s": 2 * n**3 / jax_s / 1e12,
             "bf16 product, PyTorch TFLOP/s": 2 * n**3 / torch_s / 1e12,
             "copy, JAX GB/s (read + write)": 2 * 2 * copy_elems / copy_s / 1e9}
@@ -398,7 +387,8 @@ def main() -> None:
                     path, cfg, args, peak_tflops(peaks)))
                 if out:
                     rows, first, profile = out
-                    part["train"] = {"rows": rows, "build and first step s": first, "profile": profile}
+                    part["train"] = {"rows": rows, "build and first step s": first,
+                                     "profile": profile}
                     sections.append(
                         f"Train step, bf16 compute, fp32 weights and AdamW state: "
                         f"{args.rows or TRAIN_ROWS[name]} x {args.seq} tokens, standard PPO, "

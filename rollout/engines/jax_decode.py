@@ -125,20 +125,20 @@ def decode(
     layers: ``split_layers(params)``; cache: as for ``prefill``. Only the slots ``rows`` [N]
     (ascending, distinct, every active slot among them) are computed, so a call costs what N
     rows cost, not all B: their cache rows, state and stop masks are gathered once per call and
-    written back at its end (with N = B, the cache's window is sliced and written back in
-    place instead: a gather of the window cost a quarter of a long-window call on a CPU). Attention reads only the first ``window`` cache entries, so every
-    position this call writes must be below it: ``window >= max(active positions) + steps``
-    (or = S). Returns (cache, slots after the last step, tokens [steps, B] int32, logprobs
-    [steps, B] float32, status [steps, B] int8; rows not computed are ``IDLE``). Steps after
-    every slot finished are skipped.
+    written back at its end (with N = B they are sliced and written back in place instead: a
+    gather of the cache window cost a quarter of a long-window call on a CPU). Attention reads
+    only the first ``window`` cache entries, so every position this call writes must be below
+    it: ``window >= max(active positions) + steps`` (or = S). Returns (cache, slots after the
+    last step, tokens [steps, B] int32, logprobs [steps, B] float32, status [steps, B] int8;
+    rows not computed are ``IDLE``). Steps after every slot finished are skipped.
     """
     model = nnx.merge(graphdef, params)
     full, every = cache, slots
-    every_row = rows.shape[0] == full[0].k.shape[0]  # then rows = 0..B-1 (ascending)
-    picked = slice(None) if every_row else rows
+    # N = B: rows are 0..B-1 (ascending), so a slice picks them without a gather
+    picked = slice(None) if rows.shape[0] == full[0].k.shape[0] else rows
     cache = [KVCache(c.k[picked, ..., :window], c.v[picked, :, :window]) for c in full]
-    slots = jax.tree.map(lambda a: a[rows], every)
-    stop_mask = stop_mask[rows]
+    slots = jax.tree.map(lambda a: a[picked], every)
+    stop_mask = stop_mask[picked]
 
     def step(cache, s: SlotArrays):
         hidden, cache = model.decode_step(layers, s.tokens, s.positions, s.active, cache)
@@ -168,8 +168,8 @@ def decode(
         KVCache(f.k.at[picked, ..., :window].set(c.k), f.v.at[picked, :, :window].set(c.v))
         for f, c in zip(full, cache)
     ]
-    slots = jax.tree.map(lambda a, part: a.at[rows].set(part), every, slots)
+    slots = jax.tree.map(lambda a, part: a.at[picked].set(part), every, slots)
     tokens, logprobs, status = (
-        jnp.zeros((steps, every.tokens.shape[0]), o.dtype).at[:, rows].set(o) for o in outputs
+        jnp.zeros((steps, every.tokens.shape[0]), o.dtype).at[:, picked].set(o) for o in outputs
     )
     return cache, slots, tokens, logprobs, status

@@ -1,7 +1,15 @@
-"""Child processes that die with the process that started them (Linux ``PR_SET_PDEATHSIG``)."""
+"""Child processes that die with the process that started them (Linux ``PR_SET_PDEATHSIG``).
+
+A multithreaded parent (anything that has started JAX, gRPC or an event loop) must not run
+Python between ``fork`` and ``exec``: a lock another thread held at the fork stays locked in
+the child. ``tied_argv`` therefore starts a command through this module's own launcher
+(``python -m areal_jax.processes``), which arms the parent-death signal and pins CPUs after its
+exec, in a fresh single-threaded interpreter, and then execs the command itself.
+"""
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import functools
 import os
@@ -9,6 +17,7 @@ import signal
 import sys
 
 _PR_SET_PDEATHSIG = 1
+_EXEC_FAILED = 127  # the shell's code for a command that could not be run
 
 
 @functools.cache
@@ -26,3 +35,44 @@ def die_with_parent(parent: int, sig: int = signal.SIGKILL) -> None:
         return
     if libc().prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0) != 0 or os.getppid() != parent:
         os._exit(1)
+
+
+def tied_argv(argv: list[str], sig: int = signal.SIGTERM,
+              cpus: list[int] | None = None) -> list[str]:
+    """``argv`` started through the launcher: the command receives ``sig`` when the thread that
+    calls ``subprocess.Popen`` with the result ends (the process too, even SIGKILLed), and runs
+    on ``cpus`` only (None: wherever this process may). Pass it to ``Popen`` without a
+    ``preexec_fn``. Elsewhere than Linux, ``argv`` itself."""
+    if sys.platform != "linux":
+        return list(argv)
+    head = [sys.executable, "-m", "areal_jax.processes", "--parent", str(os.getpid()),
+            "--signal", str(int(sig))]
+    if cpus:
+        head += ["--cpus", ",".join(str(c) for c in cpus)]
+    return [*head, "--", *argv]
+
+
+def main(args: list[str] | None = None) -> int:
+    """The launcher: arm the parent-death signal, pin CPUs, then exec the command (this process
+    becomes it, with the same pid and environment); 127 if it cannot be run."""
+    parser = argparse.ArgumentParser(prog="python -m areal_jax.processes")
+    parser.add_argument("--parent", type=int, required=True, help="pid that must be our parent")
+    parser.add_argument("--signal", type=int, default=int(signal.SIGTERM))
+    parser.add_argument("--cpus", type=lambda s: [int(c) for c in s.split(",")], default=None)
+    parser.add_argument("command", nargs=argparse.REMAINDER)
+    ns = parser.parse_args(args)
+    command = ns.command[1:] if ns.command[:1] == ["--"] else ns.command
+    if not command:
+        parser.error("no command to run after --")
+    die_with_parent(ns.parent, ns.signal)
+    if ns.cpus:
+        os.sched_setaffinity(0, ns.cpus)
+    try:
+        os.execvp(command[0], command)
+    except OSError as e:
+        print(f"cannot run {command[0]!r}: {e}", file=sys.stderr, flush=True)
+    return _EXEC_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

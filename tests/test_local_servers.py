@@ -1,5 +1,6 @@
 """Local rollout servers launched by the trainer: each gets its own accelerators and memory
-share, and none outlives a trainer that is SIGKILLed."""
+share, and none outlives a trainer that is SIGKILLed; the launcher that ties a command to its
+parent without running Python between fork and exec."""
 
 import json
 import os
@@ -59,3 +60,62 @@ def test_local_servers_get_their_devices_and_die_with_a_killed_trainer(tmp_path)
         for pid in locals().get("pids", []):
             if not _gone(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+TIED_PARENT = r"""
+import json, signal, subprocess, sys, threading, time
+from areal_jax.processes import tied_argv
+threading.Thread(target=time.sleep, args=(120,), daemon=True).start()  # a multithreaded parent
+child = subprocess.Popen(tied_argv([sys.executable, "-c", sys.argv[1]], signal.SIGTERM, [0]),
+                         stdout=subprocess.PIPE, text=True)
+print(json.dumps({"popen_pid": child.pid, "report": json.loads(child.stdout.readline())}),
+      flush=True)
+time.sleep(120)
+"""
+TIED_CHILD = r"""
+import ctypes, json, os, time
+sig = ctypes.c_int()
+ctypes.CDLL(None).prctl(2, ctypes.byref(sig), 0, 0, 0)  # PR_GET_PDEATHSIG
+print(json.dumps({"pid": os.getpid(), "ppid": os.getppid(), "signal": sig.value,
+                  "cpus": sorted(os.sched_getaffinity(0))}), flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_tied_command_runs_pinned_in_the_launched_pid_and_dies_with_its_killed_parent():
+    parent = subprocess.Popen([sys.executable, "-c", TIED_PARENT, TIED_CHILD],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        line = json.loads(parent.stdout.readline())
+        child = line["report"]
+        assert child["pid"] == line["popen_pid"]  # the launcher exec'd the command itself
+        assert child["ppid"] == parent.pid
+        assert child["signal"] == signal.SIGTERM
+        assert child["cpus"] == [0]
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(10)
+        deadline = time.monotonic() + 20
+        while not _gone(child["pid"]):
+            assert time.monotonic() < deadline, "a tied command outlived its SIGKILLed parent"
+            time.sleep(0.1)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+        child_pid = locals().get("child", {}).get("pid")
+        if child_pid and not _gone(child_pid):
+            os.kill(child_pid, signal.SIGKILL)
+
+
+def test_the_launcher_refuses_a_gone_parent_and_names_a_command_it_cannot_run():
+    from areal_jax.processes import tied_argv
+
+    argv = tied_argv(["/nonexistent/areal-command", "--flag"])
+    missing = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 127
+    assert "/nonexistent/areal-command" in missing.stderr
+    assert argv[argv.index("--parent") + 1] == str(os.getpid())
+    # a parent that is not ours (pid 1) stands for one that died before the launcher armed
+    gone = subprocess.run([sys.executable, "-m", "areal_jax.processes", "--parent", "1", "--",
+                           sys.executable, "-c", "print('ran')"],
+                          capture_output=True, text=True, timeout=60)
+    assert gone.returncode == 1 and "ran" not in gone.stdout

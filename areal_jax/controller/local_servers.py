@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import os
 import signal
 import socket
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-from areal_jax.processes import die_with_parent
+from areal_jax.processes import tied_argv
 
 
 class ServerExitedError(RuntimeError):
@@ -52,13 +51,6 @@ def device_env(devices: list[int] | None, memory_fraction: float | None) -> dict
     if memory_fraction is not None:
         env[MEMORY_FRACTION_VARIABLE] = f"{memory_fraction:g}"
     return env
-
-
-def _child_setup(parent: int, cpus: list[int] | None) -> None:
-    """Runs in the child before exec: SIGTERM when the launcher dies; optional CPU pinning."""
-    die_with_parent(parent, signal.SIGTERM)
-    if cpus:
-        os.sched_setaffinity(0, cpus)
 
 
 @dataclasses.dataclass
@@ -111,9 +103,9 @@ class LocalServers:
         cpus = self._cpu_sets[i] if self._cpu_sets else None
         with open(self._log_dir / f"rollout_server_{i}.log", "ab") as log:
             entry.proc = subprocess.Popen(
-                [sys.executable, "-m", "rollout", "--config", str(cfg_path)],
+                tied_argv([sys.executable, "-m", "rollout", "--config", str(cfg_path)],
+                          signal.SIGTERM, cpus),
                 stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                preexec_fn=functools.partial(_child_setup, os.getpid(), cpus),
             )
 
     @property

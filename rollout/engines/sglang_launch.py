@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import functools
 import logging
 import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-from areal_jax.processes import die_with_parent
+from areal_jax.processes import tied_argv
 from rollout.engine import EngineError
 from rollout.engines import sglang_api as api
 from rollout.engines.http_json import JsonHttpClient
@@ -46,13 +44,10 @@ class SGLangProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as out:
             self._proc = subprocess.Popen(
-                self.argv,
+                tied_argv(self.argv, signal.SIGKILL),
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                preexec_fn=functools.partial(die_with_parent, os.getpid())
-                if sys.platform == "linux"
-                else None,
             )
         log.info("started SGLang (pid %d), log in %s", self._proc.pid, self.log_path)
 

@@ -113,6 +113,13 @@ class RolloutConfig:
                                   f"{self.num_local_servers} local servers (one each)")
 
 
+# Default shares of a device's memory where JAX processes share it and no fraction is set: the
+# trainer's, the local servers' together beside a trainer, and theirs together without one.
+SHARED_TRAINER_FRACTION = 0.55
+SHARED_SERVERS_FRACTION = 0.35
+SERVERS_ALONE_FRACTION = 0.9
+
+
 def _environment_memory_fraction() -> float:
     """The share of each device a JAX process started from this environment takes."""
     try:
@@ -177,7 +184,8 @@ class ExperimentConfig:
     trainer_cpus: list[int] | None = None  # pin the trainer process to these CPUs
     trainer_devices: list[int] | None = None  # accelerator ids the trainer uses (default: all)
     # XLA_PYTHON_CLIENT_MEM_FRACTION of the trainer process (JAX's default: 0.75 of each device);
-    # set it, and rollout.server_memory_fraction, where trainer and local servers share devices
+    # where it and rollout.server_memory_fraction are unset and trainer and local servers share
+    # a device, both are set to shares that fit (SHARED_TRAINER_FRACTION, ...)
     trainer_memory_fraction: float | None = None
     distributed: bool = False  # multi-process trainer: join a jax.distributed process group
     process_group: ProcessGroupConfig = dataclasses.field(default_factory=ProcessGroupConfig)
@@ -211,7 +219,51 @@ class ExperimentConfig:
         fraction = self.trainer_memory_fraction
         if fraction is not None and not 0 < fraction <= 1:
             raise ConfigError(f"trainer_memory_fraction: must be in (0, 1], got {fraction}")
+        self._share_devices_by_default()
         self._check_shared_device_memory()
+
+    def _jax_processes_by_device(self) -> dict[int | None, list[tuple[str, float | None]]]:
+        """(setting, fraction) of each JAX process on each device: the trainer and the local
+        JAX-engine servers, by their device lists (a null list is every device). Keyed by the
+        devices the lists name, or by None alone when every list is null. Empty where the
+        servers are remote."""
+        r = self.rollout
+        if r.addresses:
+            return {}
+        # (setting, fraction, device ids or None for every device) of each JAX process
+        processes = [("trainer_memory_fraction", self.trainer_memory_fraction,
+                      self.trainer_devices)]
+        if r.server.get("engine", {}).get("kind", "jax") == "jax":
+            processes += [("rollout.server_memory_fraction", r.server_memory_fraction, ids)
+                          for ids in r.server_devices or [None] * r.num_local_servers]
+        named = sorted({d for _, _, ids in processes for d in ids or []})
+        return {device: [(name, fraction) for name, fraction, ids in processes
+                         if ids is None or device in ids]
+                for device in named or [None]}
+
+    def _share_devices_by_default(self) -> None:
+        """Where neither fraction is set, nor the environment's variable, and JAX processes
+        share a device, set the shares so they fit instead of each asking for JAX's 75%:
+        the trainer ``SHARED_TRAINER_FRACTION``, the servers ``SHARED_SERVERS_FRACTION`` split
+        among those on its device (``SERVERS_ALONE_FRACTION`` where no trainer is there)."""
+        if (self.trainer_memory_fraction is not None
+                or self.rollout.server_memory_fraction is not None
+                or MEMORY_FRACTION_VARIABLE in os.environ):
+            return
+        trainer_shares, server_shares = False, []
+        for on_device in self._jax_processes_by_device().values():
+            servers = sum(name != "trainer_memory_fraction" for name, _ in on_device)
+            if len(on_device) < 2:
+                continue
+            if servers == len(on_device):
+                server_shares.append(SERVERS_ALONE_FRACTION / servers)
+            else:
+                trainer_shares = True
+                server_shares.append(SHARED_SERVERS_FRACTION / servers)
+        if trainer_shares:
+            self.trainer_memory_fraction = SHARED_TRAINER_FRACTION
+        if server_shares:
+            self.rollout.server_memory_fraction = round(min(server_shares), 4)
 
     def _check_shared_device_memory(self) -> None:
         """Where a memory fraction is set, no device's JAX processes (the trainer and the local
@@ -219,21 +271,11 @@ class ExperimentConfig:
         together claim more than all of its memory: the last to start would fail to allocate.
         An unset fraction counts as the environment's ``XLA_PYTHON_CLIENT_MEM_FRACTION``, else
         JAX's default 0.75. SGLang servers size their memory themselves and are not counted."""
-        r = self.rollout
-        trainer, server = self.trainer_memory_fraction, r.server_memory_fraction
-        if r.addresses or (trainer is None and server is None):
+        if self.trainer_memory_fraction is None and self.rollout.server_memory_fraction is None:
             return
         inherited = _environment_memory_fraction()
-        # (setting, fraction, device ids or None for every device) of each JAX process
-        processes = [("trainer_memory_fraction", trainer, self.trainer_devices)]
-        if r.server.get("engine", {}).get("kind", "jax") == "jax":
-            processes += [("rollout.server_memory_fraction", server, ids)
-                          for ids in r.server_devices or [None] * r.num_local_servers]
-        named = sorted({d for _, _, ids in processes for d in ids or []})
-        for device in named or [None]:  # None: every list is null, all share every device
-            counts = collections.Counter(
-                (name, fraction) for name, fraction, ids in processes
-                if ids is None or device in ids)
+        for device, on_device in self._jax_processes_by_device().items():
+            counts = collections.Counter(on_device)
             shares = {(name, fraction): inherited if fraction is None else fraction
                       for name, fraction in counts}
             total = sum(shares[key] * n for key, n in counts.items())

@@ -73,7 +73,6 @@ def test_memory_fractions_of_processes_sharing_a_device_must_fit(overrides, mess
     ("quickstart", ["trainer_memory_fraction=0.9", "rollout.server_memory_fraction=0.9",
                     "trainer_devices=[0]", "rollout.server_devices=[[1]]"], None),  # apart
     ("quickstart", ["trainer_memory_fraction=0.9"], "0.1"),  # the servers' environment: 0.1
-    ("quickstart", [], None),  # nothing set: nothing checked (a CPU run)
     ("gsm8k_qwen2.5_0.5B_sglang", ["trainer_memory_fraction=0.9"], None),  # SGLang sizes itself
 ])
 def test_memory_fractions_that_fit_are_accepted(config, overrides, environment, monkeypatch):
@@ -83,6 +82,30 @@ def test_memory_fractions_that_fit_are_accepted(config, overrides, environment, 
         monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", environment)
     path = next(p for p in CONFIGS if p.stem == config)
     assert load_config(ExperimentConfig, path, overrides).rollout.num_local_servers == 1
+
+
+@pytest.mark.parametrize("config,overrides,environment,expected", [
+    ("quickstart", [], None, (0.55, 0.35)),  # one server on the trainer's devices
+    ("quickstart", ["rollout.num_local_servers=2"], None, (0.55, 0.175)),
+    ("quickstart", ["trainer_devices=[0]", "rollout.num_local_servers=2",
+                    "rollout.server_devices=[[0], [1]]"], None, (0.55, 0.35)),
+    ("quickstart", ["trainer_devices=[0]", "rollout.num_local_servers=2",
+                    "rollout.server_devices=[[1], [1]]"], None, (None, 0.45)),  # servers alone
+    ("quickstart", ["trainer_devices=[0]", "rollout.server_devices=[[1]]"], None, (None, None)),
+    ("quickstart", [], "0.3", (None, None)),  # the launching environment decides
+    ("quickstart", ["trainer_memory_fraction=0.2"], "0.3", (0.2, None)),  # one set: kept as is
+    ("quickstart", ["rollout.addresses=[\"h:1\"]"], None, (None, None)),  # remote servers
+    ("gsm8k_qwen2.5_0.5B_sglang", ["trainer_memory_fraction=null"], None, (None, None)),
+])
+def test_processes_sharing_a_device_get_shares_that_fit_when_none_is_set(
+        config, overrides, environment, expected, monkeypatch):
+    if environment is None:
+        monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    else:
+        monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", environment)
+    path = next(p for p in CONFIGS if p.stem == config)
+    cfg = load_config(ExperimentConfig, path, overrides)
+    assert (cfg.trainer_memory_fraction, cfg.rollout.server_memory_fraction) == expected
 
 
 def test_the_trainers_memory_fraction_does_not_reach_its_servers(monkeypatch):

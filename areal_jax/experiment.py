@@ -197,6 +197,10 @@ class ExperimentConfig:
     # the held-out set is evaluated; null: where that takes no CPU from the servers (remote
     # servers, an accelerator backend, or disjoint trainer_cpus and rollout.cpu_sets).
     compile_first_batches: bool | None = None
+    # Compile the local JAX-engine servers' programs into the persistent compilation cache while
+    # SFT runs (in a process that exits before the servers start); null: where that takes no
+    # CPU from SFT (an accelerator backend, or disjoint trainer_cpus and rollout.cpu_sets).
+    compile_servers_during_sft: bool | None = None
 
     def __post_init__(self):
         # The trainer recomputes log-probs at its temperature; a mismatch would silently train

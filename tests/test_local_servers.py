@@ -10,6 +10,9 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+import yaml
+
 LAUNCHER = """
 import json, sys, time
 from areal_jax.controller.local_servers import LocalServers
@@ -119,3 +122,90 @@ def test_the_launcher_refuses_a_gone_parent_and_names_a_command_it_cannot_run():
                            sys.executable, "-c", "print('ran')"],
                           capture_output=True, text=True, timeout=60)
     assert gone.returncode == 1 and "ran" not in gone.stdout
+
+
+def _cache_entries(cache: Path) -> set[str]:
+    return {p.name for p in cache.rglob("*") if p.is_file() and "atime" not in p.name}
+
+
+def test_programs_compiled_ahead_are_the_ones_another_checkpoint_of_the_same_shape_needs(
+        tmp_path):
+    from areal_jax.controller.local_servers import LocalServers
+    from areal_jax.models.tiny import TinyModelSpec, build_tiny_model
+
+    spec = dict(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
+                max_position_embeddings=64, tokenizer_vocab_size=300)
+    base = build_tiny_model(tmp_path / "base", TinyModelSpec(**spec, seed=0))
+    tuned = build_tiny_model(tmp_path / "tuned", TinyModelSpec(**spec, seed=1))
+    cache = tmp_path / "cache"
+    options = {"num_slots": 2, "max_seq_len": 32, "decode_steps_per_call": 2}
+    env = {"JAX_COMPILATION_CACHE_DIR": str(cache)}
+    entries = []
+    for i, model in enumerate((base, tuned)):
+        servers = LocalServers({"engine": {"model_path": str(model), "options": options}}, 1,
+                               tmp_path / f"logs{i}", env=env)
+        assert servers.compile_programs().wait(300) == 0
+        log = (tmp_path / f"logs{i}" / "server_compile.log").read_text()
+        assert "compiled the JAX engine's programs" in log
+        entries.append(_cache_entries(cache))
+    # prefill at 16 and 32 tokens, decode per window (16, 32) and batch (1, 2)
+    assert len(entries[0]) >= 6
+    assert entries[1] == entries[0]  # the second checkpoint compiled nothing new
+
+
+def test_compile_only_names_what_it_cannot_do(tmp_path):
+    config = tmp_path / "server.yaml"
+    config.write_text(yaml.safe_dump({"engine": {"kind": "sglang", "model_path": str(tmp_path)}}))
+    sglang = subprocess.run([sys.executable, "-m", "rollout", "--config", str(config),
+                             "--compile-only"], capture_output=True, text=True, timeout=120)
+    assert sglang.returncode == 2
+    assert "engine.kind: --compile-only compiles the JAX engine's programs; got 'sglang'" in (
+        sglang.stderr)
+    config.write_text(yaml.safe_dump({"engine": {"model_path": str(tmp_path)}}))
+    no_cache = subprocess.run([sys.executable, "-m", "rollout", "--config", str(config),
+                               "--compile-only"], capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "JAX_COMPILATION_CACHE_DIR": ""})
+    assert no_cache.returncode == 2
+    assert "--compile-only needs the persistent compilation cache" in no_cache.stderr
+
+
+@pytest.mark.parametrize("changes, sft_pending, expected", [
+    ({}, True, False),  # the servers' compile would share the trainer's CPU: only move work
+    ({"trainer_cpus": [0], "rollout": {"cpu_sets": [[1]]}}, True, True),
+    ({"trainer_cpus": [0], "rollout": {"cpu_sets": [[1]]}}, False, False),  # no SFT to hide in
+    ({"compile_servers_during_sft": True}, True, True),
+    ({"compile_servers_during_sft": True, "rollout": {"addresses": ["host:50051"]}}, True,
+     False),  # no local servers
+    ({"compile_servers_during_sft": True,
+      "rollout": {"server": {"engine": {"kind": "sglang"}}}}, True, False),
+])
+def test_servers_compile_during_sft_where_it_takes_no_cpu_from_it(tmp_path, changes,
+                                                                 sft_pending, expected):
+    from _e2e_kit import tiny_experiment
+
+    from areal_jax.config import from_dict
+    from areal_jax.controller.servers import compiles_servers_during_sft
+    from areal_jax.experiment import ExperimentConfig
+
+    raw = tiny_experiment(tmp_path, total_steps=1)
+    for key, value in changes.items():
+        raw[key] = {**raw[key], **value} if isinstance(value, dict) else value
+    assert compiles_servers_during_sft(from_dict(ExperimentConfig, raw), sft_pending) is expected
+
+
+def test_asking_for_the_servers_compile_with_the_cache_off_is_an_error(tmp_path):
+    import jax
+    from _e2e_kit import tiny_experiment
+
+    from areal_jax.config import ConfigError, from_dict
+    from areal_jax.controller.servers import compiles_servers_during_sft
+    from areal_jax.experiment import ExperimentConfig
+
+    raw = {**tiny_experiment(tmp_path, total_steps=1), "compile_servers_during_sft": True}
+    before = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", None)
+    try:
+        with pytest.raises(ConfigError, match="compile_servers_during_sft: needs the persistent"):
+            compiles_servers_during_sft(from_dict(ExperimentConfig, raw), True)
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)

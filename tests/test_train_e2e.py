@@ -16,6 +16,7 @@ from areal_jax.config import from_dict
 def _config(tmp_path, total_steps):
     cfg = tiny_experiment(tmp_path, total_steps)
     cfg["trainer"]["export_keep_every"] = 2  # versions 0, 2, 4 outlive the pruning
+    cfg["compile_servers_during_sft"] = True  # the server's programs compile beside SFT
     return write_experiment(tmp_path / "exp.yaml", cfg)
 
 
@@ -30,6 +31,9 @@ def test_train_resume_and_export(tmp_path, capsys):
     out = capsys.readouterr().out
     run_dir = tmp_path / "run"
     assert "before RL" in out and "after RL" in out
+    assert "rollout servers' programs compiled during SFT" in out
+    compile_log = (run_dir / "logs" / "server_compile.log").read_text()
+    assert "compiled the JAX engine's programs" in compile_log
     results = json.loads((run_dir / "results.json").read_text())
     assert 0.0 <= results["after"]["eval/accuracy"] <= 1.0
     assert results["after"]["eval/num_prompts"] == 8
@@ -45,6 +49,7 @@ def test_train_resume_and_export(tmp_path, capsys):
     assert main(["train", "--config", str(cfg)]) == 0
     out = capsys.readouterr().out
     assert "resumed from checkpoint at version 3" in out
+    assert "compiled during SFT" not in out  # the SFT model was kept: no SFT to compile beside
     assert _steps(run_dir) == [1, 2, 3, 4, 5]
     # The accuracy before RL is the one measured before RL, not the resumed version's.
     resumed = json.loads((run_dir / "results.json").read_text())

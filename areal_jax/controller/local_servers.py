@@ -93,20 +93,33 @@ class LocalServers:
         return self.addresses
 
     def _launch(self, entry: _Proc) -> None:
-        i = entry.index
-        cfg_path = self._log_dir / f"rollout_server_{i}.yaml"
         cfg = {**self._config, "host": "127.0.0.1", "port": entry.port, "parent_pid": os.getpid()}
+        entry.proc = self._spawn(entry.index, cfg, f"rollout_server_{entry.index}")
+
+    def _spawn(self, i: int, cfg: dict, name: str, *args: str) -> subprocess.Popen:
+        """``python -m rollout`` on ``cfg`` (written to ``<log_dir>/<name>.yaml``) with server
+        ``i``'s devices, memory share and CPUs, its output in ``<name>.log``, tied to us."""
+        cfg_path = self._log_dir / f"{name}.yaml"
         cfg_path.write_text(yaml.safe_dump(cfg))
         devices = self._devices[i] if self._devices else None
         env = {**os.environ, "GRPC_VERBOSITY": "ERROR",
                **device_env(devices, self._memory_fraction), **self._env}
         cpus = self._cpu_sets[i] if self._cpu_sets else None
-        with open(self._log_dir / f"rollout_server_{i}.log", "ab") as log:
-            entry.proc = subprocess.Popen(
-                tied_argv([sys.executable, "-m", "rollout", "--config", str(cfg_path)],
+        with open(self._log_dir / f"{name}.log", "ab") as log:
+            return subprocess.Popen(
+                tied_argv([sys.executable, "-m", "rollout", "--config", str(cfg_path), *args],
                           signal.SIGTERM, cpus),
                 stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
             )
+
+    def compile_programs(self) -> subprocess.Popen:
+        """Start compiling the servers' JAX-engine programs into the persistent compilation
+        cache, in a process of server 0's devices, memory share and CPUs that exits when done
+        (``serve --compile-only``; output in ``<log_dir>/server_compile.log``). Servers started
+        later with the same engine options and model shape read the programs from the cache;
+        the weights play no part, so another checkpoint of the same shape will do."""
+        self._log_dir.mkdir(parents=True, exist_ok=True)
+        return self._spawn(0, self._config, "server_compile", "--compile-only")
 
     @property
     def pids(self) -> list[int]:

@@ -11,15 +11,14 @@ import json
 import logging
 from pathlib import Path
 
-import jax
-
 from areal_jax.config import ConfigError
 from areal_jax.controller.evaluation import evaluate
 from areal_jax.controller.ledger import RunLedger
 from areal_jax.controller.loop import RLLoop
 from areal_jax.controller.prepare import dataset_config
 from areal_jax.controller.progress import TrainingProgress
-from areal_jax.controller.servers import rollout_servers, supervise_local, sync_servers
+from areal_jax.controller.servers import rollout_servers, servers_spare_the_trainer
+from areal_jax.controller.servers import supervise_local, sync_servers
 from areal_jax.controller.sketches import first_batch_sketches
 from areal_jax.data.dataset import PromptDataset
 from areal_jax.experiment import ExperimentConfig
@@ -75,10 +74,7 @@ def compiles_first_batches(cfg: ExperimentConfig) -> bool:
     the servers, which on a shared CPU it would only move the work, not save it)."""
     if cfg.compile_first_batches is not None:
         return cfg.compile_first_batches
-    if cfg.rollout.addresses or jax.default_backend() != "cpu":
-        return True
-    server_cpus = {c for cpus in cfg.rollout.cpu_sets or [] for c in cpus}
-    return bool(cfg.trainer_cpus and server_cpus and not server_cpus & set(cfg.trainer_cpus))
+    return bool(cfg.rollout.addresses) or servers_spare_the_trainer(cfg)
 
 
 async def _run_until_done(loop_run, servers) -> None:

@@ -24,7 +24,8 @@ from areal_jax.controller.prepare import check_fingerprint, prepare_base_model, 
 from areal_jax.controller.prepare import base_model_path, dataset_config
 from areal_jax.controller.progress import TrainingProgress
 from areal_jax.controller.rl_phase import check_trajectories_fit, run_rl
-from areal_jax.controller.sft_phase import run_sft
+from areal_jax.controller.servers import servers_compiling
+from areal_jax.controller.sft_phase import run_sft, sft_model_kept
 from areal_jax.controller.trainers import make_trainer
 from areal_jax.data.dataset import PromptDataset
 from areal_jax.experiment import ExperimentConfig
@@ -78,7 +79,9 @@ def train(cfg: ExperimentConfig) -> dict:
         tokenizer = AutoTokenizer.from_pretrained(base)
         train_set = PromptDataset(dataset_config(cfg.dataset, cfg.run_dir), tokenizer)
         check_trajectories_fit(cfg, [len(item.prompt_ids) for item in train_set])  # before SFT
-        start = run_sft(cfg, base, tokenizer, progress, leader, barrier) if cfg.sft.steps else base
+        training_sft = cfg.sft.steps > 0 and not sft_model_kept(cfg)
+        with servers_compiling(cfg, base, leader and training_sft):
+            start = run_sft(cfg, base, tokenizer, progress, leader, barrier) if cfg.sft.steps else base
         trainer = make_trainer(cfg, start)
         group = TrainerGroup(trainer)
         try:

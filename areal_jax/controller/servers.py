@@ -8,8 +8,13 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import jax
+
+from areal_jax.config import ConfigError
 from areal_jax.controller.local_servers import LocalServers, ServerExitedError
 from areal_jax.controller.rollout_pool import PoolOptions, RolloutPool
 from areal_jax.experiment import ExperimentConfig
@@ -56,16 +61,82 @@ def make_pool(cfg: ExperimentConfig, addresses: list[str]) -> RolloutPool:
     return RolloutPool(addresses, auth_token=token, tls_root_cert=tls, options=options)
 
 
+def _local_servers(cfg: ExperimentConfig, model_path: Path, version: int) -> LocalServers:
+    r = cfg.rollout
+    return LocalServers(server_config(cfg, model_path, version), r.num_local_servers,
+                        Path(cfg.run_dir) / "logs", r.cpu_sets,
+                        devices=r.server_devices, memory_fraction=r.server_memory_fraction)
+
+
 def launch_local(cfg: ExperimentConfig, model_path: Path, version: int) -> LocalServers | None:
     """Start ``rollout.num_local_servers`` servers unless ``rollout.addresses`` are given."""
     if cfg.rollout.addresses:
         return None
-    r = cfg.rollout
-    servers = LocalServers(server_config(cfg, model_path, version), r.num_local_servers,
-                           Path(cfg.run_dir) / "logs", r.cpu_sets,
-                           devices=r.server_devices, memory_fraction=r.server_memory_fraction)
+    servers = _local_servers(cfg, model_path, version)
     servers.start()
     return servers
+
+
+def servers_spare_the_trainer(cfg: ExperimentConfig) -> bool:
+    """Whether work done on the local servers' side takes no CPU from the trainer, or the
+    other way round: on an accelerator backend, or with ``trainer_cpus`` disjoint from every
+    ``rollout.cpu_sets``."""
+    if jax.default_backend() != "cpu":
+        return True
+    server_cpus = {c for cpus in cfg.rollout.cpu_sets or [] for c in cpus}
+    return bool(cfg.trainer_cpus and server_cpus and not server_cpus & set(cfg.trainer_cpus))
+
+
+def compiles_servers_during_sft(cfg: ExperimentConfig, sft_pending: bool) -> bool:
+    """Whether the local servers' JAX-engine programs compile while SFT runs
+    (``compile_servers_during_sft``; unset: where that takes no CPU from SFT). Only where
+    local JAX-engine servers will start, an SFT is ``sft_pending`` and the persistent
+    compilation cache is on (asking for it with the cache off is an error)."""
+    wanted = cfg.compile_servers_during_sft
+    if wanted is False or cfg.rollout.addresses or not sft_pending:
+        return False
+    if cfg.rollout.server.get("engine", {}).get("kind", "jax") != "jax":
+        return False
+    if not jax.config.jax_compilation_cache_dir:
+        if wanted:
+            raise ConfigError("compile_servers_during_sft: needs the persistent compilation "
+                              "cache, which compilation_cache_dir turns off")
+        return False
+    return wanted or servers_spare_the_trainer(cfg)
+
+
+@contextlib.contextmanager
+def servers_compiling(cfg: ExperimentConfig, base_model: Path, sft_pending: bool) -> Iterator[None]:
+    """While the body (SFT) runs, compile the local servers' programs into the persistent
+    cache in a process of their own, on ``base_model`` (the same shapes as the SFT model they
+    will serve), where ``compiles_servers_during_sft``; on leaving, wait for that process to
+    end, so its device memory is free before the servers start, and print how it went. A
+    failed compile is reported, not raised: the servers then compile as they start. If the
+    body raises, the process is killed."""
+    if not compiles_servers_during_sft(cfg, sft_pending):
+        yield
+        return
+    began = time.monotonic()
+    servers = _local_servers(cfg, base_model, 0)
+    proc = servers.compile_programs()
+    try:
+        yield
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    body_ended = time.monotonic()
+    code = proc.wait()
+    ended = time.monotonic()
+    log_path = Path(cfg.run_dir) / "logs" / "server_compile.log"
+    if code == 0:
+        after = ended - body_ended
+        waited = f", {after:.1f} s of it after SFT" if after >= 0.1 else ""
+        print(f"rollout servers' programs compiled during SFT in {ended - began:.1f} s{waited}",
+              flush=True)
+    else:
+        print(f"compiling the rollout servers' programs during SFT failed (exit code {code}, "
+              f"log: {log_path}); the servers compile them as they start", flush=True)
 
 
 async def wait_ready(pool: RolloutPool, servers: LocalServers | None,

@@ -36,11 +36,16 @@ def sft_examples(cfg: ExperimentConfig, tokenizer) -> list[tuple[list[int], list
     return examples
 
 
+def sft_model_kept(cfg: ExperimentConfig) -> bool:
+    """Whether an earlier run already wrote the SFT model (``run_sft`` then keeps it)."""
+    return (Path(cfg.run_dir) / "sft_model" / "config.json").is_file()
+
+
 def run_sft(cfg: ExperimentConfig, base: Path, tokenizer, progress: TrainingProgress,
             leader: bool = True, barrier=lambda name: None) -> Path:
     """Supervised warm start; returns ``<run_dir>/sft_model`` (kept when it already exists)."""
     out = Path(cfg.run_dir) / "sft_model"
-    if (out / "config.json").is_file():
+    if sft_model_kept(cfg):
         return out
     examples = sft_examples(cfg, tokenizer)
     trainer = make_trainer(cfg, base, cfg.sft.trainer, run_dir=Path(cfg.run_dir) / "sft")

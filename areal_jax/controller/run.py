@@ -79,9 +79,10 @@ def train(cfg: ExperimentConfig) -> dict:
         tokenizer = AutoTokenizer.from_pretrained(base)
         train_set = PromptDataset(dataset_config(cfg.dataset, cfg.run_dir), tokenizer)
         check_trajectories_fit(cfg, [len(item.prompt_ids) for item in train_set])  # before SFT
-        training_sft = cfg.sft.steps > 0 and not sft_model_kept(cfg)
-        with servers_compiling(cfg, base, leader and training_sft):
-            start = run_sft(cfg, base, tokenizer, progress, leader, barrier) if cfg.sft.steps else base
+        start = base
+        if cfg.sft.steps:
+            with servers_compiling(cfg, base, leader and not sft_model_kept(cfg)):
+                start = run_sft(cfg, base, tokenizer, progress, leader, barrier)
         trainer = make_trainer(cfg, start)
         group = TrainerGroup(trainer)
         try:

@@ -185,7 +185,7 @@ class ExperimentConfig:
     trainer_devices: list[int] | None = None  # accelerator ids the trainer uses (default: all)
     # XLA_PYTHON_CLIENT_MEM_FRACTION of the trainer process (JAX's default: 0.75 of each device);
     # where it and rollout.server_memory_fraction are unset and trainer and local servers share
-    # a device, both are set to shares that fit (SHARED_TRAINER_FRACTION, ...)
+    # a device, the processes start with shares that fit (memory_fractions)
     trainer_memory_fraction: float | None = None
     distributed: bool = False  # multi-process trainer: join a jax.distributed process group
     process_group: ProcessGroupConfig = dataclasses.field(default_factory=ProcessGroupConfig)
@@ -223,20 +223,23 @@ class ExperimentConfig:
         fraction = self.trainer_memory_fraction
         if fraction is not None and not 0 < fraction <= 1:
             raise ConfigError(f"trainer_memory_fraction: must be in (0, 1], got {fraction}")
-        self._share_devices_by_default()
         self._check_shared_device_memory()
+        if self.compile_servers_during_sft and self.compilation_cache_dir == "":
+            raise ConfigError("compile_servers_during_sft: needs the persistent compilation "
+                              "cache, which compilation_cache_dir: '' turns off")
 
-    def _jax_processes_by_device(self) -> dict[int | None, list[tuple[str, float | None]]]:
-        """(setting, fraction) of each JAX process on each device: the trainer and the local
-        JAX-engine servers, by their device lists (a null list is every device). Keyed by the
-        devices the lists name, or by None alone when every list is null. Empty where the
-        servers are remote."""
+    def _jax_processes_by_device(self, with_trainer: bool = True
+                                 ) -> dict[int | None, list[tuple[str, float | None]]]:
+        """(setting, fraction) of each JAX process on each device: the trainer (unless not
+        ``with_trainer``) and the local JAX-engine servers, by their device lists (a null list
+        is every device). Keyed by the devices the lists name, or by None alone when every list
+        is null. Empty where the servers are remote."""
         r = self.rollout
         if r.addresses:
             return {}
         # (setting, fraction, device ids or None for every device) of each JAX process
         processes = [("trainer_memory_fraction", self.trainer_memory_fraction,
-                      self.trainer_devices)]
+                      self.trainer_devices)] if with_trainer else []
         if r.server.get("engine", {}).get("kind", "jax") == "jax":
             processes += [("rollout.server_memory_fraction", r.server_memory_fraction, ids)
                           for ids in r.server_devices or [None] * r.num_local_servers]
@@ -245,17 +248,19 @@ class ExperimentConfig:
                          if ids is None or device in ids]
                 for device in named or [None]}
 
-    def _share_devices_by_default(self) -> None:
-        """Where neither fraction is set, nor the environment's variable, and JAX processes
-        share a device, set the shares so they fit instead of each asking for JAX's 75%:
-        the trainer ``SHARED_TRAINER_FRACTION``, the servers ``SHARED_SERVERS_FRACTION`` split
-        among those on its device (``SERVERS_ALONE_FRACTION`` where no trainer is there)."""
-        if (self.trainer_memory_fraction is not None
-                or self.rollout.server_memory_fraction is not None
-                or MEMORY_FRACTION_VARIABLE in os.environ):
-            return
+    def memory_fractions(self, with_trainer: bool = True) -> tuple[float | None, float | None]:
+        """The memory shares (trainer, each local server) to start the processes with: the
+        fields as set; where neither is set (nor the environment's
+        ``XLA_PYTHON_CLIENT_MEM_FRACTION``) and JAX processes share a device, shares that fit
+        instead of each asking for JAX's 75%: the trainer ``SHARED_TRAINER_FRACTION``, the
+        servers ``SHARED_SERVERS_FRACTION`` split among those on its device
+        (``SERVERS_ALONE_FRACTION`` where no trainer is there). ``with_trainer=False``: for
+        servers started without a trainer process (``areal-jax eval``). None: unset."""
+        trainer, server = self.trainer_memory_fraction, self.rollout.server_memory_fraction
+        if trainer is not None or server is not None or MEMORY_FRACTION_VARIABLE in os.environ:
+            return trainer, server
         trainer_shares, server_shares = False, []
-        for on_device in self._jax_processes_by_device().values():
+        for on_device in self._jax_processes_by_device(with_trainer).values():
             servers = sum(name != "trainer_memory_fraction" for name, _ in on_device)
             if len(on_device) < 2:
                 continue
@@ -264,18 +269,20 @@ class ExperimentConfig:
             else:
                 trainer_shares = True
                 server_shares.append(SHARED_SERVERS_FRACTION / servers)
-        if trainer_shares:
-            self.trainer_memory_fraction = SHARED_TRAINER_FRACTION
-        if server_shares:
-            self.rollout.server_memory_fraction = round(min(server_shares), 4)
+        return (SHARED_TRAINER_FRACTION if trainer_shares else None,
+                round(min(server_shares), 4) if server_shares else None)
 
     def _check_shared_device_memory(self) -> None:
-        """Where a memory fraction is set, no device's JAX processes (the trainer and the local
+        """Where a memory fraction is set (a field, or the environment's variable), no device's
+        JAX processes (the trainer and the local
         JAX-engine servers whose device lists include it; a null list means every device) may
         together claim more than all of its memory: the last to start would fail to allocate.
         An unset fraction counts as the environment's ``XLA_PYTHON_CLIENT_MEM_FRACTION``, else
-        JAX's default 0.75. SGLang servers size their memory themselves and are not counted."""
-        if self.trainer_memory_fraction is None and self.rollout.server_memory_fraction is None:
+        JAX's default 0.75. SGLang servers size their memory themselves and are not counted.
+        With neither set nor the environment's variable, ``memory_fractions`` chooses shares
+        that fit."""
+        if (self.trainer_memory_fraction is None and self.rollout.server_memory_fraction is None
+                and MEMORY_FRACTION_VARIABLE not in os.environ):
             return
         inherited = _environment_memory_fraction()
         for device, on_device in self._jax_processes_by_device().items():
@@ -284,7 +291,9 @@ class ExperimentConfig:
                       for name, fraction in counts}
             total = sum(shares[key] * n for key, n in counts.items())
             if total > 1 + 1e-9:
-                parts = [f"{name} ({'unset: ' if fraction is None else ''}"
+                unset = (f"unset: {MEMORY_FRACTION_VARIABLE}=" if MEMORY_FRACTION_VARIABLE
+                         in os.environ else "unset: ")
+                parts = [f"{name} ({unset if fraction is None else ''}"
                          f"{shares[name, fraction]:g})" + (f" x {n}" if n > 1 else "")
                          for (name, fraction), n in counts.items()]
                 where = "every device" if device is None else f"device {device}"

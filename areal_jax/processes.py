@@ -42,8 +42,10 @@ def tied_argv(argv: list[str], sig: int = signal.SIGTERM,
     """``argv`` started through the launcher: the command receives ``sig`` when the thread that
     calls ``subprocess.Popen`` with the result ends (the process too, even SIGKILLed), and runs
     on ``cpus`` only (None: wherever this process may). Pass it to ``Popen`` without a
-    ``preexec_fn``. Elsewhere than Linux, ``argv`` itself."""
+    ``preexec_fn``. Elsewhere than Linux, ``argv`` itself, and ``cpus`` is an error."""
     if sys.platform != "linux":
+        if cpus:
+            raise ValueError(f"pinning a process to CPUs {cpus} needs Linux")
         return list(argv)
     head = [sys.executable, "-m", "areal_jax.processes", "--parent", str(os.getpid()),
             "--signal", str(int(sig))]
@@ -54,7 +56,7 @@ def tied_argv(argv: list[str], sig: int = signal.SIGTERM,
 
 def main(args: list[str] | None = None) -> int:
     """The launcher: arm the parent-death signal, pin CPUs, then exec the command (this process
-    becomes it, with the same pid and environment); 127 if it cannot be run."""
+    becomes it, with the same pid and environment); 127 if it cannot be run or pinned."""
     parser = argparse.ArgumentParser(prog="python -m areal_jax.processes")
     parser.add_argument("--parent", type=int, required=True, help="pid that must be our parent")
     parser.add_argument("--signal", type=int, default=int(signal.SIGTERM))
@@ -65,8 +67,12 @@ def main(args: list[str] | None = None) -> int:
     if not command:
         parser.error("no command to run after --")
     die_with_parent(ns.parent, ns.signal)
-    if ns.cpus:
-        os.sched_setaffinity(0, ns.cpus)
+    try:
+        if ns.cpus:
+            os.sched_setaffinity(0, ns.cpus)
+    except OSError as e:
+        print(f"cannot run {command[0]!r} on CPUs {ns.cpus}: {e}", file=sys.stderr, flush=True)
+        return _EXEC_FAILED
     try:
         os.execvp(command[0], command)
     except OSError as e:

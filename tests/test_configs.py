@@ -4,6 +4,7 @@ import os
 from pathlib import Path
 
 import pytest
+import yaml
 
 from areal_jax.config import ConfigError, load_config
 from areal_jax.experiment import ExperimentConfig
@@ -84,28 +85,61 @@ def test_memory_fractions_that_fit_are_accepted(config, overrides, environment, 
     assert load_config(ExperimentConfig, path, overrides).rollout.num_local_servers == 1
 
 
-@pytest.mark.parametrize("config,overrides,environment,expected", [
-    ("quickstart", [], None, (0.55, 0.35)),  # one server on the trainer's devices
-    ("quickstart", ["rollout.num_local_servers=2"], None, (0.55, 0.175)),
+@pytest.mark.parametrize("config,overrides,environment,with_trainer,expected", [
+    ("quickstart", [], None, True, (0.55, 0.35)),  # one server on the trainer's devices
+    ("quickstart", ["rollout.num_local_servers=2"], None, True, (0.55, 0.175)),
     ("quickstart", ["trainer_devices=[0]", "rollout.num_local_servers=2",
-                    "rollout.server_devices=[[0], [1]]"], None, (0.55, 0.35)),
+                    "rollout.server_devices=[[0], [1]]"], None, True, (0.55, 0.35)),
     ("quickstart", ["trainer_devices=[0]", "rollout.num_local_servers=2",
-                    "rollout.server_devices=[[1], [1]]"], None, (None, 0.45)),  # servers alone
-    ("quickstart", ["trainer_devices=[0]", "rollout.server_devices=[[1]]"], None, (None, None)),
-    ("quickstart", [], "0.3", (None, None)),  # the launching environment decides
-    ("quickstart", ["trainer_memory_fraction=0.2"], "0.3", (0.2, None)),  # one set: kept as is
-    ("quickstart", ["rollout.addresses=[\"h:1\"]"], None, (None, None)),  # remote servers
-    ("gsm8k_qwen2.5_0.5B_sglang", ["trainer_memory_fraction=null"], None, (None, None)),
+                    "rollout.server_devices=[[1], [1]]"], None, True, (None, 0.45)),  # no trainer
+    ("quickstart", ["trainer_devices=[0]", "rollout.server_devices=[[1]]"], None, True,
+     (None, None)),  # nothing shared
+    ("quickstart", [], None, False, (None, None)),  # `eval`: one server, no trainer beside it
+    ("quickstart", ["rollout.num_local_servers=2"], None, False, (None, 0.45)),
+    ("quickstart", [], "0.3", True, (None, None)),  # the launching environment decides
+    ("quickstart", ["trainer_memory_fraction=0.2"], None, True, (0.2, None)),  # one set: as is
+    ("quickstart", ["rollout.server_memory_fraction=0.2"], None, True, (None, 0.2)),
+    ("quickstart", ["rollout.addresses=[\"h:1\"]"], None, True, (None, None)),  # remote
+    ("gsm8k_qwen2.5_0.5B_sglang", ["trainer_memory_fraction=null"], None, True, (None, None)),
 ])
 def test_processes_sharing_a_device_get_shares_that_fit_when_none_is_set(
-        config, overrides, environment, expected, monkeypatch):
+        config, overrides, environment, with_trainer, expected, monkeypatch):
     if environment is None:
         monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
     else:
         monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", environment)
     path = next(p for p in CONFIGS if p.stem == config)
     cfg = load_config(ExperimentConfig, path, overrides)
-    assert (cfg.trainer_memory_fraction, cfg.rollout.server_memory_fraction) == expected
+    assert cfg.memory_fractions(with_trainer) == expected
+
+
+def test_chosen_shares_stay_out_of_the_config(tmp_path, monkeypatch):
+    """The run writes its config to config.json; reloaded with two servers it must choose
+    again, not refuse shares the user never set."""
+    from areal_jax.config import to_dict
+
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    cfg = load_config(ExperimentConfig, CONFIGS[-1])
+    assert cfg.memory_fractions() == (0.55, 0.35)
+    saved = tmp_path / "config.yaml"
+    saved.write_text(yaml.safe_dump(to_dict(cfg)))
+    again = load_config(ExperimentConfig, saved, ["rollout.num_local_servers=2"])
+    assert again.memory_fractions() == (0.55, 0.175)
+
+
+def test_an_environment_share_that_does_not_fit_is_refused(monkeypatch):
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
+    with pytest.raises(ConfigError, match=(
+            r"trainer_memory_fraction \(unset: XLA_PYTHON_CLIENT_MEM_FRACTION=0.9\) \+ "
+            r"rollout.server_memory_fraction \(unset: XLA_PYTHON_CLIENT_MEM_FRACTION=0.9\) on "
+            r"every device = 1.8 > 1")):
+        load_config(ExperimentConfig, CONFIGS[-1])
+
+
+def test_the_servers_compile_during_sft_needs_the_compilation_cache():
+    with pytest.raises(ConfigError, match="compile_servers_during_sft: needs the persistent"):
+        load_config(ExperimentConfig, CONFIGS[-1],
+                    ["compile_servers_during_sft=true", "compilation_cache_dir=''"])
 
 
 def test_the_trainers_memory_fraction_does_not_reach_its_servers(monkeypatch):
@@ -123,3 +157,22 @@ def test_the_trainers_memory_fraction_does_not_reach_its_servers(monkeypatch):
         assert os.environ[variable] == "0.4"  # what the trainer's JAX reads when it starts
         release()
         assert os.environ.get(variable) == before  # what the servers it launches inherit
+
+
+def test_chosen_shares_are_reported_on_an_accelerator_only(monkeypatch, capsys):
+    import jax
+
+    from areal_jax.controller.run import _report_default_memory_shares
+
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    cfg = load_config(ExperimentConfig, CONFIGS[-1])
+    _report_default_memory_shares(cfg)
+    assert capsys.readouterr().out == ""  # a CPU: the shares mean nothing
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    _report_default_memory_shares(cfg)
+    assert capsys.readouterr().out == (
+        "processes share devices; memory shares: trainer 0.55, each local rollout server 0.35 "
+        "(set them with trainer_memory_fraction and rollout.server_memory_fraction)\n")
+    _report_default_memory_shares(load_config(ExperimentConfig, CONFIGS[-1],
+                                              ["trainer_memory_fraction=0.2"]))
+    assert capsys.readouterr().out == ""  # set by the user: nothing chosen

@@ -66,13 +66,14 @@ def test_local_servers_get_their_devices_and_die_with_a_killed_trainer(tmp_path)
 
 
 TIED_PARENT = r"""
-import json, signal, subprocess, sys, threading, time
+import json, os, signal, subprocess, sys, threading, time
 from areal_jax.processes import tied_argv
 threading.Thread(target=time.sleep, args=(120,), daemon=True).start()  # a multithreaded parent
-child = subprocess.Popen(tied_argv([sys.executable, "-c", sys.argv[1]], signal.SIGTERM, [0]),
+cpu = min(os.sched_getaffinity(0))
+child = subprocess.Popen(tied_argv([sys.executable, "-c", sys.argv[1]], signal.SIGTERM, [cpu]),
                          stdout=subprocess.PIPE, text=True)
-print(json.dumps({"popen_pid": child.pid, "report": json.loads(child.stdout.readline())}),
-      flush=True)
+print(json.dumps({"popen_pid": child.pid, "cpu": cpu,
+                  "report": json.loads(child.stdout.readline())}), flush=True)
 time.sleep(120)
 """
 TIED_CHILD = r"""
@@ -94,7 +95,7 @@ def test_a_tied_command_runs_pinned_in_the_launched_pid_and_dies_with_its_killed
         assert child["pid"] == line["popen_pid"]  # the launcher exec'd the command itself
         assert child["ppid"] == parent.pid
         assert child["signal"] == signal.SIGTERM
-        assert child["cpus"] == [0]
+        assert child["cpus"] == [line["cpu"]]
         parent.send_signal(signal.SIGKILL)
         parent.wait(10)
         deadline = time.monotonic() + 20
@@ -109,7 +110,7 @@ def test_a_tied_command_runs_pinned_in_the_launched_pid_and_dies_with_its_killed
             os.kill(child_pid, signal.SIGKILL)
 
 
-def test_the_launcher_refuses_a_gone_parent_and_names_a_command_it_cannot_run():
+def test_the_launcher_refuses_a_gone_parent_and_names_what_it_cannot_run_or_pin():
     from areal_jax.processes import tied_argv
 
     argv = tied_argv(["/nonexistent/areal-command", "--flag"])
@@ -117,11 +118,17 @@ def test_the_launcher_refuses_a_gone_parent_and_names_a_command_it_cannot_run():
     assert missing.returncode == 127
     assert "/nonexistent/areal-command" in missing.stderr
     assert argv[argv.index("--parent") + 1] == str(os.getpid())
-    # a parent that is not ours (pid 1) stands for one that died before the launcher armed
-    gone = subprocess.run([sys.executable, "-m", "areal_jax.processes", "--parent", "1", "--",
-                           sys.executable, "-c", "print('ran')"],
+    # a parent that is not the launcher's (our own parent) stands for one that died before
+    # the launcher armed the signal
+    gone = subprocess.run([sys.executable, "-m", "areal_jax.processes", "--parent",
+                           str(os.getppid()), "--", sys.executable, "-c", "print('ran')"],
                           capture_output=True, text=True, timeout=60)
     assert gone.returncode == 1 and "ran" not in gone.stdout
+    nowhere = (os.cpu_count() or 1) + 100
+    unpinned = subprocess.run(tied_argv([sys.executable, "-c", "print('ran')"], cpus=[nowhere]),
+                              capture_output=True, text=True, timeout=60)
+    assert unpinned.returncode == 127 and "ran" not in unpinned.stdout
+    assert f"on CPUs [{nowhere}]" in unpinned.stderr
 
 
 def _cache_entries(cache: Path) -> set[str]:
@@ -209,3 +216,68 @@ def test_asking_for_the_servers_compile_with_the_cache_off_is_an_error(tmp_path)
             compiles_servers_during_sft(from_dict(ExperimentConfig, raw), True)
     finally:
         jax.config.update("jax_compilation_cache_dir", before)
+
+
+def _fake_compile(code: str):
+    """A stand-in for the servers' compile process: its own session, like the real one."""
+    def start(self):
+        return subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    return start
+
+
+@pytest.fixture
+def compile_cfg(tmp_path):
+    from _e2e_kit import tiny_experiment
+
+    from areal_jax.config import from_dict
+    from areal_jax.experiment import ExperimentConfig
+
+    raw = {**tiny_experiment(tmp_path, total_steps=1), "compile_servers_during_sft": True}
+    return from_dict(ExperimentConfig, raw)
+
+
+def test_the_servers_compile_reports_its_own_time_not_sfts(compile_cfg, tmp_path, monkeypatch,
+                                                          capsys):
+    from areal_jax.controller.local_servers import LocalServers
+    from areal_jax.controller.servers import servers_compiling
+
+    monkeypatch.setattr(LocalServers, "compile_programs", _fake_compile("pass"))
+    with servers_compiling(compile_cfg, tmp_path, sft_pending=True):
+        time.sleep(2.0)  # SFT
+    out = capsys.readouterr().out
+    seconds = float(out.split("compiled during SFT in ")[1].split(" s")[0])
+    assert seconds < 1.5 and "after SFT" not in out
+
+
+@pytest.mark.parametrize("code, wait_s, message", [
+    ("import sys; sys.exit(3)", 60, "failed (exit code 3, log: "),
+    ("import time; time.sleep(60)", 0.5, "did not end within 0.5 s after SFT: stopped it"),
+])
+def test_a_servers_compile_that_fails_or_overruns_is_reported_and_leaves_nothing(
+        compile_cfg, tmp_path, monkeypatch, capsys, code, wait_s, message):
+    from areal_jax.controller import servers
+    from areal_jax.controller.local_servers import LocalServers
+
+    started = []
+    fake = _fake_compile(code)
+    monkeypatch.setattr(LocalServers, "compile_programs",
+                        lambda self: started.append(fake(self)) or started[-1])
+    monkeypatch.setattr(servers, "SERVER_COMPILE_WAIT_S", wait_s)
+    with servers.servers_compiling(compile_cfg, tmp_path, sft_pending=True):
+        pass
+    assert message in capsys.readouterr().out
+    assert started[0].poll() is not None
+
+
+def test_sft_failing_kills_the_servers_compile(compile_cfg, tmp_path, monkeypatch):
+    from areal_jax.controller.local_servers import LocalServers
+    from areal_jax.controller.servers import servers_compiling
+
+    started = []
+    fake = _fake_compile("import time; time.sleep(60)")
+    monkeypatch.setattr(LocalServers, "compile_programs",
+                        lambda self: started.append(fake(self)) or started[-1])
+    with pytest.raises(RuntimeError, match="SFT failed"):
+        with servers_compiling(compile_cfg, tmp_path, sft_pending=True):
+            raise RuntimeError("SFT failed")
+    assert started[0].poll() == -signal.SIGKILL

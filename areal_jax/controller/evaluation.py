@@ -73,7 +73,7 @@ async def evaluate_checkpoints(cfg, model_paths) -> list[dict]:
     items = list(PromptDataset(dataset_config(cfg.eval.dataset, cfg.run_dir), tokenizer))
     items = items[: cfg.eval.max_prompts]
     results = []
-    async with rollout_servers(cfg, paths[0], 0) as (pool, servers):
+    async with rollout_servers(cfg, paths[0], 0, with_trainer=False) as (pool, servers):
         version = 0
         if servers is None:
             version = max(s.version for s in await pool.status()) + 1

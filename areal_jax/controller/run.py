@@ -39,7 +39,8 @@ def _claim_devices(cfg: ExperimentConfig) -> Callable[[], None]:
     if cfg.trainer_cpus:
         os.sched_setaffinity(0, cfg.trainer_cpus)
     before = os.environ.get(MEMORY_FRACTION_VARIABLE)
-    os.environ.update(device_env(cfg.trainer_devices, cfg.trainer_memory_fraction))
+    trainer_fraction, _ = cfg.memory_fractions()
+    os.environ.update(device_env(cfg.trainer_devices, trainer_fraction))
 
     def release() -> None:
         if before is None:
@@ -48,6 +49,21 @@ def _claim_devices(cfg: ExperimentConfig) -> Callable[[], None]:
             os.environ[MEMORY_FRACTION_VARIABLE] = before
 
     return release
+
+
+def _report_default_memory_shares(cfg: ExperimentConfig) -> None:
+    """Say which memory shares were chosen for processes sharing an accelerator when the
+    config set none (on a CPU they mean nothing: say nothing)."""
+    import jax
+
+    unset = cfg.trainer_memory_fraction is None and cfg.rollout.server_memory_fraction is None
+    trainer, server = cfg.memory_fractions()
+    if jax.default_backend() == "cpu" or not unset or (trainer is None and server is None):
+        return
+    parts = [f"trainer {trainer:g}"] if trainer is not None else []
+    parts += [f"each local rollout server {server:g}"] if server is not None else []
+    print(f"processes share devices; memory shares: {', '.join(parts)} (set them with "
+          "trainer_memory_fraction and rollout.server_memory_fraction)", flush=True)
 
 
 def train(cfg: ExperimentConfig) -> dict:
@@ -66,6 +82,8 @@ def train(cfg: ExperimentConfig) -> dict:
         initialize_distributed(pg.coordinator_address, pg.num_processes, pg.process_id)
     leader = is_leader()  # JAX's backends start here and read the claim
     release_memory_fraction()
+    if leader:
+        _report_default_memory_shares(cfg)
     run_dir = Path(cfg.run_dir)
     if leader:
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -8,6 +8,8 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +24,7 @@ from areal_jax.experiment import ExperimentConfig
 log = logging.getLogger(__name__)
 
 MAX_LOCAL_RESTARTS = 3  # per local server and run; more means it is failing, not flaking
+SERVER_COMPILE_WAIT_S = 900.0  # after SFT, the longest wait for the servers' compile to end
 
 
 def custom_rewards(cfg: ExperimentConfig) -> dict[str, str]:
@@ -61,18 +64,22 @@ def make_pool(cfg: ExperimentConfig, addresses: list[str]) -> RolloutPool:
     return RolloutPool(addresses, auth_token=token, tls_root_cert=tls, options=options)
 
 
-def _local_servers(cfg: ExperimentConfig, model_path: Path, version: int) -> LocalServers:
+def _local_servers(cfg: ExperimentConfig, model_path: Path, version: int,
+                   with_trainer: bool = True) -> LocalServers:
     r = cfg.rollout
+    _, memory_fraction = cfg.memory_fractions(with_trainer)
     return LocalServers(server_config(cfg, model_path, version), r.num_local_servers,
                         Path(cfg.run_dir) / "logs", r.cpu_sets,
-                        devices=r.server_devices, memory_fraction=r.server_memory_fraction)
+                        devices=r.server_devices, memory_fraction=memory_fraction)
 
 
-def launch_local(cfg: ExperimentConfig, model_path: Path, version: int) -> LocalServers | None:
-    """Start ``rollout.num_local_servers`` servers unless ``rollout.addresses`` are given."""
+def launch_local(cfg: ExperimentConfig, model_path: Path, version: int,
+                 with_trainer: bool = True) -> LocalServers | None:
+    """Start ``rollout.num_local_servers`` servers unless ``rollout.addresses`` are given;
+    ``with_trainer``: a trainer process shares their devices (their memory shares)."""
     if cfg.rollout.addresses:
         return None
-    servers = _local_servers(cfg, model_path, version)
+    servers = _local_servers(cfg, model_path, version, with_trainer)
     servers.start()
     return servers
 
@@ -110,33 +117,50 @@ def servers_compiling(cfg: ExperimentConfig, base_model: Path, sft_pending: bool
     """While the body (SFT) runs, compile the local servers' programs into the persistent
     cache in a process of their own, on ``base_model`` (the same shapes as the SFT model they
     will serve), where ``compiles_servers_during_sft``; on leaving, wait for that process to
-    end, so its device memory is free before the servers start, and print how it went. A
-    failed compile is reported, not raised: the servers then compile as they start. If the
-    body raises, the process is killed."""
+    end (at most ``SERVER_COMPILE_WAIT_S``), so its device memory is free before the servers
+    start, and print how it went. A compile that cannot start, fails or overruns is reported,
+    not raised: the servers then compile as they start. If the body raises, it is killed."""
     if not compiles_servers_during_sft(cfg, sft_pending):
         yield
         return
+    log_path = Path(cfg.run_dir) / "logs" / "server_compile.log"
     began = time.monotonic()
-    servers = _local_servers(cfg, base_model, 0)
-    proc = servers.compile_programs()
+    try:
+        proc = _local_servers(cfg, base_model, 0).compile_programs()
+    except OSError as e:
+        print(f"could not start compiling the rollout servers' programs during SFT ({e}); "
+              "the servers compile them as they start", flush=True)
+        yield
+        return
+    ended: list[float] = []  # when the process ended, seen by a thread that waits for it
+    waiter = threading.Thread(target=lambda: (proc.wait(), ended.append(time.monotonic())),
+                              name="server-compile-wait", daemon=True)
+    waiter.start()
     try:
         yield
-    except BaseException:
-        proc.kill()
-        proc.wait()
-        raise
-    body_ended = time.monotonic()
-    code = proc.wait()
-    ended = time.monotonic()
-    log_path = Path(cfg.run_dir) / "logs" / "server_compile.log"
-    if code == 0:
-        after = ended - body_ended
-        waited = f", {after:.1f} s of it after SFT" if after >= 0.1 else ""
-        print(f"rollout servers' programs compiled during SFT in {ended - began:.1f} s{waited}",
+        sft_ended = time.monotonic()
+        waiter.join(SERVER_COMPILE_WAIT_S)
+        overran = waiter.is_alive()
+    finally:
+        if proc.poll() is None:  # the body raised, or the compile overran
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # its own session: the tools it ran too
+            except ProcessLookupError:
+                proc.kill()
+            proc.wait()
+    if overran:
+        print(f"compiling the rollout servers' programs did not end within "
+              f"{SERVER_COMPILE_WAIT_S:g} s after SFT: stopped it (log: {log_path}); the servers "
+              "compile them as they start", flush=True)
+    elif proc.returncode != 0:
+        print(f"compiling the rollout servers' programs during SFT failed (exit code "
+              f"{proc.returncode}, log: {log_path}); the servers compile them as they start",
               flush=True)
     else:
-        print(f"compiling the rollout servers' programs during SFT failed (exit code {code}, "
-              f"log: {log_path}); the servers compile them as they start", flush=True)
+        after = ended[0] - sft_ended
+        waited = f", {after:.1f} s of it after SFT" if after >= 0.1 else ""
+        print(f"rollout servers' programs compiled during SFT in {ended[0] - began:.1f} s"
+              f"{waited}", flush=True)
 
 
 async def wait_ready(pool: RolloutPool, servers: LocalServers | None,
@@ -155,10 +179,12 @@ async def wait_ready(pool: RolloutPool, servers: LocalServers | None,
 
 
 @contextlib.asynccontextmanager
-async def rollout_servers(cfg: ExperimentConfig, model_path: Path, version: int):
+async def rollout_servers(cfg: ExperimentConfig, model_path: Path, version: int,
+                          with_trainer: bool = True):
     """Local servers serving ``model_path`` as ``version`` (or the ``rollout.addresses``) and a
-    connected pool: yields ``(pool, local servers or None)``; closes and stops both on exit."""
-    servers = launch_local(cfg, model_path, version)
+    connected pool: yields ``(pool, local servers or None)``; closes and stops both on exit.
+    ``with_trainer``: whether this process is a trainer sharing the servers' devices."""
+    servers = launch_local(cfg, model_path, version, with_trainer)
     pool = make_pool(cfg, servers.addresses if servers else list(cfg.rollout.addresses))
     try:
         await wait_ready(pool, servers)

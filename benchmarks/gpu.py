@@ -12,7 +12,8 @@ speed; nothing is downloaded), no end-of-sequence id, so every request runs to i
 3. Decode: ``--batch`` prompts of ``--prompt-len`` random tokens, ``--new-tokens`` each, all
    submitted at once; the JAX engine (``dtype: bfloat16``, ``num_slots`` = batch) against
    transformers ``generate`` on the model loaded in bf16, greedy and T=1, timed round-robin in
-   one process (median of ``--reps`` rounds); the engine's compile time (first run minus a warm
+   one process (median of ``--reps`` rounds; one engine per ``--steps-per-call`` value, all in
+   the same rounds); the engine's compile time (first run minus a warm
    run) on its own; and the floor a decode step cannot beat: every weight and the cache read
    once per step at the measured copy speed.
 4. Train step: the same batch and loss as ``benchmarks/train_step.py`` (``--rows`` sequences of
@@ -20,14 +21,16 @@ speed; nothing is downloaded), no end-of-sequence id, so every request runs to i
    ``Trainer.train_on_batch`` with ``dtype: bfloat16`` (fp32 master weights and optimiser
    state), PyTorch runs the transformers model in fp32 under CUDA autocast to bf16. Steps
    alternate between the sides; medians. MFU counts model FLOPs (``step_flops``) against the
-   faster of the two measured bf16 products.
+   faster of the two measured bf16 products. ``--unrolled`` adds our step with the layers
+   unrolled (``scan_layers: false``) as a third side.
 
 JAX takes at most ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (default here 0.45) of the GPU, PyTorch
 the rest. Each part writes its rows to ``--out`` as soon as it ends, so a run cut short keeps
 what it measured; a part that fails is reported with its error and the run goes on.
 
 Usage: PYTHONPATH=. python benchmarks/gpu.py [--models 0.5B 1.5B --batch 64 --prompt-len 128
-       --new-tokens 256 --reps 3 --seq 1024 --steps 5 --profile --out results/gpu_run.md]
+       --new-tokens 256 --steps-per-call 8 [32] --reps 3 --seq 1024 --steps 5 --unrolled
+       --profile --out results/gpu_run.md]
 """
 
 from __future__ import annotations
@@ -154,9 +157,10 @@ def decode_floor_ms(cfg: ModelConfig, batch: int, context: int, copy_gbs: float)
     return 2 * (weights + cache) / (copy_gbs * 1e9) * 1e3
 
 
-async def decode_rows(path: str, args) -> tuple[list[dict], dict, dict | None]:
-    """Engine and transformers tokens/s per sampling kind, the engine's compile time, and
-    (``--profile``) where one greedy batch's device time went, per decode step."""
+async def decode_rows(path: str, args) -> tuple[list[dict], list[dict], dict | None]:
+    """Engine and transformers tokens/s per sampling kind and engine steps per call, the
+    engine's compile time per steps-per-call value, and (``--profile``) where one greedy
+    batch's device time went, per decode step (the first steps-per-call value)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -165,38 +169,47 @@ async def decode_rows(path: str, args) -> tuple[list[dict], dict, dict | None]:
     n = [args.new_tokens] * args.batch
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(torch_device())
     hf.eval()
-    engine = await engine_for(
-        path, num_slots=args.batch, dtype="bfloat16", batch_buckets=[args.batch],
-        max_seq_len=1 << (args.prompt_len + args.new_tokens - 1).bit_length(),
-        decode_steps_per_call=args.steps_per_call, prefill_buckets=[args.prompt_len])
-    first = await jax_batch(engine, prompts, "greedy", n)
-    warm = await jax_batch(engine, prompts, "greedy", n)
+    engines, compile_rows = {}, []
+    for spc in args.steps_per_call:
+        engines[spc] = engine = await engine_for(
+            path, num_slots=args.batch, dtype="bfloat16", batch_buckets=[args.batch],
+            max_seq_len=1 << (args.prompt_len + args.new_tokens - 1).bit_length(),
+            decode_steps_per_call=spc, prefill_buckets=[args.prompt_len])
+        first = await jax_batch(engine, prompts, "greedy", n)
+        warm = await jax_batch(engine, prompts, "greedy", n)
+        compile_rows.append({"steps per call": spc, "first run s": first, "warm run s": warm,
+                             "compile s (difference)": first - warm})
     for kind in SAMPLING:  # full-length warm-ups: a first full generate ran 2-4x slow on a GPU
         hf_batch(hf, prompts, kind, args.new_tokens)
-        await jax_batch(engine, prompts, kind, n)
+        for engine in engines.values():
+            await jax_batch(engine, prompts, kind, n)
     times: dict[tuple, list[float]] = {}
     for rep in range(args.reps):
         for kind in SAMPLING:
             times.setdefault(("hf", kind), []).append(hf_batch(hf, prompts, kind, args.new_tokens))
-            times.setdefault(("jax", kind), []).append(await jax_batch(engine, prompts, kind, n))
+            for spc, engine in engines.items():
+                times.setdefault((spc, kind), []).append(await jax_batch(engine, prompts, kind, n))
         print(f"  decode round {rep + 1}/{args.reps}", flush=True)
     profile = None
     if args.profile:
         with tempfile.TemporaryDirectory() as trace:
             with jax.profiler.trace(trace):
-                wall = await jax_batch(engine, prompts, "greedy", n)
+                wall = await jax_batch(engines[args.steps_per_call[0]], prompts, "greedy", n)
             profile = profile_summary(trace, wall, args.new_tokens)
-    await engine.shutdown()
+    for engine in engines.values():
+        await engine.shutdown()
     del hf
     rows = []
     for kind in SAMPLING:
-        hf_s, jax_s = (statistics.median(times[(side, kind)]) for side in ("hf", "jax"))
-        rows.append({"sampling": kind, "transformers tokens/s": sum(n) / hf_s,
-                     "JAX engine tokens/s": sum(n) / jax_s, "JAX / transformers": hf_s / jax_s,
-                     "JAX ms per step": jax_s / args.new_tokens * 1e3,
-                     "transformers ms per step": hf_s / args.new_tokens * 1e3})
-    return rows, {"first run s": first, "warm run s": warm,
-                  "compile s (difference)": first - warm}, profile
+        hf_s = statistics.median(times[("hf", kind)])
+        for spc in args.steps_per_call:
+            jax_s = statistics.median(times[(spc, kind)])
+            rows.append({"sampling": kind, "steps per call": spc,
+                         "transformers tokens/s": sum(n) / hf_s,
+                         "JAX engine tokens/s": sum(n) / jax_s, "JAX / transformers": hf_s / jax_s,
+                         "JAX ms per step": jax_s / args.new_tokens * 1e3,
+                         "transformers ms per step": hf_s / args.new_tokens * 1e3})
+    return rows, compile_rows, profile
 
 
 # 4. Train step ------------------------------------------------------------------------------
@@ -218,6 +231,10 @@ def train_rows(path: str, cfg: ModelConfig, args,
                         device=torch_device())
     sides = {"JAX trainer (train_on_batch)": ours,
              "PyTorch (transformers, autocast bf16)": lambda: (theirs(), torch_sync())}
+    if args.unrolled:  # the same step with the layers unrolled instead of scanned
+        sides["JAX trainer, layers unrolled"] = ours_step(
+            path, groups, sequences, args.seq, decoupled=False, scan_layers=False,
+            dtype="bfloat16")
     times: dict[str, list[float]] = {name: [] for name in sides}
     for _ in range(args.steps):
         for name, step in sides.items():
@@ -311,12 +328,17 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64, help="decode: requests = engine slots")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--steps-per-call", type=int, default=8)
+    parser.add_argument("--steps-per-call", type=int, nargs="+", default=[8],
+                        help="decode steps per engine call; several values: one engine each, "
+                             "timed round-robin in the same rounds")
     parser.add_argument("--reps", type=int, default=3, help="decode rounds")
     parser.add_argument("--rows", type=int, default=None,
                         help="train: sequences per step (default: 8 for 0.5B, 4 for 1.5B)")
     parser.add_argument("--seq", type=int, default=1024, help="train: tokens per sequence")
     parser.add_argument("--steps", type=int, default=5, help="train: timed steps per side")
+    parser.add_argument("--unrolled", action="store_true",
+                        help="train: also time our step with the layers unrolled "
+                             "(scan_layers: false), as a third side")
     parser.add_argument("--product-size", type=int, default=8192)
     parser.add_argument("--copy-elems", type=int, default=1 << 30)
     parser.add_argument("--profile", action="store_true",
@@ -367,18 +389,19 @@ def main() -> None:
                 out = run_part(f"{name} decode", record,
                                lambda: asyncio.run(decode_rows(path, args)))
                 if out:
-                    rows, compile_row, profile = out
+                    rows, compile_rows, profile = out
                     floor = decode_floor_ms(cfg, args.batch, args.prompt_len + args.new_tokens // 2,
                                             peaks["copy, JAX GB/s (read + write)"])
-                    part["decode"] = {"rows": rows, "compile": compile_row, "floor ms": floor,
+                    part["decode"] = {"rows": rows, "compile": compile_rows, "floor ms": floor,
                                       "profile": profile}
+                    calls = ", ".join(str(spc) for spc in args.steps_per_call)
                     sections.append(
                         f"Decode, bf16: {args.batch} requests of {args.prompt_len} prompt + "
-                        f"{args.new_tokens} new tokens, {args.steps_per_call} steps per engine "
-                        f"call, median of {args.reps} round-robin rounds:\n\n{table(rows)}\n\n"
+                        f"{args.new_tokens} new tokens, {calls} steps per engine call, median "
+                        f"of {args.reps} round-robin rounds:\n\n{table(rows)}\n\n"
                         f"Floor (every weight and the mean context's cache read once per step "
                         f"at the measured copy speed): {floor:.3f} ms per step. Engine compile:"
-                        f"\n\n{table([compile_row])}")
+                        f"\n\n{table(compile_rows)}")
                     if profile:
                         sections.append(profile_section(
                             "Profile of one greedy batch (prefill included)", profile))

@@ -243,10 +243,10 @@ def test_the_servers_compile_reports_its_own_time_not_sfts(compile_cfg, tmp_path
 
     monkeypatch.setattr(LocalServers, "compile_programs", _fake_compile("pass"))
     with servers_compiling(compile_cfg, tmp_path, sft_pending=True):
-        time.sleep(2.0)  # SFT
+        time.sleep(3.0)  # SFT; the fake compile ends long before
     out = capsys.readouterr().out
     seconds = float(out.split("compiled during SFT in ")[1].split(" s")[0])
-    assert seconds < 1.5 and "after SFT" not in out
+    assert seconds < 2.5 and "after SFT" not in out
 
 
 @pytest.mark.parametrize("code, wait_s, message", [

@@ -218,10 +218,12 @@ def test_asking_for_the_servers_compile_with_the_cache_off_is_an_error(tmp_path)
         jax.config.update("jax_compilation_cache_dir", before)
 
 
-def _fake_compile(code: str):
-    """A stand-in for the servers' compile process: its own session, like the real one."""
+def _fake_compile(code: str, started: list):
+    """A stand-in for ``LocalServers.compile_programs``: runs ``code`` in its own session, like
+    the real process, and appends the process to ``started``."""
     def start(self):
-        return subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+        started.append(subprocess.Popen([sys.executable, "-c", code], start_new_session=True))
+        return started[-1]
     return start
 
 
@@ -241,7 +243,7 @@ def test_the_servers_compile_reports_its_own_time_not_sfts(compile_cfg, tmp_path
     from areal_jax.controller.local_servers import LocalServers
     from areal_jax.controller.servers import servers_compiling
 
-    monkeypatch.setattr(LocalServers, "compile_programs", _fake_compile("pass"))
+    monkeypatch.setattr(LocalServers, "compile_programs", _fake_compile("pass", []))
     with servers_compiling(compile_cfg, tmp_path, sft_pending=True):
         time.sleep(3.0)  # SFT; the fake compile ends long before
     out = capsys.readouterr().out
@@ -259,9 +261,7 @@ def test_a_servers_compile_that_fails_or_overruns_is_reported_and_leaves_nothing
     from areal_jax.controller.local_servers import LocalServers
 
     started = []
-    fake = _fake_compile(code)
-    monkeypatch.setattr(LocalServers, "compile_programs",
-                        lambda self: started.append(fake(self)) or started[-1])
+    monkeypatch.setattr(LocalServers, "compile_programs", _fake_compile(code, started))
     monkeypatch.setattr(servers, "SERVER_COMPILE_WAIT_S", wait_s)
     with servers.servers_compiling(compile_cfg, tmp_path, sft_pending=True):
         pass
@@ -274,9 +274,8 @@ def test_sft_failing_kills_the_servers_compile(compile_cfg, tmp_path, monkeypatc
     from areal_jax.controller.servers import servers_compiling
 
     started = []
-    fake = _fake_compile("import time; time.sleep(60)")
     monkeypatch.setattr(LocalServers, "compile_programs",
-                        lambda self: started.append(fake(self)) or started[-1])
+                        _fake_compile("import time; time.sleep(60)", started))
     with pytest.raises(RuntimeError, match="SFT failed"):
         with servers_compiling(compile_cfg, tmp_path, sft_pending=True):
             raise RuntimeError("SFT failed")

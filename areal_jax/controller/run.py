@@ -35,7 +35,8 @@ def _claim_devices(cfg: ExperimentConfig) -> Callable[[], None]:
     """Pin CPUs and limit the accelerators and the memory share this process's JAX takes,
     before JAX starts its backends. Returns the call that puts the memory-fraction variable
     back once JAX has read it, so the local servers this process starts get their own
-    (``rollout.server_memory_fraction``, else the launching environment's), not the trainer's."""
+    (``ExperimentConfig.memory_fractions``, else the launching environment's), not the
+    trainer's."""
     if cfg.trainer_cpus:
         os.sched_setaffinity(0, cfg.trainer_cpus)
     before = os.environ.get(MEMORY_FRACTION_VARIABLE)

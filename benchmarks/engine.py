@@ -65,11 +65,16 @@ RESULTS = Path(__file__).parent / "results" / "engine.md"
 MAX_PROMPT = 128  # prompts of the swap benchmark: 16 to 128 tokens
 
 
-def write_models(root: Path, model: dict, count: int) -> list[str]:
-    """``count`` random checkpoints of ``model`` (the swap benchmark alternates two)."""
+def write_models(root: Path, model: dict, count: int, dtype: str = "float32") -> list[str]:
+    """``count`` random checkpoints of ``model`` in ``dtype`` (the swap benchmark alternates
+    two)."""
     cfg = ModelConfig.from_hf_dict(model)
-    models = [init_model(cfg, seed=s, dtype=jnp.float32) for s in range(count)]
-    return [str(export_hf(m, root / f"m{i}")) for i, m in enumerate(models)]
+    paths = []
+    for i in range(count):  # one model in memory at a time
+        m = init_model(cfg, seed=i, dtype=jnp.dtype(dtype))
+        paths.append(str(export_hf(m, root / f"m{i}", dtype=dtype)))
+        del m
+    return paths
 
 
 async def engine_for(path: str, **options):
@@ -217,7 +222,7 @@ async def decode_benchmark(path, args) -> tuple[list[dict], list[dict], list[dic
 
 
 async def swap_segment(paths, mode: str, seconds: float, seed: int, warm: bool, args,
-                       updates: bool = True) -> dict:
+                       updates: bool = True, vocab: int = SWAP_MODEL["vocab_size"]) -> dict:
     """One timed stretch of load with updates in ``mode`` (none unless ``updates``): tokens,
     seconds, update call times, and the engine's prefill and decode counters.
 
@@ -236,7 +241,7 @@ async def swap_segment(paths, mode: str, seconds: float, seed: int, warm: bool, 
         nonlocal counted
         while time.perf_counter() < stop:
             length = rng.randint(16, MAX_PROMPT)
-            prompt = [rng.randrange(1, SWAP_MODEL["vocab_size"]) for _ in range(length)]
+            prompt = [rng.randrange(1, vocab) for _ in range(length)]
             n = int(math.exp(rng.uniform(math.log(args.min_new), math.log(args.max_new))))
             params = SamplingParams(n, temperature=1.0, seed=rng.randrange(2**31))
             async with contextlib.aclosing(engine.generate(prompt, params, f"c{i}")) as chunks:

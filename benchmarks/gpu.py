@@ -60,19 +60,14 @@ from benchmarks.engine import SAMPLING, engine_for, hf_batch, jax_batch, table  
 from benchmarks.matmul_floor import seconds  # noqa: E402
 from benchmarks.paper.common import machine  # noqa: E402
 from benchmarks.profile_train_step import kinds_by_thread  # noqa: E402
+from benchmarks.shapes import QWEN25_SHAPES  # noqa: E402
 from benchmarks.train_step import make_batch, ours_step, step_flops, torch_step  # noqa: E402
 
-QWEN25 = {"model_type": "qwen2", "vocab_size": 151936, "num_key_value_heads": 2,
-          "max_position_embeddings": 32768, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
-          "tie_word_embeddings": True, "eos_token_id": None}  # fmt: skip
 MODELS = {
-    "0.5B": {**QWEN25, "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
-             "num_attention_heads": 14},
-    "1.5B": {**QWEN25, "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
-             "num_attention_heads": 12},
+    **QWEN25_SHAPES,
     # to try the script on a CPU in seconds
-    "tiny": {**QWEN25, "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256,
-             "num_hidden_layers": 2, "num_attention_heads": 4},
+    "tiny": {**QWEN25_SHAPES["0.5B"], "vocab_size": 512, "hidden_size": 128,
+             "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4},
 }  # fmt: skip
 TRAIN_ROWS = {"0.5B": 8, "1.5B": 4, "tiny": 4}  # default sequences per train step, per model:
 # 8 x 1024 tokens of the 1.5B model did not fit beside the PyTorch side on a 141 GB H200

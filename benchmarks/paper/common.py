@@ -49,9 +49,26 @@ def machine() -> dict:
     """What the numbers were measured on, and how loaded it was (1-minute load average)."""
     model = next((line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines()
                   if line.startswith("model name")), platform.processor() or "unknown")
-    return {"cpu": model, "cores": os.cpu_count(), "machine": platform.machine(),
+    info = {"cpu": model, "cores": os.cpu_count(), "machine": platform.machine(),
             "python": platform.python_version(), "load_avg_1m": os.getloadavg()[0],
             "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
+    accelerator = _accelerator()
+    return {**info, "accelerator": accelerator} if accelerator else info
+
+
+def _accelerator() -> str | None:
+    """The accelerators this process computes on, if it has loaded JAX and JAX found any
+    (the RL benchmarks run their JAX work in child processes and report the host only)."""
+    jax = sys.modules.get("jax")
+    if jax is None or jax.default_backend() == "cpu":
+        return None
+    devices = jax.devices()
+    return f"{len(devices)} x {devices[0].device_kind}"
+
+
+def _machine_words(info: dict) -> str:
+    host = f"{info['cpu']}, {info['cores']} cores"
+    return f"{info['accelerator']} on {host}" if info.get("accelerator") else host
 
 
 def with_load_after(before: dict) -> dict:
@@ -220,7 +237,7 @@ def arguments(args) -> dict[str, str]:
 def summary_row(figure: str, paper: str, goal: str, measured: str, info: dict) -> dict:
     """One line of the paper-claims table (``summary.py``)."""
     return {"figure": figure, "paper": paper, "goal": goal, "measured": measured,
-            "machine": f"{info['cpu']}, {info['cores']} cores",
+            "machine": _machine_words(info),
             "load": f"{info['load_before']:.2f} -> {info['load_avg_1m']:.2f}",
             "command": command_line()}
 
@@ -229,8 +246,8 @@ def write_report(out: Path, name: str, title: str, sections: list[str], payload:
     """``out/<name>.md`` (title, command, machine, sections) and ``out/<name>.json``."""
     out.mkdir(parents=True, exist_ok=True)
     info = payload["machine"]
-    head = (f"# {title}\n\nCommand: `{command_line()}`\n\nMachine: {info['cpu']}, "
-            f"{info['cores']} cores ({info['machine']}), Python {info['python']}, measured "
+    head = (f"# {title}\n\nCommand: `{command_line()}`\n\nMachine: {_machine_words(info)} "
+            f"({info['machine']}), Python {info['python']}, measured "
             f"{info['date_utc']} UTC; 1-minute load average {info['load_before']:.2f} before, "
             f"{info['load_avg_1m']:.2f} after.")
     (out / f"{name}.md").write_text("\n\n".join([head, *sections]) + "\n")

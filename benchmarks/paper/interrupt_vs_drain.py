@@ -14,7 +14,12 @@ wall time per call and per row outside prefill, which shows what a drain's shrin
 costs on the machine. Paper: +12% (1.5B) and +17% (7B) generation throughput for interrupt
 over drain.
 
+``--model 0.5B`` serves a Qwen2.5-0.5B-shaped model with random weights instead (checkpoints in
+bf16, the engine in its backend's dtype): the paper's regime on a GPU, where a decode step reads
+every weight whatever its batch, so a drain's emptying slots are throughput lost.
+
 Usage: PYTHONPATH=. python benchmarks/paper/interrupt_vs_drain.py [--reps 7 --segment-seconds 60]
+       [--model 0.5B --swap-slots 64 --clients 128]
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ from pathlib import Path
 
 from benchmarks.engine import SWAP_MODEL, swap_segment, write_models
 from benchmarks.paper import common
+from benchmarks.shapes import QWEN25_SHAPES
 
+MODELS = {"4.2M": (SWAP_MODEL, "float32"), "0.5B": (QWEN25_SHAPES["0.5B"], "bfloat16")}
 MODES = ("interrupt", "keep_cache", "drain", "no updates")
 COMPARED = ("interrupt", "keep_cache", "no updates")  # each against drain
 
@@ -42,13 +49,16 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=16, help="closed-loop request streams")
     parser.add_argument("--min-new", type=int, default=16)
     parser.add_argument("--max-new", type=int, default=768)
+    parser.add_argument("--model", choices=list(MODELS), default="4.2M",
+                        help="the served model's shape (random weights)")
     common.add_out_argument(parser)
     args = parser.parse_args()
 
     before = common.machine()
     samples: dict[str, list[dict]] = {m: [] for m in MODES}
     with tempfile.TemporaryDirectory() as root:
-        paths = write_models(Path(root), SWAP_MODEL, 2)
+        shape, dtype = MODELS[args.model]
+        paths = write_models(Path(root), shape, 2, dtype)
         for i, mode in enumerate(MODES):  # compiles, then one untimed stretch per mode
             asyncio.run(segment(paths, mode, args.warmup_seconds, -1, i == 0, args))
         for rep in range(args.reps):
@@ -78,7 +88,7 @@ def main() -> None:
                     {m: common.spread([r["tokens_per_s"] for r in samples[m]]) for m in MODES})
     sections = [
         f"## {args.reps} repetitions of a {args.segment_seconds:g} s segment per mode "
-        f"({args.clients} clients, outputs {args.min_new}-{args.max_new} tokens, an update "
+        f"({args.model} model, {args.swap_slots} slots, {args.clients} clients, outputs {args.min_new}-{args.max_new} tokens, an update "
         f"every {args.update_every:g} s; median [min-max])\n\n" + common.table(
             ["swap mode", "tokens/s", "swaps", "mean update call s", "max update call s",
              "re-prefills"], rows),
@@ -109,9 +119,11 @@ def main() -> None:
 
 async def segment(paths, mode: str, seconds: float, seed: int, warm: bool, args) -> dict:
     """One segment of ``mode``: ``no updates`` is the load with the engine swapping nothing."""
+    vocab = MODELS[args.model][0]["vocab_size"]
     if mode == "no updates":
-        return await swap_segment(paths, "interrupt", seconds, seed, warm, args, updates=False)
-    return await swap_segment(paths, mode, seconds, seed, warm, args)
+        return await swap_segment(paths, "interrupt", seconds, seed, warm, args, updates=False,
+                                  vocab=vocab)
+    return await swap_segment(paths, mode, seconds, seed, warm, args, vocab=vocab)
 
 
 def _prefill_share(run: dict) -> float:

@@ -45,22 +45,24 @@ def add_run_arguments(parser, name: str, versions: int) -> None:
     add_out_argument(parser)
 
 
-def machine() -> dict:
-    """What the numbers were measured on, and how loaded it was (1-minute load average)."""
+def machine(accelerator: bool = False) -> dict:
+    """What the numbers were measured on, and how loaded it was (1-minute load average);
+    ``accelerator``: also the JAX accelerators, for a benchmark that computes in this process
+    (asking starts JAX's backend, which on a GPU claims memory)."""
     model = next((line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines()
                   if line.startswith("model name")), platform.processor() or "unknown")
     info = {"cpu": model, "cores": os.cpu_count(), "machine": platform.machine(),
             "python": platform.python_version(), "load_avg_1m": os.getloadavg()[0],
             "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
-    accelerator = _accelerator()
-    return {**info, "accelerator": accelerator} if accelerator else info
+    devices = _accelerators() if accelerator else None
+    return {**info, "accelerator": devices} if devices else info
 
 
-def _accelerator() -> str | None:
-    """The accelerators this process computes on, if it has loaded JAX and JAX found any
-    (the RL benchmarks run their JAX work in child processes and report the host only)."""
-    jax = sys.modules.get("jax")
-    if jax is None or jax.default_backend() == "cpu":
+def _accelerators() -> str | None:
+    """This process's JAX accelerators, e.g. ``1 x NVIDIA H200``; None on a CPU backend."""
+    import jax
+
+    if jax.default_backend() == "cpu":
         return None
     devices = jax.devices()
     return f"{len(devices)} x {devices[0].device_kind}"

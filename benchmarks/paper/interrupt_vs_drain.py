@@ -19,7 +19,7 @@ bf16, the engine in its backend's dtype): the paper's regime on a GPU, where a d
 every weight whatever its batch, so a drain's emptying slots are throughput lost.
 
 Usage: PYTHONPATH=. python benchmarks/paper/interrupt_vs_drain.py [--reps 7 --segment-seconds 60]
-       [--model 0.5B --swap-slots 64 --clients 128]
+       [--model 0.5B --swap-slots 64 --clients 128 --out benchmarks/results/paper/interrupt_vs_drain_gpu]
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def main() -> None:
     common.add_out_argument(parser)
     args = parser.parse_args()
 
-    before = common.machine()
+    before = common.machine(accelerator=True)
     samples: dict[str, list[dict]] = {m: [] for m in MODES}
     with tempfile.TemporaryDirectory() as root:
         shape, dtype = MODELS[args.model]
@@ -88,8 +88,9 @@ def main() -> None:
                     {m: common.spread([r["tokens_per_s"] for r in samples[m]]) for m in MODES})
     sections = [
         f"## {args.reps} repetitions of a {args.segment_seconds:g} s segment per mode "
-        f"({args.model} model, {args.swap_slots} slots, {args.clients} clients, outputs {args.min_new}-{args.max_new} tokens, an update "
-        f"every {args.update_every:g} s; median [min-max])\n\n" + common.table(
+        f"({args.model} model, {args.swap_slots} slots, {args.clients} clients, outputs "
+        f"{args.min_new}-{args.max_new} tokens, an update every {args.update_every:g} s; "
+        f"median [min-max])\n\n" + common.table(
             ["swap mode", "tokens/s", "swaps", "mean update call s", "max update call s",
              "re-prefills"], rows),
         *(f"{m} / drain, per repetition: {common.fmt_spread(r)}x ("

@@ -3,8 +3,10 @@
 XLA programs compiled once are stored on disk and reused by later runs, by the rollout servers
 a run launches (they inherit the environment) and by the test suite, so a restarted or repeated
 run does not pay compilation again. ``CompileMeter`` reports how much time a step spent
-compiling, so a late recompile shows up in the metrics instead of as an unexplained slow step;
-compilation on a thread marked ``compiling_ahead()`` (off the critical path) is counted apart.
+compiling, so a late recompile shows up in the metrics instead of as an unexplained slow step,
+and tells programs compiled from programs loaded from the persistent cache (compiled earlier,
+or ahead by another process); compilation on a thread marked ``compiling_ahead()`` (off the
+critical path) is counted apart.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 _TRACE_EVENTS = (
     "/jax/core/compile/jaxpr_trace_duration",
@@ -21,6 +24,8 @@ _TRACE_EVENTS = (
     "/jax/core/compile/backend_compile_duration",
 )
 _BACKEND_EVENT = _TRACE_EVENTS[-1]
+# Recorded (inside the backend event) only when the persistent cache held the program.
+_CACHE_LOAD_EVENT = "/jax/compilation_cache/cache_retrieval_time_sec"
 
 
 def default_cache_dir() -> Path:
@@ -65,13 +70,23 @@ def compiling_ahead() -> Iterator[None]:
         _thread_state.ahead = False
 
 
+class Compiled(NamedTuple):
+    """Compilation since the previous take: seconds spent tracing, lowering and compiling or
+    loading programs; programs compiled; programs loaded from the persistent cache."""
+
+    seconds: float
+    programs: int
+    loaded: int
+
+
 class CompileMeter:
-    """Seconds spent tracing, lowering and compiling, and programs compiled, in this process
-    since the previous ``take()``: on the threads that need the programs (``take``) and on
-    threads compiling ahead (``take_ahead``)."""
+    """Compilation in this process since the previous ``take()`` (``Compiled``): on the
+    threads that need the programs (``take``) and on threads compiling ahead
+    (``take_ahead``)."""
 
     _lock = threading.Lock()
-    _totals = {False: [0.0, 0], True: [0.0, 0]}  # compiled ahead? -> [seconds, programs]
+    # compiled ahead? -> [seconds, programs compiled or loaded, programs loaded]
+    _totals = {False: [0.0, 0, 0], True: [0.0, 0, 0]}
     _registered = False
 
     def __init__(self):
@@ -86,29 +101,34 @@ class CompileMeter:
 
     @classmethod
     def _on_event(cls, event: str, duration: float, **_) -> None:
-        if event in _TRACE_EVENTS:
+        if event in _TRACE_EVENTS or event == _CACHE_LOAD_EVENT:
             with cls._lock:
                 total = cls._totals[getattr(_thread_state, "ahead", False)]
+                if event == _CACHE_LOAD_EVENT:
+                    total[2] += 1
+                    return
                 total[0] += duration
                 total[1] += event == _BACKEND_EVENT
 
     @classmethod
     def add_ahead(cls, seconds: float) -> None:
         """Count ``seconds`` compiled ahead elsewhere (in a helper process) as this process's
-        own compiling ahead (not as programs: those count where they load from the cache)."""
+        own compiling ahead (not as programs: those count as loaded where a step loads them from
+        the cache)."""
         with cls._lock:
             cls._totals[True][0] += seconds
 
-    def take(self) -> tuple[float, int]:
-        """(seconds, programs) compiled where they were needed, since the previous ``take``."""
+    def take(self) -> Compiled:
+        """Compilation where the programs were needed, since the previous ``take``."""
         return self._take(ahead=False)
 
-    def take_ahead(self) -> tuple[float, int]:
-        """(seconds, programs) compiled ahead of need, since the previous ``take_ahead``."""
+    def take_ahead(self) -> Compiled:
+        """Compilation ahead of need, since the previous ``take_ahead``."""
         return self._take(ahead=True)
 
-    def _take(self, ahead: bool) -> tuple[float, int]:
+    def _take(self, ahead: bool) -> Compiled:
         with self._lock:
             now = tuple(self._totals[ahead])
         seen, self._seen[ahead] = self._seen[ahead], now
-        return now[0] - seen[0], now[1] - seen[1]
+        loaded = now[2] - seen[2]
+        return Compiled(now[0] - seen[0], now[1] - seen[1] - loaded, loaded)

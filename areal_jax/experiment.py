@@ -195,7 +195,8 @@ class ExperimentConfig:
     compilation_cache_dir: str | None = None
     # Compile the train programs of sketched first batches while the rollout servers start and
     # the held-out set is evaluated; null: where that takes no CPU from the servers (remote
-    # servers, an accelerator backend, or disjoint trainer_cpus and rollout.cpu_sets).
+    # servers, an accelerator backend, disjoint trainer_cpus and rollout.cpu_sets, or the
+    # trainer compiling ahead in its helper process at the lowest CPU priority).
     compile_first_batches: bool | None = None
     # Compile the local JAX-engine servers' programs into the persistent compilation cache while
     # SFT runs (in a process that exits before the servers start); null: where that takes no

@@ -37,6 +37,7 @@ _STEP = textwrap.dedent("""
                            checkpoint_async=False, compile_ahead=ahead != "none",
                            compile_ahead_in=ahead if ahead != "none" else "auto")
     trainer = Trainer(config, mesh=one_device_mesh(), model=tiny_model(seed=7))
+    in_helper = trainer.compiles_ahead_in_helper
     if ahead != "none":
         trainer.compile_ahead_for([[30] * 6])
         assert trainer.wait_compiled_ahead(300)
@@ -48,7 +49,8 @@ _STEP = textwrap.dedent("""
     trainer.close()
     print(json.dumps({"requests": events["/jax/compilation_cache/compile_requests_use_cache"],
                       "hits": events["/jax/compilation_cache/cache_hits"],
-                      "new_shapes": metrics["packing/new_shapes"], "loss": metrics["loss"]}))
+                      "new_shapes": metrics["packing/new_shapes"], "loss": metrics["loss"],
+                      "in_helper": in_helper}))
 """)
 
 
@@ -72,6 +74,7 @@ def test_programs_the_helper_compiled_load_from_the_cache_instead_of_compiling(t
     assert helped["hits"] == 5 and misses["helped"] == misses["alone"] - 5
     assert (alone["new_shapes"], helped["new_shapes"]) == (1.0, 0.0)
     assert helped["loss"] == alone["loss"]
+    assert (alone["in_helper"], helped["in_helper"]) == (False, True)
 
 
 # Starts the process's helper on a spec it cannot build (a TPU mesh, on a CPU machine), prints
@@ -130,6 +133,7 @@ def test_jobs_run_in_the_helper_without_waiting_for_a_window():
         return 0.01
 
     ahead = AheadCompiler(settle_s=60, helper=helper)
+    assert ahead.in_helper
     assert ahead.submit("a", lambda: jobs.append("a"))
     assert ahead.wait_done(10)  # no idle window was ever opened
     assert ran == ["a"] and jobs == [] and ahead.claim("a")
@@ -151,6 +155,7 @@ def test_a_helper_that_ends_hands_its_jobs_to_the_thread():
     with ahead.idle():
         assert ahead.wait_done(10)
     assert jobs == ["a", "b"] and ahead.claim("a") and ahead.claim("b")
+    assert not ahead.in_helper
     ahead.close()
 
 

@@ -37,22 +37,24 @@ def test_responses_never_exceed_max_new_tokens_and_empty_prompts_are_refused():
         first_batch_sketches([], 1, 1, 8)
 
 
-@pytest.mark.parametrize("changes, expected", [
-    ({}, False),  # local servers on the trainer's CPU: compiling would only move the work
-    ({"rollout": {"addresses": ["host:50051"]}}, True),
-    ({"trainer_cpus": [0], "rollout": {"cpu_sets": [[1]]}}, True),
-    ({"trainer_cpus": [0, 1], "rollout": {"cpu_sets": [[1]]}}, False),
-    ({"trainer_cpus": [0]}, False),  # the servers may run anywhere, the trainer's CPU too
-    ({"compile_first_batches": True}, True),
+@pytest.mark.parametrize("changes, in_helper, expected", [
+    ({}, False, False),  # local servers on the trainer's CPU: compiling would only move the work
+    ({}, True, True),  # ... unless the helper compiles, at the lowest CPU priority
+    ({"rollout": {"addresses": ["host:50051"]}}, False, True),
+    ({"trainer_cpus": [0], "rollout": {"cpu_sets": [[1]]}}, False, True),
+    ({"trainer_cpus": [0, 1], "rollout": {"cpu_sets": [[1]]}}, False, False),
+    ({"trainer_cpus": [0]}, False, False),  # the servers may run anywhere, the trainer's CPU too
+    ({"compile_first_batches": True}, False, True),
+    ({"compile_first_batches": False}, True, False),
     ({"trainer_cpus": [0], "rollout": {"cpu_sets": [[1]]}, "compile_first_batches": False},
-     False),
+     False, False),
 ])
-def test_first_batches_compile_ahead_where_the_trainer_has_cpus_of_its_own(tmp_path, changes,
-                                                                             expected):
+def test_first_batches_compile_ahead_where_that_takes_no_cpu_from_the_servers(
+        tmp_path, changes, in_helper, expected):
     raw = tiny_experiment(tmp_path, total_steps=1)
     for key, value in changes.items():
         raw[key] = {**raw[key], **value} if isinstance(value, dict) else value
-    assert compiles_first_batches(from_dict(ExperimentConfig, raw)) is expected
+    assert compiles_first_batches(from_dict(ExperimentConfig, raw), in_helper) is expected
 
 
 def test_a_run_whose_longest_trajectory_fits_no_micro_batch_is_refused_before_it_starts(

@@ -294,14 +294,14 @@ class RLLoop:
                "rollout/resubmitted": float(self.pool.resubmitted),
                "rollout/live_servers": float(len(live))}
         out.update(self._publisher.last_timings)
-        compile_s, programs = self._compiles.take()
-        ahead_s, ahead_programs = self._compiles.take_ahead()
-        out.update({"timing/compile_s": compile_s, "compile/programs": float(programs),
-                    "timing/compile_ahead_s": ahead_s,
-                    "compile/ahead_programs": float(ahead_programs)})
-        if programs and self.version > 3:
-            log.info("version %d compiled %d new programs (%.1f s)", self.version, programs,
-                     compile_s)
+        here, ahead = self._compiles.take(), self._compiles.take_ahead()
+        out.update({"timing/compile_s": here.seconds, "compile/programs": float(here.programs),
+                    "compile/loaded": float(here.loaded),
+                    "timing/compile_ahead_s": ahead.seconds,
+                    "compile/ahead_programs": float(ahead.programs)})
+        if here.programs and self.version > 3:
+            log.info("version %d compiled %d new programs (%.1f s, %d more loaded from the "
+                     "cache)", self.version, here.programs, here.seconds, here.loaded)
         for i, (address, fraction) in enumerate(busy.items()):
             out[f"rollout/busy_fraction/server{i}"] = fraction
         live_busy = [f for a, f in busy.items() if a in live]

@@ -68,13 +68,15 @@ def check_trajectories_fit(cfg: ExperimentConfig, prompt_lengths) -> None:
             f"directory, dataset.max_prompt_tokens: longer prompts are dropped)")
 
 
-def compiles_first_batches(cfg: ExperimentConfig) -> bool:
+def compiles_first_batches(cfg: ExperimentConfig, in_helper: bool) -> bool:
     """Whether the trainer compiles sketched first batches while the servers start and the
     held-out set is evaluated (``compile_first_batches``; unset: where that takes no CPU from
-    the servers, which on a shared CPU it would only move the work, not save it)."""
+    the servers, or where the trainer compiles ahead ``in_helper``, the helper process at the
+    lowest CPU priority; on a shared CPU a compile at the trainer's priority would only move
+    the work, not save it)."""
     if cfg.compile_first_batches is not None:
         return cfg.compile_first_batches
-    return bool(cfg.rollout.addresses) or servers_spare_the_trainer(cfg)
+    return bool(cfg.rollout.addresses) or servers_spare_the_trainer(cfg) or in_helper
 
 
 async def _run_until_done(loop_run, servers) -> None:
@@ -116,7 +118,7 @@ async def run_rl(cfg: ExperimentConfig, trainer, tokenizer, train_set: PromptDat
     published = trainer.snapshot_for_publish().write()
     push = cfg.rollout.weights_transport == "push"
     results: dict = {}
-    sketching = compiles_first_batches(cfg)
+    sketching = compiles_first_batches(cfg, trainer.compiles_ahead_in_helper)
     if sketching:
         sp = cfg.sampling
         trainer.compile_ahead_for(first_batch_sketches(

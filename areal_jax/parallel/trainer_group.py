@@ -83,6 +83,11 @@ class TrainerGroup:
         self._send("lengths", {"lengths": lengths, "batch_trajectories": batch_trajectories})
         return shapes
 
+    @property
+    def compiles_ahead_in_helper(self) -> bool:
+        """``Trainer.compiles_ahead_in_helper`` of the leader's trainer."""
+        return self.trainer.compiles_ahead_in_helper
+
     def idle(self):
         """The leader waits (for a batch): ``Trainer.idle`` of its own trainer."""
         return self.trainer.idle()

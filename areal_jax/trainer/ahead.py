@@ -115,6 +115,11 @@ class AheadCompiler:
         self._windows: collections.deque[float] = collections.deque(maxlen=_HISTORY)
         self._job_seconds: collections.deque[float] = collections.deque(maxlen=_HISTORY)
 
+    @property
+    def in_helper(self) -> bool:
+        """Whether jobs run in the helper process (until it fails, if it does)."""
+        return self._helper is not None
+
     def submit(self, key: Hashable, compile_fn: Callable[[], None]) -> bool:
         """Queue ``compile_fn`` under ``key`` unless that key was already submitted or claimed;
         returns whether it was queued."""

@@ -333,6 +333,12 @@ class Trainer:
         to compile ahead compile meanwhile, and at no other time (``compile_ahead``)."""
         return self._ahead.idle() if self._ahead is not None else contextlib.nullcontext()
 
+    @property
+    def compiles_ahead_in_helper(self) -> bool:
+        """Whether programs compile ahead in the helper process, at the lowest CPU priority
+        (``compile_ahead_in``): there a compile takes only CPU time nobody else wants."""
+        return self._ahead is not None and self._ahead.in_helper
+
     def wait_compiled_ahead(self, timeout: float | None = None) -> bool:
         """Compile every program queued to compile ahead now; False on timeout."""
         with self.idle():

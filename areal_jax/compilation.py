@@ -101,14 +101,18 @@ class CompileMeter:
 
     @classmethod
     def _on_event(cls, event: str, duration: float, **_) -> None:
-        if event in _TRACE_EVENTS or event == _CACHE_LOAD_EVENT:
-            with cls._lock:
+        if event == _CACHE_LOAD_EVENT:  # inside this thread's backend event, which follows
+            _thread_state.loaded = True
+        elif event in _TRACE_EVENTS:
+            backend = event == _BACKEND_EVENT
+            loaded = backend and getattr(_thread_state, "loaded", False)
+            if backend:
+                _thread_state.loaded = False
+            with cls._lock:  # a program and whether it was loaded count together
                 total = cls._totals[getattr(_thread_state, "ahead", False)]
-                if event == _CACHE_LOAD_EVENT:
-                    total[2] += 1
-                    return
                 total[0] += duration
-                total[1] += event == _BACKEND_EVENT
+                total[1] += backend
+                total[2] += loaded
 
     @classmethod
     def add_ahead(cls, seconds: float) -> None:

@@ -118,7 +118,8 @@ async def run_rl(cfg: ExperimentConfig, trainer, tokenizer, train_set: PromptDat
     published = trainer.snapshot_for_publish().write()
     push = cfg.rollout.weights_transport == "push"
     results: dict = {}
-    sketching = compiles_first_batches(cfg, trainer.compiles_ahead_in_helper)
+    in_helper = trainer.compiles_ahead_in_helper
+    sketching = compiles_first_batches(cfg, in_helper)
     if sketching:
         sp = cfg.sampling
         trainer.compile_ahead_for(first_batch_sketches(
@@ -126,7 +127,9 @@ async def run_rl(cfg: ExperimentConfig, trainer, tokenizer, train_set: PromptDat
     with RunLedger(run_dir / "ledger.jsonl") as ledger, \
             MetricsLogger(run_dir, resume_from_step=version + 1) as metrics_log, \
             contextlib.ExitStack() as waiting:
-        if sketching:  # until the loop starts the trainer waits: it compiles meanwhile
+        # Until the loop starts the trainer waits: the thread compiles meanwhile (the helper
+        # needs no window; should it end, its jobs wait for the loop's, unless asked for).
+        if sketching and (cfg.compile_first_batches or not in_helper):
             waiting.enter_context(trainer.idle())
         ledger.record("start", version=version)
         task = progress.start_phase("starting rollout servers", None)

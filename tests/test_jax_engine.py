@@ -12,11 +12,12 @@ import pytest
 
 from _hf_models import hf_greedy, hf_model, save_hf_model
 from areal_jax.config import ConfigError
-from areal_jax.models import load_hf_model
+from areal_jax.models import ModelConfig, load_hf_model
 from areal_jax.rl.logprobs import token_logprobs
 from rollout.config import EngineConfig
 from rollout.engine import EngineError, InvalidParamError, SamplingParams
-from rollout.engines import create_engine
+from rollout.engines import create_engine, jax_engine
+from rollout.engines.jax_engine import JaxEngineOptions
 from rollout.engines.jax_sampling import filter_top_k_top_p, sample
 
 OPTIONS = dict(num_slots=4, max_seq_len=64, decode_steps_per_call=4)
@@ -440,6 +441,24 @@ def test_option_defaults(model_dir):
     assert o.prefill_buckets == [16, 32, 64, 128, 256]
     assert o.batch_buckets == [2, 4, 8]
     assert engine.vocab_size == 97
+
+
+def test_unset_dtype_and_decode_steps_follow_the_backend(monkeypatch):
+    """Unset, the dtype and the decode steps per call are fp32 and 8 on a CPU, bf16 and 32 on
+    an accelerator; set, they stay as given."""
+    cfg = ModelConfig.from_hf_dict({"model_type": "qwen2", "vocab_size": 97, "hidden_size": 16,
+                                    "intermediate_size": 32, "num_hidden_layers": 1,
+                                    "num_attention_heads": 2, "num_key_value_heads": 1,
+                                    "max_position_embeddings": 64})
+    unset, given = JaxEngineOptions(), JaxEngineOptions(decode_steps_per_call=4, dtype="float32")
+    picked = {}
+    for backend in ("cpu", "gpu"):
+        monkeypatch.setattr(jax_engine.jax, "default_backend", lambda b=backend: b)
+        o = unset.resolved(cfg)
+        picked[backend] = (o.dtype, o.decode_steps_per_call)
+        assert (given.resolved(cfg).dtype, given.resolved(cfg).decode_steps_per_call) == (
+            "float32", 4)
+    assert picked == {"cpu": ("float32", 8), "gpu": ("bfloat16", 32)}
 
 
 def test_decode_calls_compute_only_the_live_batch(ref_model, model_dir):

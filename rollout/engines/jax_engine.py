@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_SEQ_LEN = 2048
 SMALLEST_BUCKET = 16
+CPU_DECODE_STEPS, ACCELERATOR_DECODE_STEPS = 8, 32  # decode_steps_per_call when unset
 
 
 @dataclasses.dataclass
@@ -50,7 +51,9 @@ class JaxEngineOptions:
     batch_buckets: list[int] | None = None
     max_seq_len: int | None = None  # cache length = max prompt + output; default min(model, 2048)
     prefill_buckets: list[int] | None = None  # prompt paddings; default powers of two from 16
-    decode_steps_per_call: int = 8  # decode steps inside one device call
+    # decode steps inside one device call; null: 8 on a CPU, 32 on an accelerator (where a
+    # call's host round trip is a large share of a step: 25-28% more tokens/s at 0.5B)
+    decode_steps_per_call: int | None = None
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: float32 on CPU, else bfloat16
     seed: int = 0  # draws the seeds of requests that bring none
     swap_mode: Literal["interrupt", "keep_cache", "drain"] = "interrupt"
@@ -61,7 +64,7 @@ class JaxEngineOptions:
 
     def __post_init__(self):
         for name in ("num_slots", "decode_steps_per_call"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"engine.options.{name}: must be >= 1, got {getattr(self, name)}")
         if self.max_seq_len is not None and self.max_seq_len < 2:
             raise ConfigError(f"engine.options.max_seq_len: must be >= 2, got {self.max_seq_len}")
@@ -82,7 +85,8 @@ class JaxEngineOptions:
             raise ConfigError(f"engine.options.seed: must be >= 0, got {self.seed}")
 
     def resolved(self, cfg: ModelConfig) -> JaxEngineOptions:
-        """These options with ``max_seq_len``, the buckets and ``dtype`` made concrete.
+        """These options with ``max_seq_len``, the buckets, ``dtype`` and
+        ``decode_steps_per_call`` made concrete.
 
         The prefill buckets always end with ``max_seq_len`` so that every context fits one,
         the batch buckets with ``num_slots``.
@@ -101,15 +105,20 @@ class JaxEngineOptions:
                 raise ConfigError(
                     f"engine.options.prefill_buckets[{i}]: {b} exceeds max_seq_len {max_len}"
                 )
+        on_cpu = jax.default_backend() == "cpu"
         dtype = self.dtype
         if dtype == "auto":
-            dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+            dtype = "float32" if on_cpu else "bfloat16"
+        steps = self.decode_steps_per_call
+        if steps is None:
+            steps = CPU_DECODE_STEPS if on_cpu else ACCELERATOR_DECODE_STEPS
         batch = self.batch_buckets
         if batch is None:
             batch = [max(1, self.num_slots // 4), max(1, self.num_slots // 2)]
         return dataclasses.replace(
             self, max_seq_len=max_len, prefill_buckets=sorted({*buckets, max_len}),
             batch_buckets=sorted({*batch, self.num_slots}), dtype=dtype,
+            decode_steps_per_call=steps,
         )
 
 

@@ -289,11 +289,6 @@ def profile_section(title: str, profile: dict) -> str:
 # Report -------------------------------------------------------------------------------------
 
 
-def device_name() -> str:
-    d = jax.devices()[0]
-    return f"{jax.device_count()} x {getattr(d, 'device_kind', d.platform)} ({d.platform})"
-
-
 def write(args, header: str, sections: list[str], record: dict) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(header + "\n\n".join(sections) + "\n")
@@ -350,13 +345,14 @@ def main() -> None:
     import torch
     import transformers
 
-    host = machine()
+    host = machine(accelerator=True)
+    device = host.get("accelerator") or "the CPU (no accelerator)"
     command = " ".join(["PYTHONPATH=. python benchmarks/gpu.py", *sys.argv[1:]])
-    header = (f"# GPU rows\n\nCommand: `{command}`\n\nDevice: {device_name()}; host "
+    header = (f"# GPU rows\n\nCommand: `{command}`\n\nDevice: {device}; host "
               f"{host['cpu']}, {host['cores']} cores; JAX {jax.__version__}, PyTorch "
               f"{torch.__version__}, transformers {transformers.__version__}; "
               f"{host['date_utc']} UTC.\n\n")
-    record: dict = {"command": command, "device": device_name(), "host": host,
+    record: dict = {"command": command, "device": device, "host": host,
                     "versions": {"jax": jax.__version__, "torch": torch.__version__,
                                  "transformers": transformers.__version__}}
     sections: list[str] = []

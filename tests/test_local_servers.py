@@ -25,8 +25,15 @@ time.sleep(600)
 
 
 def _environ(pid: int) -> dict[str, str]:
-    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
+    """``pid``'s environment. While the process is in the middle of an exec (the launcher
+    becoming the server) the kernel shows an empty one: read again until it is not."""
+    deadline = time.monotonic() + 10
+    while True:
+        raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        env = dict(item.decode().split("=", 1) for item in raw if b"=" in item)
+        if env or time.monotonic() > deadline:
+            return env
+        time.sleep(0.05)
 
 
 def _gone(pid: int) -> bool:

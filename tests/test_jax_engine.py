@@ -3,6 +3,7 @@
 import asyncio
 import contextlib
 import json
+import threading
 from pathlib import Path
 
 import jax
@@ -16,7 +17,7 @@ from areal_jax.models import ModelConfig, load_hf_model
 from areal_jax.rl.logprobs import token_logprobs
 from rollout.config import EngineConfig
 from rollout.engine import EngineError, InvalidParamError, SamplingParams
-from rollout.engines import create_engine, jax_engine
+from rollout.engines import create_engine, jax_decode, jax_engine, jax_worker
 from rollout.engines.jax_engine import JaxEngineOptions
 from rollout.engines.jax_sampling import filter_top_k_top_p, sample
 
@@ -485,3 +486,45 @@ def test_decode_calls_compute_only_the_live_batch(ref_model, model_dir):
     assert calls + 3 <= rows < 4 * calls
     want = hf_greedy(ref_model, PROMPTS[0], 40)
     assert alone.output_ids == mixed.output_ids == want
+
+
+def test_decoding_starts_before_the_prefill_is_read_back(ref_model, model_dir, monkeypatch):
+    """An admission costs the device its prefill, not a round trip through the host: the first
+    decode call is dispatched right behind the prefill, from the slot state it left on the
+    device, and the prefill's tokens are read back while that call runs. Outputs stay greedy
+    HF, for a request admitted alone and for two admitted beside a running one."""
+    events = []
+
+    def recorded(name, fn):
+        def call(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            if threading.current_thread().name == "jax-engine-worker":
+                events.append(name)
+            return out
+        return call
+
+    monkeypatch.setattr(jax_decode, "prefill", recorded("prefill", jax_decode.prefill))
+    monkeypatch.setattr(jax_decode, "decode", recorded("decode", jax_decode.decode))
+    monkeypatch.setattr(jax_worker.jax, "device_get", recorded("read", jax.device_get))
+
+    async def main():
+        engine = await started(model_dir)
+        alone = await engine.generate_full(PROMPTS[0], GREEDY, "alone")
+        first = list(events)
+        running = asyncio.ensure_future(
+            engine.generate_full(PROMPTS[1], SamplingParams(40, temperature=0.0), "running"))
+        while engine.stats()["decode_calls"] < 3:  # it decodes before the others arrive
+            await asyncio.sleep(0.01)
+        joined = await asyncio.gather(*[
+            engine.generate_full(p, GREEDY, f"joined{i}") for i, p in enumerate(PROMPTS[::2])])
+        await running
+        await engine.shutdown()
+        return alone, first, joined
+
+    alone, first, joined = run(main())
+    assert first[:3] == ["prefill", "decode", "read"] and first.count("prefill") == 1
+    # Every prefill is followed by a decode call before anything is read back.
+    prefills = [i for i, e in enumerate(events) if e == "prefill"]
+    assert len(prefills) >= 2 and all(events[i + 1] == "decode" for i in prefills)
+    assert alone.output_ids == hf_greedy(ref_model, PROMPTS[0], 16)
+    assert [r.output_ids for r in joined] == [hf_greedy(ref_model, p, 16) for p in PROMPTS[::2]]

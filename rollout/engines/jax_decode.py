@@ -58,6 +58,7 @@ def prefill(
     params: nnx.State,
     cache: list[KVCache],
     stop_mask: jax.Array,
+    state: SlotArrays,
     tokens: jax.Array,
     segments: jax.Array,
     positions: jax.Array,
@@ -67,7 +68,8 @@ def prefill(
     stop_rows: jax.Array,
 ):
     """Write several contexts, packed into one row, into their slots' caches; sample the token
-    after each.
+    after each and enter those slots into ``state`` (every slot's decode state), so a decode
+    call can start from it before the host has read the sampled tokens.
 
     cache: per layer, k [B, Hkv, Dh, S] (transposed), v [B, Hkv, S, Dh].
     tokens/segments/positions [1, T] (T a bucket <= S): context i (of at most R = B) is
@@ -75,7 +77,7 @@ def prefill(
     context i, B for unused rows (they write nothing); last [R]: where context i ends in the
     row; requests: the contexts' sampling fields [R] (``tokens``/``positions``/``active``
     unused); stop_rows [R, V] bool.
-    Returns (cache, stop_mask, tokens [R], logprobs [R], status [R]).
+    Returns (cache, stop_mask, state, tokens [R], logprobs [R], status [R]).
     """
     model = nnx.merge(graphdef, params)
     _, kv_heads, head_dim, _ = cache[0].k.shape
@@ -94,7 +96,12 @@ def prefill(
     token, logprob = sample(logits, requests.temperature, requests.top_k, requests.top_p,
                             requests.seeds, positions[0, last] + 1)
     stop_mask = stop_mask.at[slots].set(stop_rows, mode="drop")
-    return cache, stop_mask, token, logprob, _status(token, requests.remaining, stop_rows)
+    status = _status(token, requests.remaining, stop_rows)
+    filled = dataclasses.replace(  # what SlotTable.filled records on the host
+        requests, tokens=token, positions=positions[0, last] + 1,
+        remaining=requests.remaining - 1, active=status == RUNNING)
+    state = jax.tree.map(lambda a, v: a.at[slots].set(v, mode="drop"), state, filled)
+    return cache, stop_mask, state, token, logprob, status
 
 
 @functools.partial(jax.jit, static_argnames="graphdef")

@@ -8,9 +8,11 @@ into free slots, prefill every slot that needs it (newly admitted, or invalidate
 with their contexts packed into as few calls as the largest bucket allows, then run decode
 calls of several steps, each computing the smallest batch bucket of slots that holds every
 active one and attending over the smallest bucket of cache entries that holds every
-sequence; while nothing on the host needs a turn, each decode call is
-dispatched before the previous one's tokens are read back. Chunks go back to each request
-through its ``deliver`` callback.
+sequence. The first decode call is dispatched right behind the prefill, from the slot state
+the prefill left on the device, and while nothing on the host needs a turn each next decode
+call is dispatched before the previous one's tokens are read back: the host reads and
+delivers while the device computes. Chunks go back to each request through its ``deliver``
+callback.
 
 Weight swap: new parameters arrive already loaded on the device. In ``interrupt`` mode they
 replace the old ones at once; every running sequence is then re-prefilled (prompt + tokens so
@@ -24,6 +26,7 @@ re-prefill running sequences on resume).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import threading
 import time
@@ -44,6 +47,17 @@ from rollout.engines.jax_slots import Sequence, SlotTable
 log = logging.getLogger(__name__)
 
 ABORTED = GenerationChunk((), (), (), "abort")
+
+
+@dataclasses.dataclass
+class _Prefill:
+    """Prefill calls dispatched and not yet read back."""
+
+    calls: list[tuple[list[int], jax_decode.SlotArrays, tuple]]  # (slots, requests, outputs)
+    state: jax_decode.SlotArrays  # every slot's decode state after them, on the device
+    may_decode: np.ndarray  # [B] bool: the slots they fill that may go on decoding
+    reach: int  # the longest context they fill
+    seconds: float  # host time spent dispatching them
 
 
 class DecodeWorker:
@@ -67,7 +81,9 @@ class DecodeWorker:
         self.version = version
         self.swaps = self.prefill_calls = self.decode_calls = self.reprefills = 0
         self.decode_rows = 0  # slots computed, summed over decode calls
-        self.prefill_seconds = 0.0  # wall time of prefill calls, read-back included
+        # host time of prefills: dispatching them, then waiting for their results (the decode
+        # call queued behind them is already dispatched by then)
+        self.prefill_seconds = 0.0
         self.error: EngineError | None = None
         self._graphdef, self._params = graphdef, params
         self._layers = jax_decode.split_layers(graphdef, params)
@@ -122,11 +138,12 @@ class DecodeWorker:
         unused, last = np.full(num_slots, num_slots, np.int32), np.zeros(num_slots, np.int32)
         stop_rows = np.zeros((num_slots, self._stop_mask.shape[1]), bool)
         calls = 0
+        state = jax.device_put(empty.arrays, self._placement)
         for bucket in self._buckets:
             row = np.zeros((1, bucket), np.int32)
             self._cache, self._stop_mask, *outputs = jax_decode.prefill(
-                self._graphdef, self._params, self._cache, self._stop_mask, row, row, row,
-                unused, last, requests, stop_rows,
+                self._graphdef, self._params, self._cache, self._stop_mask, state, row, row,
+                row, unused, last, requests, stop_rows,
             )
             jax.block_until_ready(outputs)
             calls += 1
@@ -231,10 +248,7 @@ class DecodeWorker:
         self._maybe_swap()
         if self._swap is None:
             self._admit()
-        if self._slots.unfilled.any():
-            self._prefill()
-        if self._slots.arrays.active.any():
-            self._decode()
+        self._decode(self._prefill() if self._slots.unfilled.any() else None)
 
     def _drop_cancelled(self) -> None:
         for slot in self._slots.occupied():
@@ -267,9 +281,9 @@ class DecodeWorker:
                     return
                 self._slots.assign(slot, self._pending.popleft())
 
-    def _prefill(self) -> None:
-        """Prefill every unfilled slot's context (prompt + output so far), packed into as few
-        calls as the largest bucket allows; deliver the tokens sampled next."""
+    def _prefill(self) -> _Prefill:
+        """Start prefilling every unfilled slot's context (prompt + output so far), packed
+        into as few calls as the largest bucket allows; nothing is read back yet."""
         start = time.perf_counter()
         groups, size = [[]], 0
         for slot in np.flatnonzero(self._slots.unfilled).tolist():
@@ -278,18 +292,33 @@ class DecodeWorker:
                 groups, size = groups + [[]], 0
             groups[-1].append(slot)
             size += n
-        calls = [(group, *self._dispatch_prefill(group)) for group in groups]
-        for group, requests, outputs in calls:
+        state = jax.device_put(self._slots.arrays, self._placement)
+        calls = []
+        for group in groups:
+            state, requests, outputs = self._dispatch_prefill(group, state)
+            calls.append((group, requests, outputs))
+        seqs = [self._slots.seqs[slot] for slot in np.flatnonzero(self._slots.unfilled)]
+        may_decode = self._slots.unfilled.copy()  # all but those whose next token is the last
+        may_decode[[slot for slot, seq in zip(np.flatnonzero(may_decode), seqs)
+                    if seq.params.max_new_tokens - len(seq.output) <= 1]] = False
+        reach = max(len(seq.context) for seq in seqs)
+        return _Prefill(calls, state, may_decode, reach, time.perf_counter() - start)
+
+    def _deliver_prefill(self, prefill: _Prefill) -> None:
+        """Read back a prefill's sampled tokens, record them and deliver them."""
+        start = time.perf_counter()
+        for group, requests, outputs in prefill.calls:
             tokens, logprobs, status = jax.device_get(outputs)
             for i, slot in enumerate(group):
                 seq = self._slots.seqs[slot]
                 chunk = self._slots.filled(slot, i, requests, int(tokens[i]), float(logprobs[i]),
                                            int(status[i]), self.version)
                 self._send(seq, chunk)
-        self.prefill_seconds += time.perf_counter() - start
+        self.prefill_seconds += prefill.seconds + time.perf_counter() - start
 
-    def _dispatch_prefill(self, group: list[int]) -> tuple:
-        """Start one prefill call for the slots ``group``; its requests and outputs."""
+    def _dispatch_prefill(self, group: list[int], state: jax_decode.SlotArrays) -> tuple:
+        """Start one prefill call for the slots ``group``, entering them into the device
+        decode ``state``; the new state, the call's requests and its outputs."""
         seqs = [self._slots.seqs[slot] for slot in group]
         self.reprefills += sum(bool(seq.output) for seq in seqs)
         contexts = [seq.context for seq in seqs]
@@ -306,25 +335,36 @@ class DecodeWorker:
             slots[i], last[i], stop_rows[i] = slot, span.stop - 1, seq.stop_row
             end = span.stop
         requests = self._slots.requests(seqs, num_slots)
-        self._cache, self._stop_mask, *outputs = jax_decode.prefill(
-            self._graphdef, self._params, self._cache, self._stop_mask, tokens, segments,
+        self._cache, self._stop_mask, state, *outputs = jax_decode.prefill(
+            self._graphdef, self._params, self._cache, self._stop_mask, state, tokens, segments,
             positions, slots, last, requests, stop_rows,
         )
         self.prefill_calls += 1
-        return requests, outputs
+        return state, requests, outputs
 
-    def _decode(self) -> None:
+    def _decode(self, prefill: _Prefill | None) -> None:
         """Decode calls back to back while nothing on the host needs a turn.
 
-        Each next call starts from the previous call's slot state on the device and is
-        dispatched before the previous call's tokens are read back and delivered, so the host
-        work of one call overlaps the device work of the next. Host-side changes (admissions,
-        cancellations, swaps, commands) wait for the chain to end, at most one call later.
+        The first call starts from ``prefill``'s device state when slots were just prefilled
+        (their tokens are read back and delivered while it runs: an admission costs the device
+        its prefill, not a round trip to the host). Each next call starts from the previous
+        call's slot state on the device and is dispatched before the previous call's tokens
+        are read back and delivered, so the host work of one call overlaps the device work of
+        the next. Host-side changes (admissions, cancellations, swaps, commands) wait for the
+        chain to end, at most one call later.
         """
         a = self._slots.arrays
-        reach = int(a.positions[a.active].max())
-        rows = self._rows()
-        current = self._dispatch(jax.device_put(a, self._placement), reach, rows)
+        live = a.active | (prefill.may_decode if prefill else False)
+        if not live.any():  # nothing to decode: only a prefill, whose tokens may finish it
+            if prefill:
+                self._deliver_prefill(prefill)
+            return
+        reach = max(int(a.positions[a.active].max(initial=0)), prefill.reach if prefill else 0)
+        rows = self._rows(live)
+        state = prefill.state if prefill else jax.device_put(a, self._placement)
+        current = self._dispatch(state, reach, rows)
+        if prefill:
+            self._deliver_prefill(prefill)
         while True:
             chained = None
             if self._may_chain():
@@ -338,12 +378,11 @@ class DecodeWorker:
             current = chained
             # The slots active after the call just read back include every slot active when
             # the next call starts (one later), so the batch shrinks as sequences finish.
-            rows = self._rows()
+            rows = self._rows(self._slots.arrays.active)
 
-    def _rows(self) -> np.ndarray:
-        """The slots a decode call computes: every active one, padded with inactive ones to
+    def _rows(self, active: np.ndarray) -> np.ndarray:
+        """The slots a decode call computes: every ``active`` one, padded with inactive ones to
         the smallest batch bucket that holds them (ascending, distinct)."""
-        active = self._slots.arrays.active
         size = next(b for b in self._batch_buckets if b >= active.sum())
         return np.sort(np.argsort(~active, kind="stable")[:size]).astype(np.int32)
 

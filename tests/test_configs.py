@@ -143,7 +143,7 @@ def test_the_servers_compile_during_sft_needs_the_compilation_cache():
 
 
 def test_the_trainers_memory_fraction_does_not_reach_its_servers(monkeypatch):
-    from areal_jax.controller.run import _claim_devices
+    from areal_jax.controller.run import claim_devices
 
     variable = "XLA_PYTHON_CLIENT_MEM_FRACTION"
     cfg = load_config(ExperimentConfig, CONFIGS[-1],
@@ -153,10 +153,27 @@ def test_the_trainers_memory_fraction_does_not_reach_its_servers(monkeypatch):
             monkeypatch.delenv(variable, raising=False)
         else:
             monkeypatch.setenv(variable, before)
-        release = _claim_devices(cfg)
+        release = claim_devices(cfg)
         assert os.environ[variable] == "0.4"  # what the trainer's JAX reads when it starts
         release()
         assert os.environ.get(variable) == before  # what the servers it launches inherit
+
+
+def test_deterministic_asks_xla_for_deterministic_ops_once_keeping_other_flags(monkeypatch):
+    from areal_jax.controller.run import claim_devices
+
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
+    claim_devices(load_config(ExperimentConfig, CONFIGS[-1]))()  # () puts the share back
+    assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/x"  # off by default
+    cfg = load_config(ExperimentConfig, CONFIGS[-1], ["deterministic=true"])
+    for _ in range(2):  # a second claim (e.g. a restarted phase) adds nothing
+        claim_devices(cfg)()
+        assert os.environ["XLA_FLAGS"] == (
+            "--xla_dump_to=/tmp/x --xla_gpu_deterministic_ops=true")
+    monkeypatch.delenv("XLA_FLAGS")
+    claim_devices(cfg)()
+    assert os.environ["XLA_FLAGS"] == "--xla_gpu_deterministic_ops=true"
 
 
 def test_chosen_shares_are_reported_on_an_accelerator_only(monkeypatch, capsys):

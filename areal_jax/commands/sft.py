@@ -16,8 +16,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
+    from areal_jax.compilation import enable_compilation_cache
     from areal_jax.config import load_config
     from areal_jax.controller.progress import TrainingProgress
+    from areal_jax.controller.run import claim_devices
     from areal_jax.controller.prepare import prepare_base_model, prepare_data
     from areal_jax.controller.sft_phase import run_sft
     from areal_jax.experiment import ExperimentConfig
@@ -25,6 +27,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(ExperimentConfig, args.config, args.overrides)
     if cfg.sft.steps < 1:
         raise SystemExit("sft.steps must be >= 1 for `areal-jax sft`")
+    claim_devices(cfg, with_servers=False)  # no servers: the trainer's share stays set
+    enable_compilation_cache(cfg.compilation_cache_dir)
     prepare_data(cfg)
     base = prepare_base_model(cfg)
     with TrainingProgress() as progress:

@@ -31,17 +31,25 @@ from areal_jax.data.dataset import PromptDataset
 from areal_jax.experiment import ExperimentConfig
 
 
-def _claim_devices(cfg: ExperimentConfig) -> Callable[[], None]:
-    """Pin CPUs and limit the accelerators and the memory share this process's JAX takes,
-    before JAX starts its backends. Returns the call that puts the memory-fraction variable
-    back once JAX has read it, so the local servers this process starts get their own
-    (``ExperimentConfig.memory_fractions``, else the launching environment's), not the
-    trainer's."""
+DETERMINISTIC_FLAG = "--xla_gpu_deterministic_ops=true"
+
+
+def claim_devices(cfg: ExperimentConfig, with_servers: bool = True) -> Callable[[], None]:
+    """Pin CPUs, limit the accelerators and the memory share this process's JAX takes, and
+    ask XLA for deterministic ops (``deterministic``, in ``XLA_FLAGS``, which the processes
+    it starts inherit), before JAX starts its backends. Without servers (``areal-jax sft``)
+    only a memory share the config sets applies. Returns the call that puts the
+    memory-fraction variable back once JAX has read it, so the local servers this process
+    starts get their own (``ExperimentConfig.memory_fractions``, else the launching
+    environment's), not the trainer's."""
     if cfg.trainer_cpus:
         os.sched_setaffinity(0, cfg.trainer_cpus)
     before = os.environ.get(MEMORY_FRACTION_VARIABLE)
-    trainer_fraction, _ = cfg.memory_fractions()
+    trainer_fraction = cfg.memory_fractions()[0] if with_servers else cfg.trainer_memory_fraction
     os.environ.update(device_env(cfg.trainer_devices, trainer_fraction))
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    if cfg.deterministic and DETERMINISTIC_FLAG not in flags:
+        os.environ["XLA_FLAGS"] = " ".join([*flags, DETERMINISTIC_FLAG])
 
     def release() -> None:
         if before is None:
@@ -76,7 +84,7 @@ def train(cfg: ExperimentConfig) -> dict:
     from areal_jax.parallel.multihost import initialize_distributed, is_leader
     from areal_jax.parallel.trainer_group import TrainerGroup
 
-    release_memory_fraction = _claim_devices(cfg)
+    release_memory_fraction = claim_devices(cfg)
     enable_compilation_cache(cfg.compilation_cache_dir)
     if cfg.distributed:
         pg = cfg.process_group  # unset fields: from the cluster's environment

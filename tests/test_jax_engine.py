@@ -258,8 +258,9 @@ def test_no_recompiles_as_requests_come_and_go(model_dir):
 
     async def main():
         engine = await started(model_dir)
-        # Each bucket (16, 32, 64) used by prefill and by decode at each batch size (1, 2, 4).
-        for n in (3, 20, 50):
+        # Each prefill layout (16, 32 and 64 tokens in one row; 64 as four rows of 16: four
+        # contexts of 10) and each decode window (16, 32, 64) at each batch size (1, 2, 4).
+        for n in (3, 10, 20, 50):
             for k in (1, 2, 4):
                 await wave(engine, [n] * k, f"warm{n}x{k}")
         warm_calls = engine.stats()["prefill_calls"]
@@ -528,3 +529,39 @@ def test_decoding_starts_before_the_prefill_is_read_back(ref_model, model_dir, m
     assert len(prefills) >= 2 and all(events[i + 1] == "decode" for i in prefills)
     assert alone.output_ids == hf_greedy(ref_model, PROMPTS[0], 16)
     assert [r.output_ids for r in joined] == [hf_greedy(ref_model, p, 16) for p in PROMPTS[::2]]
+
+
+def test_short_contexts_prefill_in_narrow_rows(ref_model, model_dir, monkeypatch):
+    """Contexts admitted together are laid out in the narrowest rows that hold them (four of
+    at most 16 tokens: four rows of 16, not one row of 64), attention kept within each; the
+    tokens stay greedy HF and the log-probs those of each request prefilled alone."""
+    assert jax_worker.prefill_layouts([16, 32, 64, 128, 256, 512, 1024]) == {
+        16: [16], 32: [32], 64: [16, 64], 128: [32, 128], 256: [16, 64, 256],
+        512: [32, 128, 512], 1024: [64, 256, 1024]}
+    shapes = []
+    prefill = jax_decode.prefill
+
+    def recorded(*args):
+        shapes.append(args[5].shape)  # the tokens' rows
+        return prefill(*args)
+
+    monkeypatch.setattr(jax_decode, "prefill", recorded)
+    prompts = [PROMPTS[0], PROMPTS[1], list(range(40, 54)), list(range(60, 69))]  # 5-14 tokens
+
+    async def main():
+        engine = await started(model_dir)
+        alone = [await engine.generate_full(p, GREEDY, f"a{i}") for i, p in enumerate(prompts)]
+        await engine.pause()  # the four queue, then are admitted in one round
+        together = [asyncio.ensure_future(engine.generate_full(p, GREEDY, f"t{i}"))
+                    for i, p in enumerate(prompts)]
+        await asyncio.sleep(0.2)
+        await engine.resume()
+        together = await asyncio.gather(*together)
+        await engine.shutdown()
+        return alone, together
+
+    alone, together = run(main())
+    assert shapes[:4] == [(1, 16)] * 4 and shapes[4:] == [(4, 16)]  # 42 tokens: four rows
+    for p, a, t in zip(prompts, alone, together):
+        assert a.output_ids == t.output_ids == hf_greedy(ref_model, p, 16)
+        np.testing.assert_allclose(a.logprobs, t.logprobs, atol=1e-5, rtol=0)

@@ -212,7 +212,7 @@ def _token_count(item: Trajectory | TrajectoryGroup | int) -> int:
     return item.length
 
 
-def _first_fit_rows(lengths: Sequence[int], row_len: int) -> list[list[int]]:
+def first_fit_rows(lengths: Sequence[int], row_len: int) -> list[list[int]]:
     """First-fit-decreasing of sequence indices into rows of ``row_len`` tokens."""
     rows: list[list[int]] = []
     free: list[int] = []
@@ -252,7 +252,7 @@ def choose_row_layout(
     for t in buckets:
         if t < longest:
             continue
-        rows = _first_fit_rows(lengths, t)
+        rows = first_fit_rows(lengths, t)
         r = row_count_bucket(len(rows), row_multiple)
         if best is None or cost(r, t) < best[0]:
             best = (cost(r, t), t, r, rows)

@@ -2,7 +2,8 @@
 
 Both are pure jitted functions of (params, KV cache, per-slot arrays) with static shapes, so
 requests coming and going never recompile anything: ``prefill`` packs the contexts of any
-number of slots into one row and compiles once per bucket of that row's length, ``decode`` once
+number of slots into rows and compiles once per layout (a bucket of total length, cut into
+rows of one of a few widths), ``decode`` once
 per attention window (the same buckets) and batch bucket, reading only as much of the cache as
 the longest sequence needs and computing only as many rows as the bucket that holds every
 active slot. The cache is donated to both and updated in place.
@@ -67,38 +68,40 @@ def prefill(
     requests: SlotArrays,
     stop_rows: jax.Array,
 ):
-    """Write several contexts, packed into one row, into their slots' caches; sample the token
+    """Write several contexts, packed into rows, into their slots' caches; sample the token
     after each and enter those slots into ``state`` (every slot's decode state), so a decode
     call can start from it before the host has read the sampled tokens.
 
     cache: per layer, k [B, Hkv, Dh, S] (transposed), v [B, Hkv, S, Dh].
-    tokens/segments/positions [1, T] (T a bucket <= S): context i (of at most R = B) is
-    segment i + 1, its positions counting from 0; 0 marks padding. slots [R]: the slot of
-    context i, B for unused rows (they write nothing); last [R]: where context i ends in the
-    row; requests: the contexts' sampling fields [R] (``tokens``/``positions``/``active``
-    unused); stop_rows [R, V] bool.
+    tokens/segments/positions [N, W] (N * W <= S): context i (of at most R = B) is segment
+    i + 1, its positions counting from 0; 0 marks padding; a context attends only within its
+    segment, so narrow rows (several contexts each) spare the attention across contexts that
+    one long row would compute and mask. slots [R]: the slot of context i, B for unused rows
+    (they write nothing); last [R]: where context i ends, as an index into the flattened
+    [N * W] rows; requests: the contexts' sampling fields [R] (``tokens``/``positions``/
+    ``active`` unused); stop_rows [R, V] bool.
     Returns (cache, stop_mask, state, tokens [R], logprobs [R], status [R]).
     """
     model = nnx.merge(graphdef, params)
     _, kv_heads, head_dim, _ = cache[0].k.shape
-    empty = jnp.zeros((len(cache), 1, kv_heads, 0, head_dim), cache[0].k.dtype)
+    empty = jnp.zeros((len(cache), tokens.shape[0], kv_heads, 0, head_dim), cache[0].k.dtype)
     hidden, new = model.extend(tokens, segments, positions, KVCache(empty, empty))
-    row = jnp.where(segments[0] > 0, slots[segments[0] - 1], slots.shape[0])  # [T]
+    seg, at = segments.reshape(-1), positions.reshape(-1)  # [N * W]
+    row = jnp.where(seg > 0, slots[seg - 1], slots.shape[0])
 
-    def put(c, new, where):  # indexed as [T, Hkv, Dh]; padding and unused rows are dropped
-        return c.at[where].set(new[0].astype(c.dtype), mode="drop")
+    def put(c, new, where):  # indexed as [N * W, Hkv, Dh]; padding and unused rows dropped
+        return c.at[where].set(new.reshape(-1, *new.shape[2:]).astype(c.dtype), mode="drop")
 
-    at = positions[0]
     keys, values = (row, slice(None), slice(None), at), (row, slice(None), at)
     cache = [KVCache(put(c.k, k, keys), put(c.v, v, values))
              for c, k, v in zip(cache, new.k, new.v)]
-    logits = model.logits(hidden[0, last])
+    logits = model.logits(hidden.reshape(-1, hidden.shape[-1])[last])
     token, logprob = sample(logits, requests.temperature, requests.top_k, requests.top_p,
-                            requests.seeds, positions[0, last] + 1)
+                            requests.seeds, at[last] + 1)
     stop_mask = stop_mask.at[slots].set(stop_rows, mode="drop")
     status = _status(token, requests.remaining, stop_rows)
     filled = dataclasses.replace(  # what SlotTable.filled records on the host
-        requests, tokens=token, positions=positions[0, last] + 1,
+        requests, tokens=token, positions=at[last] + 1,
         remaining=requests.remaining - 1, active=status == RUNNING)
     state = jax.tree.map(lambda a, v: a.at[slots].set(v, mode="drop"), state, filled)
     return cache, stop_mask, state, token, logprob, status

@@ -5,7 +5,8 @@ reads, the KV cache as one buffer per layer, stop masks) and is the only
 thread that calls the device programs, so the event loop never blocks on device work. It loops:
 run control commands, drop cancelled requests, swap weights when due, move queued requests
 into free slots, prefill every slot that needs it (newly admitted, or invalidated by a swap)
-with their contexts packed into as few calls as the largest bucket allows, then run decode
+with their contexts packed into as few calls as the largest bucket allows (each call's
+contexts in the narrowest rows that hold them: attention stays within a row), then run decode
 calls of several steps, each computing the smallest batch bucket of slots that holds every
 active one and attending over the smallest bucket of cache entries that holds every
 sequence. The first decode call is dispatched right behind the prefill, from the slot state
@@ -40,6 +41,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from areal_jax.models import KVCache, ModelConfig
+from areal_jax.rl import packing
 from rollout.engine import EngineError, GenerationChunk
 from rollout.engines import jax_decode
 from rollout.engines.jax_slots import Sequence, SlotTable
@@ -47,6 +49,16 @@ from rollout.engines.jax_slots import Sequence, SlotTable
 log = logging.getLogger(__name__)
 
 ABORTED = GenerationChunk((), (), (), "abort")
+
+
+ROWS_PER_LAYOUT = (1, 4, 16)  # a prefill of total length T runs as 1, 4 or 16 rows of T / n
+
+
+def prefill_layouts(buckets: list[int]) -> dict[int, list[int]]:
+    """The row widths a prefill of each total length (a bucket) may use, narrowest first: the
+    buckets that cut it into ``ROWS_PER_LAYOUT`` rows. Each (total, width) is one program."""
+    return {t: sorted(w for w in buckets if t % w == 0 and t // w in ROWS_PER_LAYOUT)
+            for t in buckets}
 
 
 @dataclasses.dataclass
@@ -88,6 +100,7 @@ class DecodeWorker:
         self._graphdef, self._params = graphdef, params
         self._layers = jax_decode.split_layers(graphdef, params)
         self._buckets = sorted(prefill_buckets)
+        self._layouts = prefill_layouts(self._buckets)
         self._batch_buckets = sorted(batch_buckets)
         self._steps, self._swap_mode = decode_steps, swap_mode
         # Placed like the parameters, as the programs' outputs are: inputs keep one sharding
@@ -139,14 +152,15 @@ class DecodeWorker:
         stop_rows = np.zeros((num_slots, self._stop_mask.shape[1]), bool)
         calls = 0
         state = jax.device_put(empty.arrays, self._placement)
-        for bucket in self._buckets:
-            row = np.zeros((1, bucket), np.int32)
-            self._cache, self._stop_mask, *outputs = jax_decode.prefill(
-                self._graphdef, self._params, self._cache, self._stop_mask, state, row, row,
-                row, unused, last, requests, stop_rows,
-            )
-            jax.block_until_ready(outputs)
-            calls += 1
+        for total, widths in self._layouts.items():
+            for width in widths:
+                rows = np.zeros((total // width, width), np.int32)
+                self._cache, self._stop_mask, *outputs = jax_decode.prefill(
+                    self._graphdef, self._params, self._cache, self._stop_mask, state, rows,
+                    rows, rows, unused, last, requests, stop_rows,
+                )
+                jax.block_until_ready(outputs)
+                calls += 1
         for window in self._buckets:
             for size in self._batch_buckets:
                 self._cache, *outputs = jax_decode.decode(
@@ -285,22 +299,22 @@ class DecodeWorker:
         """Start prefilling every unfilled slot's context (prompt + output so far), packed
         into as few calls as the largest bucket allows; nothing is read back yet."""
         start = time.perf_counter()
+        filled = np.flatnonzero(self._slots.unfilled).tolist()
+        seqs = [self._slots.seqs[slot] for slot in filled]
         groups, size = [[]], 0
-        for slot in np.flatnonzero(self._slots.unfilled).tolist():
-            n = len(self._slots.seqs[slot].context)
-            if size + n > self._buckets[-1]:
+        for slot, seq in zip(filled, seqs):
+            if size + len(seq.context) > self._buckets[-1]:
                 groups, size = groups + [[]], 0
             groups[-1].append(slot)
-            size += n
+            size += len(seq.context)
         state = jax.device_put(self._slots.arrays, self._placement)
         calls = []
         for group in groups:
             state, requests, outputs = self._dispatch_prefill(group, state)
             calls.append((group, requests, outputs))
-        seqs = [self._slots.seqs[slot] for slot in np.flatnonzero(self._slots.unfilled)]
-        may_decode = self._slots.unfilled.copy()  # all but those whose next token is the last
-        may_decode[[slot for slot, seq in zip(np.flatnonzero(may_decode), seqs)
-                    if seq.params.max_new_tokens - len(seq.output) <= 1]] = False
+        may_decode = np.zeros_like(self._slots.unfilled)  # unless the next token is the last
+        may_decode[[slot for slot, seq in zip(filled, seqs)
+                    if seq.params.max_new_tokens - len(seq.output) > 1]] = True
         reach = max(len(seq.context) for seq in seqs)
         return _Prefill(calls, state, may_decode, reach, time.perf_counter() - start)
 
@@ -322,18 +336,20 @@ class DecodeWorker:
         seqs = [self._slots.seqs[slot] for slot in group]
         self.reprefills += sum(bool(seq.output) for seq in seqs)
         contexts = [seq.context for seq in seqs]
-        bucket = next(b for b in self._buckets if b >= sum(map(len, contexts)))
+        width, rows = self._layout([len(c) for c in contexts])
         num_slots = len(self._slots.seqs)
-        tokens, segments, positions = np.zeros((3, 1, bucket), np.int32)
+        tokens, segments, positions = np.zeros((3, len(rows), width), np.int32)
         slots, last = np.full(num_slots, num_slots, np.int32), np.zeros(num_slots, np.int32)
         stop_rows = np.zeros((num_slots, seqs[0].stop_row.shape[0]), bool)
-        end = 0
-        for i, (slot, seq, context) in enumerate(zip(group, seqs, contexts)):
-            span = slice(end, end + len(context))
-            tokens[0, span], segments[0, span] = context, i + 1
-            positions[0, span] = np.arange(len(context))
-            slots[i], last[i], stop_rows[i] = slot, span.stop - 1, seq.stop_row
-            end = span.stop
+        for r, members in enumerate(rows):
+            end = 0
+            for i in members:
+                span = slice(end, end + len(contexts[i]))
+                tokens[r, span], segments[r, span] = contexts[i], i + 1
+                positions[r, span] = np.arange(len(contexts[i]))
+                slots[i], last[i] = group[i], r * width + span.stop - 1
+                stop_rows[i] = seqs[i].stop_row
+                end = span.stop
         requests = self._slots.requests(seqs, num_slots)
         self._cache, self._stop_mask, state, *outputs = jax_decode.prefill(
             self._graphdef, self._params, self._cache, self._stop_mask, state, tokens, segments,
@@ -341,6 +357,20 @@ class DecodeWorker:
         )
         self.prefill_calls += 1
         return state, requests, outputs
+
+    def _layout(self, lengths: list[int]) -> tuple[int, list[list[int]]]:
+        """Rows for contexts of ``lengths`` (in all at most the largest bucket): the narrowest
+        width of the smallest bucket holding them into which first-fit-decreasing fits them
+        (same padded area, least attention); (width, the context indices of each row, empty
+        rows included)."""
+        total = next(b for b in self._buckets if b >= sum(lengths))
+        for width in self._layouts[total]:
+            if width < max(lengths):
+                continue
+            rows = packing.first_fit_rows(lengths, width)
+            if len(rows) * width <= total:
+                return width, rows + [[]] * (total // width - len(rows))
+        raise AssertionError("the widest layout, one row of the total, always fits")
 
     def _decode(self, prefill: _Prefill | None) -> None:
         """Decode calls back to back while nothing on the host needs a turn.

@@ -160,17 +160,23 @@ def test_the_trainers_memory_fraction_does_not_reach_its_servers(monkeypatch):
 
 
 def test_deterministic_asks_xla_for_deterministic_ops_once_keeping_other_flags(monkeypatch):
+    """For the trainer (and the compile helper, which inherits its environment), not for the
+    rollout servers it starts."""
     from areal_jax.controller.run import claim_devices
+    from areal_jax.controller.servers import server_env
 
     monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
     monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
-    claim_devices(load_config(ExperimentConfig, CONFIGS[-1]))()  # () puts the share back
+    default = load_config(ExperimentConfig, CONFIGS[-1])
+    claim_devices(default)()  # () puts the share back
     assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/x"  # off by default
+    assert server_env(default) is None
     cfg = load_config(ExperimentConfig, CONFIGS[-1], ["deterministic=true"])
     for _ in range(2):  # a second claim (e.g. a restarted phase) adds nothing
         claim_devices(cfg)()
         assert os.environ["XLA_FLAGS"] == (
             "--xla_dump_to=/tmp/x --xla_gpu_deterministic_ops=true")
+        assert server_env(cfg) == {"XLA_FLAGS": "--xla_dump_to=/tmp/x"}
     monkeypatch.delenv("XLA_FLAGS")
     claim_devices(cfg)()
     assert os.environ["XLA_FLAGS"] == "--xla_gpu_deterministic_ops=true"

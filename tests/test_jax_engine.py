@@ -512,9 +512,10 @@ def test_decoding_starts_before_the_prefill_is_read_back(ref_model, model_dir, m
         engine = await started(model_dir)
         alone = await engine.generate_full(PROMPTS[0], GREEDY, "alone")
         first = list(events)
+        before = engine.stats()["decode_calls"]
         running = asyncio.ensure_future(
             engine.generate_full(PROMPTS[1], SamplingParams(40, temperature=0.0), "running"))
-        while engine.stats()["decode_calls"] < 3:  # it decodes before the others arrive
+        while engine.stats()["decode_calls"] < before + 2:  # it decodes before the others come
             await asyncio.sleep(0.01)
         joined = await asyncio.gather(*[
             engine.generate_full(p, GREEDY, f"joined{i}") for i, p in enumerate(PROMPTS[::2])])
@@ -561,7 +562,35 @@ def test_short_contexts_prefill_in_narrow_rows(ref_model, model_dir, monkeypatch
         return alone, together
 
     alone, together = run(main())
-    assert shapes[:4] == [(1, 16)] * 4 and shapes[4:] == [(4, 16)]  # 42 tokens: four rows
+    assert shapes[:4] == [(1, 16)] * 4 and shapes[4:] == [(4, 16)]  # 39 tokens in rows of 16
     for p, a, t in zip(prompts, alone, together):
         assert a.output_ids == t.output_ids == hf_greedy(ref_model, p, 16)
         np.testing.assert_allclose(a.logprobs, t.logprobs, atol=1e-5, rtol=0)
+
+
+def test_requests_ending_at_their_prefill_token_beside_a_running_one(ref_model, model_dir):
+    """A slot whose first token ends it (its only token; or a stop id) is inactive in the
+    decode state its prefill leaves on the device: it emits nothing more and frees its slot,
+    while the request decoding beside it goes on unchanged."""
+    first = hf_greedy(ref_model, PROMPTS[2], 1)[0]
+
+    async def main():
+        engine = await started(model_dir)
+        running = asyncio.ensure_future(
+            engine.generate_full(PROMPTS[1], SamplingParams(40, temperature=0.0), "running"))
+        while engine.stats()["decode_calls"] < 2:  # decoding before the others come
+            await asyncio.sleep(0.01)
+        one, stopped = await asyncio.gather(
+            engine.generate_full(PROMPTS[0], SamplingParams(1, temperature=0.0), "one"),
+            engine.generate_full(PROMPTS[2], SamplingParams(
+                16, temperature=0.0, stop_token_ids=(first,)), "stopped"))
+        result = await running
+        stats = engine.stats()
+        await engine.shutdown()
+        return one, stopped, result, stats
+
+    one, stopped, result, stats = run(main())
+    assert (one.output_ids, one.finish_reason) == (hf_greedy(ref_model, PROMPTS[0], 1), "length")
+    assert (stopped.output_ids, stopped.finish_reason) == ([first], "stop")
+    assert result.output_ids == hf_greedy(ref_model, PROMPTS[1], 40)
+    assert stats["running_slots"] == 0

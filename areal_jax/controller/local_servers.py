@@ -40,6 +40,16 @@ MEMORY_FRACTION_VARIABLE = "XLA_PYTHON_CLIENT_MEM_FRACTION"  # a JAX process's s
 JAX_DEFAULT_MEMORY_FRACTION = 0.75  # JAX's share where the variable is unset
 
 
+DETERMINISTIC_FLAG = "--xla_gpu_deterministic_ops=true"  # XLA's deterministic GPU ops
+
+
+def with_deterministic_ops(flags: str, on: bool) -> str:
+    """The ``XLA_FLAGS`` value ``flags`` with XLA's deterministic GPU ops added (``on``), once,
+    or removed; other flags kept in order."""
+    kept = [flag for flag in flags.split() if flag != DETERMINISTIC_FLAG]
+    return " ".join(kept + [DETERMINISTIC_FLAG] * on)
+
+
 def device_env(devices: list[int] | None, memory_fraction: float | None) -> dict[str, str]:
     """Environment that gives a JAX process only ``devices`` (GPUs or TPU chips) and at most
     ``memory_fraction`` of each device's memory."""

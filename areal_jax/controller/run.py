@@ -20,6 +20,7 @@ from pathlib import Path
 from areal_jax.compilation import enable_compilation_cache
 from areal_jax.config import to_dict
 from areal_jax.controller.local_servers import MEMORY_FRACTION_VARIABLE, device_env
+from areal_jax.controller.local_servers import with_deterministic_ops
 from areal_jax.controller.prepare import check_fingerprint, prepare_base_model, prepare_data
 from areal_jax.controller.prepare import base_model_path, dataset_config
 from areal_jax.controller.progress import TrainingProgress
@@ -31,13 +32,10 @@ from areal_jax.data.dataset import PromptDataset
 from areal_jax.experiment import ExperimentConfig
 
 
-DETERMINISTIC_FLAG = "--xla_gpu_deterministic_ops=true"
-
-
 def claim_devices(cfg: ExperimentConfig, with_servers: bool = True) -> Callable[[], None]:
     """Pin CPUs, limit the accelerators and the memory share this process's JAX takes, and
-    ask XLA for deterministic ops (``deterministic``, in ``XLA_FLAGS``, which the processes
-    it starts inherit), before JAX starts its backends. Without servers (``areal-jax sft``)
+    ask XLA for deterministic ops (``deterministic``, in ``XLA_FLAGS``, which its compile
+    helper inherits; the rollout servers get them removed), before JAX starts its backends. Without servers (``areal-jax sft``)
     only a memory share the config sets applies. Returns the call that puts the
     memory-fraction variable back once JAX has read it, so the local servers this process
     starts get their own (``ExperimentConfig.memory_fractions``, else the launching
@@ -47,9 +45,8 @@ def claim_devices(cfg: ExperimentConfig, with_servers: bool = True) -> Callable[
     before = os.environ.get(MEMORY_FRACTION_VARIABLE)
     trainer_fraction = cfg.memory_fractions()[0] if with_servers else cfg.trainer_memory_fraction
     os.environ.update(device_env(cfg.trainer_devices, trainer_fraction))
-    flags = os.environ.get("XLA_FLAGS", "").split()
-    if cfg.deterministic and DETERMINISTIC_FLAG not in flags:
-        os.environ["XLA_FLAGS"] = " ".join([*flags, DETERMINISTIC_FLAG])
+    if cfg.deterministic:
+        os.environ["XLA_FLAGS"] = with_deterministic_ops(os.environ.get("XLA_FLAGS", ""), True)
 
     def release() -> None:
         if before is None:

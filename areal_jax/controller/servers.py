@@ -18,6 +18,7 @@ import jax
 
 from areal_jax.config import ConfigError
 from areal_jax.controller.local_servers import LocalServers, ServerExitedError
+from areal_jax.controller.local_servers import with_deterministic_ops
 from areal_jax.controller.rollout_pool import PoolOptions, RolloutPool
 from areal_jax.experiment import ExperimentConfig
 
@@ -69,8 +70,18 @@ def _local_servers(cfg: ExperimentConfig, model_path: Path, version: int,
     r = cfg.rollout
     _, memory_fraction = cfg.memory_fractions(with_trainer)
     return LocalServers(server_config(cfg, model_path, version), r.num_local_servers,
-                        Path(cfg.run_dir) / "logs", r.cpu_sets,
+                        Path(cfg.run_dir) / "logs", r.cpu_sets, env=server_env(cfg),
                         devices=r.server_devices, memory_fraction=memory_fraction)
+
+
+def server_env(cfg: ExperimentConfig) -> dict[str, str] | None:
+    """What the local servers' environment changes from this process's: ``deterministic`` is
+    the trainer's alone (XLA's deterministic ops would run the engine's KV-cache writes,
+    scatters whose dropped padding rows share an index, one index at a time), so the servers
+    get ``XLA_FLAGS`` without it."""
+    if not cfg.deterministic:
+        return None
+    return {"XLA_FLAGS": with_deterministic_ops(os.environ.get("XLA_FLAGS", ""), False)}
 
 
 def launch_local(cfg: ExperimentConfig, model_path: Path, version: int,

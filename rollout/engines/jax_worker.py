@@ -376,8 +376,8 @@ class DecodeWorker:
         """Decode calls back to back while nothing on the host needs a turn.
 
         The first call starts from ``prefill``'s device state when slots were just prefilled
-        (their tokens are read back and delivered while it runs: an admission costs the device
-        its prefill, not a round trip to the host). Each next call starts from the previous
+        (their tokens are read back and delivered while it runs, so no host trip separates
+        the prefill from decoding). Each next call starts from the previous
         call's slot state on the device and is dispatched before the previous call's tokens
         are read back and delivered, so the host work of one call overlaps the device work of
         the next. Host-side changes (admissions, cancellations, swaps, commands) wait for the

@@ -76,9 +76,9 @@ def _local_servers(cfg: ExperimentConfig, model_path: Path, version: int,
 
 def server_env(cfg: ExperimentConfig) -> dict[str, str] | None:
     """What the local servers' environment changes from this process's: ``deterministic`` is
-    the trainer's alone (XLA's deterministic ops would run the engine's KV-cache writes,
-    scatters whose dropped padding rows share an index, one index at a time), so the servers
-    get ``XLA_FLAGS`` without it."""
+    the trainer's alone, so the servers get ``XLA_FLAGS`` without it (the engine's KV-cache
+    writes are scatters whose dropped padding rows share an index, which XLA may run as a loop
+    over the indices under deterministic ops)."""
     if not cfg.deterministic:
         return None
     return {"XLA_FLAGS": with_deterministic_ops(os.environ.get("XLA_FLAGS", ""), False)}

@@ -569,9 +569,9 @@ def test_short_contexts_prefill_in_narrow_rows(ref_model, model_dir, monkeypatch
 
 
 def test_requests_ending_at_their_prefill_token_beside_a_running_one(ref_model, model_dir):
-    """A slot whose first token ends it (its only token; or a stop id) is inactive in the
-    decode state its prefill leaves on the device: it emits nothing more and frees its slot,
-    while the request decoding beside it goes on unchanged."""
+    """A request whose first token ends it (its only token; or a stop id), admitted while
+    another decodes, gets that token alone and frees its slot; the request decoding beside it
+    goes on unchanged."""
     first = hf_greedy(ref_model, PROMPTS[2], 1)[0]
 
     async def main():

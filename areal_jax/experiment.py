@@ -188,9 +188,9 @@ class ExperimentConfig:
     # a device, the processes start with shares that fit (memory_fractions)
     trainer_memory_fraction: float | None = None
     distributed: bool = False  # multi-process trainer: join a jax.distributed process group
-    # XLA's deterministic GPU ops for the trainer and the processes it starts: the same config
-    # and seed give the same SFT weights run after run (GPU scatter-adds otherwise accumulate
-    # in no fixed order); no effect on a CPU, which is deterministic already
+    # XLA's deterministic GPU ops for the trainer and its compile helper (not the rollout
+    # servers): the same config and seed give the same SFT weights run after run (GPU
+    # scatter-adds otherwise accumulate in no fixed order); a CPU is deterministic already
     deterministic: bool = False
     process_group: ProcessGroupConfig = dataclasses.field(default_factory=ProcessGroupConfig)
     seed: int = 0

@@ -19,8 +19,8 @@ def run(args: argparse.Namespace) -> int:
     from areal_jax.compilation import enable_compilation_cache
     from areal_jax.config import load_config
     from areal_jax.controller.progress import TrainingProgress
-    from areal_jax.controller.run import claim_devices
     from areal_jax.controller.prepare import prepare_base_model, prepare_data
+    from areal_jax.controller.run import claim_devices
     from areal_jax.controller.sft_phase import run_sft
     from areal_jax.experiment import ExperimentConfig
 

@@ -301,12 +301,13 @@ class DecodeWorker:
         start = time.perf_counter()
         filled = np.flatnonzero(self._slots.unfilled).tolist()
         seqs = [self._slots.seqs[slot] for slot in filled]
+        lengths = [len(seq.prompt) + len(seq.output) for seq in seqs]
         groups, size = [[]], 0
-        for slot, seq in zip(filled, seqs):
-            if size + len(seq.context) > self._buckets[-1]:
+        for slot, n in zip(filled, lengths):
+            if size + n > self._buckets[-1]:
                 groups, size = groups + [[]], 0
             groups[-1].append(slot)
-            size += len(seq.context)
+            size += n
         state = jax.device_put(self._slots.arrays, self._placement)
         calls = []
         for group in groups:
@@ -315,7 +316,7 @@ class DecodeWorker:
         may_decode = np.zeros_like(self._slots.unfilled)  # unless the next token is the last
         may_decode[[slot for slot, seq in zip(filled, seqs)
                     if seq.params.max_new_tokens - len(seq.output) > 1]] = True
-        reach = max(len(seq.context) for seq in seqs)
+        reach = max(lengths)
         return _Prefill(calls, state, may_decode, reach, time.perf_counter() - start)
 
     def _deliver_prefill(self, prefill: _Prefill) -> None:

@@ -288,7 +288,8 @@ def test_precompile_leaves_nothing_to_compile_and_serves_the_same_tokens(ref_mod
             traced.append(event)
 
     # Shapes of their own (no other test uses them), so nothing here is compiled already.
-    options = dict(num_slots=3, max_seq_len=48, decode_steps_per_call=3, precompile=True)
+    options = dict(num_slots=3, max_seq_len=48, decode_steps_per_call=3, precompile=True,
+                   compile_threads=4)  # more threads than this machine's CPUs: still each once
     lengths = [16, 23, 9]
     expected = [hf_greedy(ref_model, p, n) for p, n in zip(PROMPTS, lengths)]
 
@@ -428,6 +429,7 @@ def test_invalid_requests_name_the_field(model_dir):
     ({"batch_buckets": []}, "engine.options.batch_buckets"),
     ({"dtype": "float8"}, "engine.options.dtype"),
     ({"precompile": "yes"}, "engine.options.precompile"),
+    ({"compile_threads": 0}, "engine.options.compile_threads"),
 ])
 def test_bad_options_name_the_key(model_dir, options, key):
     with pytest.raises(ConfigError, match=key.replace("[", r"\[").replace("]", r"\]")):

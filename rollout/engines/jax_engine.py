@@ -61,9 +61,12 @@ class JaxEngineOptions:
     # so no request waits for a compile in the middle of serving; off: each compiles when
     # first needed (either way they go to the persistent compilation cache)
     precompile: bool = False
+    # programs ``precompile`` compiles at once (each compile releases the GIL); null: one per
+    # CPU this process may use
+    compile_threads: int | None = None
 
     def __post_init__(self):
-        for name in ("num_slots", "decode_steps_per_call"):
+        for name in ("num_slots", "decode_steps_per_call", "compile_threads"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"engine.options.{name}: must be >= 1, got {getattr(self, name)}")
         if self.max_seq_len is not None and self.max_seq_len < 2:
@@ -189,7 +192,7 @@ class JaxEngine(GenerationEngine):
         if o.precompile:
             log.info("JAX engine: compiling its prefill and decode programs before serving")
             began = time.perf_counter()
-            calls = await asyncio.to_thread(self._worker.precompile)
+            calls = await asyncio.to_thread(self._worker.precompile, o.compile_threads)
             log.info("JAX engine: %d prefill and decode programs ready in %.1f s", calls,
                      time.perf_counter() - began)
         self._worker.start()

@@ -29,10 +29,11 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -140,37 +141,50 @@ class DecodeWorker:
     def queued(self) -> int:
         return len(self._pending)
 
-    def precompile(self) -> int:
-        """Run every program serving can call (prefill per bucket, decode per attention window
-        and batch bucket) once on empty slots, before ``start``, so no request waits for a
-        compile; returns how many calls ran. Empty slots write no cache row that a request
-        reads: a slot's row is prefilled before it decodes."""
+    def precompile(self, threads: int | None = None) -> int:
+        """Compile every program serving can call (prefill per bucket and row width, decode per
+        attention window and batch bucket), ``threads`` at a time (default: one per CPU this
+        process may use), then run each once on empty slots, before ``start``, so no request
+        waits for a compile; returns how many programs. Empty slots write no cache row that a
+        request reads: a slot's row is prefilled before it decodes."""
         num_slots = len(self._slots.seqs)
         empty = SlotTable(num_slots)
         requests = empty.requests([], num_slots)
         unused, last = np.full(num_slots, num_slots, np.int32), np.zeros(num_slots, np.int32)
         stop_rows = np.zeros((num_slots, self._stop_mask.shape[1]), bool)
-        calls = 0
         state = jax.device_put(empty.arrays, self._placement)
+        programs = []  # (function, its arguments before the cache and stop mask, after them)
         for total, widths in self._layouts.items():
             for width in widths:
                 rows = np.zeros((total // width, width), np.int32)
-                self._cache, self._stop_mask, *outputs = jax_decode.prefill(
-                    self._graphdef, self._params, self._cache, self._stop_mask, state, rows,
-                    rows, rows, unused, last, requests, stop_rows,
-                )
-                jax.block_until_ready(outputs)
-                calls += 1
+                programs.append((jax_decode.prefill, (self._graphdef, self._params),
+                                 (state, rows, rows, rows, unused, last, requests, stop_rows)))
         for window in self._buckets:
             for size in self._batch_buckets:
-                self._cache, *outputs = jax_decode.decode(
-                    self._graphdef, self._steps, window, self._params, self._layers,
-                    self._cache, self._stop_mask, jax.device_put(empty.arrays, self._placement),
-                    np.arange(size, dtype=np.int32),
-                )
-                jax.block_until_ready(outputs)
-                calls += 1
-        return calls
+                programs.append((
+                    jax_decode.decode,
+                    (self._graphdef, self._steps, window, self._params, self._layers),
+                    (state, np.arange(size, dtype=np.int32)),
+                ))
+
+        def compile_one(program) -> None:
+            function, before, after = program
+            function.lower(*before, self._cache, self._stop_mask, *after).compile()
+
+        if threads is None:
+            threads = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                       else os.cpu_count() or 1)
+        with ThreadPoolExecutor(min(threads, len(programs)), "jax-engine-compile") as pool:
+            for _ in pool.map(compile_one, programs):  # each compile releases the GIL
+                pass
+        for function, before, after in programs:  # compiled: each call only runs
+            outputs = function(*before, self._cache, self._stop_mask, *after)
+            if function is jax_decode.prefill:
+                self._cache, self._stop_mask, *outputs = outputs
+            else:
+                self._cache, *outputs = outputs
+            jax.block_until_ready(outputs)
+        return len(programs)
 
     def submit(self, seq: Sequence) -> bool:
         """Queue ``seq``; False if the worker has stopped (shut down or failed)."""

@@ -224,14 +224,17 @@ async def decode_benchmark(path, args) -> tuple[list[dict], list[dict], list[dic
 async def swap_segment(paths, mode: str, seconds: float, seed: int, warm: bool, args,
                        updates: bool = True, vocab: int = SWAP_MODEL["vocab_size"]) -> dict:
     """One timed stretch of load with updates in ``mode`` (none unless ``updates``): tokens,
-    seconds, update call times, and the engine's prefill and decode counters.
+    seconds, update call times, the engine's start time (loading, and compiling where
+    ``warm``), and its prefill and decode counters.
 
     ``warm`` first compiles every program the engine can call (``precompile``: every prefill
     bucket, every decode window at every batch bucket; compiled programs are shared by later
     engines in the process), so no timed segment waits for a compile."""
     seq_len = 1 << (MAX_PROMPT + args.max_new - 1).bit_length()
+    starting = time.perf_counter()
     engine = await engine_for(paths[0], num_slots=args.swap_slots, max_seq_len=seq_len,
                               decode_steps_per_call=8, swap_mode=mode, precompile=warm)
+    start_seconds = time.perf_counter() - starting
     rng = random.Random(seed)
     stop = time.perf_counter() + seconds
     counted = 0
@@ -268,7 +271,7 @@ async def swap_segment(paths, mode: str, seconds: float, seed: int, warm: bool, 
     stats = engine.stats()
     await engine.shutdown()
     return {"tokens": counted, "seconds": elapsed, "latencies": latencies,
-            **{k: stats[k] for k in ("reprefills", "prefill_calls", "prefill_seconds",
+            "start_seconds": start_seconds, **{k: stats[k] for k in ("reprefills", "prefill_calls", "prefill_seconds",
                                      "decode_calls", "decode_rows")}}
 
 

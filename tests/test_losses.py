@@ -115,6 +115,25 @@ def test_standard_ppo_recovered_when_proximal_equals_behaviour(cap, mode):
     assert float(jnp.abs(grad_ppo).max()) > 0.01
 
 
+def test_first_update_on_stale_data_decoupled_adds_what_standard_ppo_clips():
+    """At the first update of a batch the policy is the proximal one (lc = lp): the decoupled
+    gradient is -A w on every token (nothing clips), standard PPO's the same where its ratio to
+    the behaviour policy (= w) is inside the trust region and 0 where it clips."""
+    _, lp, lb, adv, mask = _inputs(2)
+    dec = LossConfig(behav_weight_cap=None)
+    ppo = dataclasses.replace(dec, policy_loss="ppo")
+    grad_dec, grad_ppo = (
+        np.asarray(jax.grad(lambda x, c=cfg: policy_loss(c, x, lp, lb, adv, mask, 1.0)[0])(lp))
+        for cfg in (dec, ppo))
+    w = np.exp(lp.astype(np.float64) - lb)
+    m = mask > 0
+    np.testing.assert_allclose(grad_dec, np.where(m, -adv * w, 0.0), rtol=1e-5, atol=1e-7)
+    clipped = m & (((w > 1 + ppo.eps_clip_high) & (adv > 0))
+                   | ((w < 1 - ppo.eps_clip_low) & (adv < 0)))
+    assert clipped.sum() > 10 and (m & ~clipped).sum() > 10
+    np.testing.assert_allclose(grad_ppo, np.where(clipped, 0.0, grad_dec), rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "token_sum"])
 def test_micro_batches_sum_to_minibatch_loss(aggregation):
     cfg = LossConfig(aggregation=aggregation, token_sum_divisor=64.0, dual_clip=2.0)

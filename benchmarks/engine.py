@@ -271,7 +271,8 @@ async def swap_segment(paths, mode: str, seconds: float, seed: int, warm: bool, 
     stats = engine.stats()
     await engine.shutdown()
     return {"tokens": counted, "seconds": elapsed, "latencies": latencies,
-            "start_seconds": start_seconds, **{k: stats[k] for k in ("reprefills", "prefill_calls", "prefill_seconds",
+            "start_seconds": start_seconds,
+            **{k: stats[k] for k in ("reprefills", "prefill_calls", "prefill_seconds",
                                      "decode_calls", "decode_rows")}}
 
 

@@ -285,18 +285,24 @@ def test_precompile_leaves_nothing_to_compile_and_serves_the_same_tokens(ref_mod
 
     def on_event(event, duration, **kwargs):
         if event == "/jax/core/compile/jaxpr_trace_duration":
-            traced.append(event)
+            traced.append(kwargs.get("fun_name"))
 
     # Shapes of their own (no other test uses them), so nothing here is compiled already.
     options = dict(num_slots=3, max_seq_len=48, decode_steps_per_call=3, precompile=True,
-                   compile_threads=4)  # more threads than this machine's CPUs: still each once
+                   compile_threads=4)  # more threads than this machine's CPUs
     lengths = [16, 23, 9]
     expected = [hf_greedy(ref_model, p, n) for p, n in zip(PROMPTS, lengths)]
 
     async def main():
-        engine = await started(model_dir, **options)
         jax.monitoring.register_event_duration_secs_listener(on_event)
         try:
+            engine = await started(model_dir, **options)
+            # Each program traced once, on its compile thread: the run after it only runs.
+            o = engine.options
+            layouts = jax_worker.prefill_layouts(o.prefill_buckets)
+            assert traced.count("prefill") == sum(map(len, layouts.values())) == 3
+            assert traced.count("decode") == len(o.prefill_buckets) * len(o.batch_buckets) == 6
+            traced.clear()
             company = [engine.generate_full([7] * (2 + 9 * i), SamplingParams(4 + 5 * i, seed=i),
                                             f"c{i}") for i in range(3)]
             mine = [engine.generate_full(p, SamplingParams(n, temperature=0.0), f"b{i}")

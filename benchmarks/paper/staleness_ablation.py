@@ -23,19 +23,23 @@ from areal_jax.experiment import ExperimentConfig
 from benchmarks.paper import common
 
 LOSSES = {"ppo": "standard PPO", "decoupled_ppo": "decoupled PPO"}
+# What the loss saw, per run: the median over its steps of these step metrics.
+LOSS_SEEN = {"clip_frac": "ppo/clip_frac", "capped_frac": "ppo/behav_capped_frac",
+             "grad_norm": "grad_norm"}
 PAPER = {0: (42.0, 42.0), 1: (41.8, 42.1), 2: (40.0, 41.8), 4: (23.3, 42.2), 8: (35.7, 41.0),
          16: (35.8, 38.7)}  # AIME24 accuracy (%), (standard PPO, decoupled PPO)
 
 
-def curves_plot(path: Path, runs: dict, etas: list[int], stats: dict) -> Path:
+def curves_plot(path: Path, runs: dict, etas: list[int], stats: dict, losses: list[str]) -> Path:
     """Final accuracy vs η per objective, and the median learning curve of each run kind."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4), dpi=100)
-    for loss, label in LOSSES.items():
+    fig, axes = plt.subplots(1, 1 + len(losses), figsize=(5 * (1 + len(losses)), 4), dpi=100)
+    for loss in losses:
+        label = LOSSES[loss]
         s = [stats[(loss, e)] for e in etas]
         med = [x["median"] for x in s]
         axes[0].errorbar([str(e) for e in etas], med, capsize=4, marker="o", label=label,
@@ -43,7 +47,8 @@ def curves_plot(path: Path, runs: dict, etas: list[int], stats: dict) -> Path:
                                [x["max"] - m for m, x in zip(med, s)]])
     axes[0].set(title="Final held-out accuracy (median, min-max)", xlabel="η", ylabel="accuracy")
     axes[0].legend()
-    for ax, (loss, label) in zip(axes[1:], LOSSES.items()):
+    for ax, loss in zip(axes[1:], losses):
+        label = LOSSES[loss]
         for e in etas:
             by_step: dict[int, list[float]] = {}
             for run in runs[f"{loss} η={e}"]:
@@ -88,7 +93,9 @@ def main() -> None:
                 result = {"seed": seed, "accuracy": run["results"]["after"]["eval/accuracy"],
                           "curve": curve,
                           "staleness_p90": statistics.mean(r["staleness/p90"] for r in train),
-                          "reward_last10": statistics.mean(r["reward/mean"] for r in train[-10:])}
+                          "reward_last10": statistics.mean(r["reward/mean"] for r in train[-10:]),
+                          **{name: statistics.median(r[key] for r in train)
+                             for name, key in LOSS_SEEN.items()}}
                 runs[f"{loss} η={eta}"].append(result)
                 print(f"{LOSSES[loss]}, η={eta}, seed {seed}: accuracy {result['accuracy']:.3f}, "
                       f"staleness p90 {result['staleness_p90']:.1f}", flush=True)
@@ -109,7 +116,7 @@ def main() -> None:
         row.append(f"{paper[0]} -> {paper[1]}" if paper else "-")
         rows.append(row)
     info = common.with_load_after(before)
-    png = curves_plot(args.out / "staleness_ablation.png", runs, args.etas, stats)
+    png = curves_plot(args.out / "staleness_ablation.png", runs, args.etas, stats, args.losses)
     measured = "; ".join(
         f"{LOSSES[loss]} η={e}: {common.fmt_spread(stats[(loss, e)], 3)}"
         for loss in args.losses for e in (min(args.etas), max(args.etas)))
@@ -118,6 +125,19 @@ def main() -> None:
         "median [min-max])\n\n" + common.table(
             ["η", "standard PPO", "staleness p90", "decoupled PPO", "staleness p90",
              "paper AIME24 % (standard -> decoupled)"], rows),
+        "## What the loss saw (per run the median over its steps, then the median [min-max] "
+        "over seeds)\n\n" + common.table(
+            ["η", "objective", "clipped tokens %", "behaviour weight over the cap %",
+             "gradient norm"],
+            [[str(e), LOSSES[loss],
+              *(common.fmt_spread(common.spread([scale * r[name] for r in runs[f"{loss} η={e}"]]),
+                                  digits)
+                for name, scale, digits in (("clip_frac", 100, 3), ("capped_frac", 100, 3),
+                                            ("grad_norm", 1, 3)))]
+             for e in args.etas for loss in args.losses])
+        + "\n\nStandard PPO clips its ratio to the behaviour policy; the decoupled objective "
+        "its ratio to the proximal policy (1 at a batch's first update) and weights each token "
+        "by π_prox / π_behav, dropping tokens whose weight is over the cap.",
         f"![curves]({png.name})",
     ]
     payload = {"machine": info, "args": common.arguments(args),

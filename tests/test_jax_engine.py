@@ -286,10 +286,12 @@ def test_precompile_leaves_nothing_to_compile_and_serves_the_same_tokens(ref_mod
     def on_event(event, duration, **kwargs):
         if event == "/jax/core/compile/jaxpr_trace_duration":
             traced.append(kwargs.get("fun_name"))
+            threads.append(threading.current_thread().name)
 
+    threads = []
     # Shapes of their own (no other test uses them), so nothing here is compiled already.
     options = dict(num_slots=3, max_seq_len=48, decode_steps_per_call=3, precompile=True,
-                   compile_threads=4)  # more threads than this machine's CPUs
+                   compile_threads=4)
     lengths = [16, 23, 9]
     expected = [hf_greedy(ref_model, p, n) for p, n in zip(PROMPTS, lengths)]
 
@@ -302,6 +304,8 @@ def test_precompile_leaves_nothing_to_compile_and_serves_the_same_tokens(ref_mod
             layouts = jax_worker.prefill_layouts(o.prefill_buckets)
             assert traced.count("prefill") == sum(map(len, layouts.values())) == 3
             assert traced.count("decode") == len(o.prefill_buckets) * len(o.batch_buckets) == 6
+            assert {t for f, t in zip(traced, threads) if f in ("prefill", "decode")} <= {
+                f"jax-engine-compile_{i}" for i in range(4)}
             traced.clear()
             company = [engine.generate_full([7] * (2 + 9 * i), SamplingParams(4 + 5 * i, seed=i),
                                             f"c{i}") for i in range(3)]

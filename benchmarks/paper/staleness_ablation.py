@@ -119,7 +119,7 @@ def main() -> None:
     png = curves_plot(args.out / "staleness_ablation.png", runs, args.etas, stats, args.losses)
     measured = "; ".join(
         f"{LOSSES[loss]} η={e}: {common.fmt_spread(stats[(loss, e)], 3)}"
-        for loss in args.losses for e in (min(args.etas), max(args.etas)))
+        for loss in args.losses for e in sorted({min(args.etas), max(args.etas)}))
     sections = [
         f"## Final held-out accuracy ({len(args.seeds)} seed(s), {args.versions} versions; "
         "median [min-max])\n\n" + common.table(

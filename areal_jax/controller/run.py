@@ -36,10 +36,10 @@ def claim_devices(cfg: ExperimentConfig, with_servers: bool = True) -> Callable[
     """Pin CPUs, limit the accelerators and the memory share this process's JAX takes, and
     ask XLA for deterministic ops (``deterministic``, in ``XLA_FLAGS``, which its compile
     helper inherits; the rollout servers get them removed), before JAX starts its backends.
-    Without servers (``areal-jax sft``) only a memory share the config sets applies. Returns the call that puts the
-    memory-fraction variable back once JAX has read it, so the local servers this process
-    starts get their own (``ExperimentConfig.memory_fractions``, else the launching
-    environment's), not the trainer's."""
+    Without servers (``areal-jax sft``) only a memory share the config sets applies. Returns
+    the call that puts the memory-fraction variable back once JAX has read it, so the local
+    servers this process starts get their own (``ExperimentConfig.memory_fractions``, else
+    the launching environment's), not the trainer's."""
     if cfg.trainer_cpus:
         os.sched_setaffinity(0, cfg.trainer_cpus)
     before = os.environ.get(MEMORY_FRACTION_VARIABLE)

@@ -60,13 +60,17 @@ class RewardConfig:
 
     num_workers: int = 4
     timeout_s: float = 30.0
+    max_call_s: float = 600.0
     custom: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         if self.num_workers < 1:
             raise ConfigError(f"rewards.num_workers: must be >= 1, got {self.num_workers}")
-        if self.timeout_s <= 0:
+        if not self.timeout_s > 0:
             raise ConfigError(f"rewards.timeout_s: must be > 0, got {self.timeout_s}")
+        if not self.max_call_s >= self.timeout_s:
+            raise ConfigError(f"rewards.max_call_s: must be >= rewards.timeout_s "
+                              f"({self.timeout_s}), got {self.max_call_s}")
 
 
 @dataclasses.dataclass

@@ -127,7 +127,8 @@ def _reward_pool(config: RewardConfig) -> tuple[RewardScorer, Collection[str]]:
     from areal_jax.rewards import RewardConfigError, RewardPool
 
     try:
-        pool = RewardPool(config.num_workers, config.timeout_s, custom=config.custom)
+        pool = RewardPool(config.num_workers, config.timeout_s, custom=config.custom,
+                          max_call_s=config.max_call_s)
     except RewardConfigError as e:
         raise ConfigError(f"rewards.custom: {e}") from e
     return pool, pool.reward_names

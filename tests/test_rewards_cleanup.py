@@ -97,6 +97,28 @@ def test_code_call_limit_covers_every_test_of_a_slow_correct_solution():
         assert pool.num_timeouts == 0
 
 
+def test_metadata_cannot_lift_the_sandbox_limits_or_hold_a_worker_past_max_call_s():
+    """Metadata comes with client requests: its per-test limits and case count are capped
+    (the call fails naming the key), and a whole call never outlives the pool's max_call_s."""
+    tests = [{"input": "", "output": "1"}]
+    for extra, key in (({"timeout_s": "1e6"}, "timeout_s"), ({"memory_mb": 10**8}, "memory_mb"),
+                       ({"timeout_s": "nan"}, "timeout_s"), ({"memory_mb": 0}, "memory_mb")):
+        with pytest.raises(ValueError, match=f"metadata '{key}'"):
+            time_budget_s({"tests": tests, **extra})
+    with pytest.raises(ValueError, match="513 cases, at most 512"):
+        time_budget_s({"tests": tests * 513})
+    assert time_budget_s({"tests": tests, "timeout_s": 60, "memory_mb": 8192}) == 61.0
+    with pytest.raises(ValueError, match="max_call_s must be >= timeout_s"):
+        RewardPool(1, timeout_s=2.0, max_call_s=1.0)
+    sleeper = "```python\nimport time\ntime.sleep(30)\nprint(1)\n```"
+    with RewardPool(num_workers=1, timeout_s=1.0, max_call_s=2.0) as pool:
+        assert pool.score_sync("code", sleeper, {"tests": tests * 10**4}) == 0.0  # over the cap
+        assert (pool.num_errors, pool.num_timeouts) == (1, 0)
+        start = time.monotonic()  # a budget of 10 x 31 s, cut at max_call_s
+        assert pool.score_sync("code", sleeper, {"tests": tests * 10, "timeout_s": 30}) == 0.0
+        assert pool.num_timeouts == 1 and time.monotonic() - start < 10
+
+
 def test_a_new_pool_reaps_the_scratch_of_a_killed_one(tmp_path, monkeypatch):
     """A pool whose process was SIGKILLed leaves its workers' directories (and any sandbox they
     ran); the next pool reaps those of dead owners and keeps those of live ones."""

@@ -711,6 +711,8 @@ def test_server_config_errors_name_the_key(tmp_path, tok_dir):
         server_config(tmp_path, tok_dir, engine={"modle_path": "x"})
     with pytest.raises(ConfigError, match="engine.model_path: required"):
         server_config(tmp_path, tok_dir, engine={"kind": "sglang"})
+    with pytest.raises(ConfigError, match=r"rewards.max_call_s: must be >= rewards.timeout_s"):
+        server_config(tmp_path, tok_dir, rewards={"timeout_s": 30, "max_call_s": 10})
 
 
 def test_cli_reports_config_errors(capsys):

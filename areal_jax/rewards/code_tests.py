@@ -4,8 +4,10 @@
 (a JSON string of such a list is accepted too) or a string of assert-based Python test code that
 is appended to the solution and must exit with status 0. Outputs are compared line by line with
 trailing whitespace ignored. Optional ``metadata["timeout_s"]`` and ``metadata["memory_mb"]`` set
-the per-test wall-clock and memory limits (defaults: ``SandboxLimits``); ``time_budget_s`` tells
-the reward pool how long a call may take with them. The solution is the last fenced code block of
+the per-test wall-clock and memory limits (defaults: ``SandboxLimits``; at most
+``MAX_TEST_TIMEOUT_S`` and ``MAX_TEST_MEMORY_MB``, since metadata may come from a client), and
+a problem has at most ``MAX_TEST_CASES`` cases; ``time_budget_s`` tells the reward pool how long
+a call may take with them. The solution is the last fenced code block of
 the completion (```python ... ``` preferred), or the whole completion when it has no fence.
 """
 
@@ -17,6 +19,11 @@ import re
 from areal_jax.rewards.sandbox import SandboxLimits, run_python
 
 RUN_OVERHEAD_S = 1.0  # interpreter start-up and clean-up of one sandbox run, beyond its timeout
+# Ceilings on what a problem's metadata may ask for: it travels with requests from clients, so
+# it must not be able to hold a reward worker for hours or lift the sandbox's memory limit.
+MAX_TEST_TIMEOUT_S = 60.0
+MAX_TEST_MEMORY_MB = 8192
+MAX_TEST_CASES = 512
 _FENCE = re.compile(r"```([A-Za-z0-9_+-]*)[ \t]*\n(.*?)```", re.DOTALL)
 
 
@@ -67,6 +74,7 @@ def run_tests(
 ) -> tuple[int, int]:
     """(passed, total) for ``code`` against ``tests``; a test-code string counts as one test."""
     tests = parse_tests(tests)
+    _check_case_count(tests)
     if isinstance(tests, str):
         result = run_python(code + "\n\n" + tests + "\n", limits=limits)
         return int(result.ok), 1
@@ -80,19 +88,34 @@ def run_tests(
     return passed, len(tests)
 
 
+def _check_case_count(tests) -> None:
+    if not isinstance(tests, str) and len(tests) > MAX_TEST_CASES:
+        raise ValueError(f"metadata 'tests': {len(tests)} cases, at most {MAX_TEST_CASES}")
+
+
+def _bounded(metadata: dict, key: str, cast, ceiling) -> int | float:
+    """``metadata[key]`` as a number in (0, ceiling]; ValueError naming the key otherwise."""
+    value = cast(metadata[key])
+    if not 0 < value <= ceiling:  # also rejects NaN
+        raise ValueError(f"metadata {key!r}: must be in (0, {ceiling}], got {metadata[key]!r}")
+    return value
+
+
 def limits_from_metadata(metadata: dict) -> SandboxLimits:
-    """Sandbox limits with the problem's own ``timeout_s`` / ``memory_mb`` where given."""
+    """Sandbox limits with the problem's own ``timeout_s`` / ``memory_mb`` where given (each
+    within its ceiling, else ValueError)."""
     overrides = {}
     if "timeout_s" in metadata:
-        overrides["timeout_s"] = float(metadata["timeout_s"])
+        overrides["timeout_s"] = _bounded(metadata, "timeout_s", float, MAX_TEST_TIMEOUT_S)
     if "memory_mb" in metadata:
-        overrides["memory_bytes"] = int(metadata["memory_mb"]) << 20
+        overrides["memory_bytes"] = _bounded(metadata, "memory_mb", int, MAX_TEST_MEMORY_MB) << 20
     return SandboxLimits(**overrides)
 
 
 def time_budget_s(metadata: dict) -> float:
     """Longest legitimate time of one call: sandbox runs × (per-test timeout + start-up)."""
     tests = parse_tests(metadata["tests"])
+    _check_case_count(tests)
     runs = 1 if isinstance(tests, str) else len(tests)
     return runs * (limits_from_metadata(metadata).timeout_s + RUN_OVERHEAD_S)
 

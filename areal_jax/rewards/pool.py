@@ -10,7 +10,8 @@ cleans nothing; the next pool to start on the machine reaps what it left.
 
 A call's time limit is the pool's ``timeout_s`` plus the reward's own ``time_budget_s(metadata)``
 when it declares one (the code rewards: sandbox runs × (per-test timeout + start-up)), so a slow
-but correct solution is never cut off by the pool before the sandbox's own limits apply.
+but correct solution is never cut off by the pool before the sandbox's own limits apply; never
+more than ``max_call_s``, since the metadata a budget is computed from may come from a client.
 """
 
 from __future__ import annotations
@@ -132,12 +133,17 @@ class RewardPool:
         timeout_s: float,
         custom: dict[str, str] | None = None,
         start_method: str = "spawn",
+        max_call_s: float = 600.0,
     ):
         if num_workers < 1:
             raise ValueError(f"RewardPool num_workers must be >= 1, got {num_workers}")
         if not timeout_s > 0:
             raise ValueError(f"RewardPool timeout_s must be positive, got {timeout_s}")
+        if not max_call_s >= timeout_s:
+            raise ValueError(f"RewardPool max_call_s must be >= timeout_s ({timeout_s}), "
+                             f"got {max_call_s}")
         self.timeout_s = float(timeout_s)
+        self.max_call_s = float(max_call_s)
         self._custom = check_custom(custom)
         self._functions: dict[str, tuple[RewardFn, str]] = {}
         self._ctx = multiprocessing.get_context(start_method)
@@ -161,7 +167,7 @@ class RewardPool:
         A name outside :attr:`reward_names` raises RewardNotFoundError before any work.
         """
         fn, path = self._resolve(reward_name)
-        limit = self.timeout_s + _time_budget(fn, metadata)
+        limit = min(self.timeout_s + _time_budget(fn, metadata), self.max_call_s)
         worker = await self._acquire()
         healthy = False
         try:

@@ -146,6 +146,29 @@ def test_overstale_groups_at_batch_formation(tmp_path, policy):
     assert_nothing_lost(tmp_path / "ledger.jsonl", prompts)
 
 
+def test_inserted_tokens_do_not_make_groups_overstale(tmp_path):
+    # A workflow's inserted tokens carry version -1 (mask 0); counted as the group's oldest,
+    # every group with one looked η + 1 versions stale and the run dropped groups forever.
+    prompts = items(100)
+    trainer = RecordingTrainer(exports_dir(tmp_path), train_s=0.02)
+    cfg = config(tmp_path, {"batch_size": 2, "max_staleness": 1, "overstale": "drop"},
+                 sampling={"max_new_tokens": 12})
+    workflow = {"path": "rollout.workflows.examples.CheckYourAnswerWorkflow",
+                "options": {"check_text": "?"}}
+
+    async def main():
+        servers = await start_servers(tmp_path, [ArithmeticEngine()], workflow=workflow)
+        try:
+            return await asyncio.wait_for(run_loop(tmp_path, cfg, trainer, servers, prompts, 6), 60)
+        finally:
+            await servers[0].stop(grace=0.5)
+
+    loop = asyncio.run(main())
+    trajectories = [t for _, groups in trainer.batches for g in groups for t in g.trajectories]
+    assert len(trainer.batches) == 6 and any((t.versions == -1).any() for t in trajectories)
+    assert loop.metrics[-1]["rollout/dropped_overstale"] <= 2 * 8  # what η allows, not all
+
+
 def test_a_restored_trainer_takes_servers_ahead_back_to_its_version(tmp_path):
     # Servers outlived a trainer that reached version 7; the trainer restarts from its
     # checkpoint at version 3, so tokens must never carry versions 4-7 of the discarded run.

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import sys
 import time
 from collections.abc import Callable
 
@@ -48,11 +49,13 @@ class _Finished:
     index: int  # submission order: batches are formed oldest first
     item: PromptItem = dataclasses.field(compare=False)
     group: object = dataclasses.field(compare=False)
-    oldest: int = dataclasses.field(compare=False, default=0)  # version of its oldest token
+    oldest: int = dataclasses.field(compare=False, default=0)  # its oldest generated token's
 
     @classmethod
     def of(cls, index: int, item: PromptItem, group) -> _Finished:
-        oldest = min(min(t.versions) for t in group.trajectories if len(t.versions))
+        """Tokens a workflow inserted (mask 0) carry no version (``-1``) and do not count."""
+        generated = [v for t in group.trajectories if (v := _generated_versions(t)).size]
+        oldest = min((int(v.min()) for v in generated), default=sys.maxsize)
         return cls(index, item, group, oldest)
 
 
@@ -310,10 +313,15 @@ class RLLoop:
         return out
 
 
+def _generated_versions(t) -> np.ndarray:
+    """Versions of a trajectory's generated tokens (an empty mask on the wire means all)."""
+    versions, mask = np.asarray(t.versions), np.asarray(t.output_mask)
+    return versions if mask.size == 0 else versions[mask == 1]
+
+
 def _staleness_metrics(groups, version: int, bound: int) -> dict[str, float]:
     """Distribution of the per-token staleness (``version`` minus the token's) trained on."""
-    stale = np.concatenate([version - np.asarray(t.versions)[np.asarray(t.output_mask) == 1]
-                            for g in groups for t in g.trajectories])
+    stale = np.concatenate([version - _generated_versions(t) for g in groups for t in g.trajectories])
     return {"staleness/p50": float(np.percentile(stale, 50)),
             "staleness/p90": float(np.percentile(stale, 90)),
             "staleness/over_bound_fraction": float(np.mean(stale > bound))}

@@ -287,3 +287,40 @@ def test_sft_failing_kills_the_servers_compile(compile_cfg, tmp_path, monkeypatc
         with servers_compiling(compile_cfg, tmp_path, sft_pending=True):
             raise RuntimeError("SFT failed")
     assert started[0].poll() == -signal.SIGKILL
+
+
+def test_an_exited_server_restarts_on_the_newest_export(tmp_path):
+    # The checkpoint a server was launched with is pruned once newer versions are published:
+    # restarted with it, the server exited again at once and the run ended after three tries.
+    import asyncio
+
+    from areal_jax.controller.local_servers import LocalServers
+    from areal_jax.controller.rollout_pool import RolloutPool
+    from areal_jax.controller.servers import supervise_local
+    from areal_jax.models.tiny import TinyModelSpec, build_tiny_model
+    from areal_jax.trainer import export_path
+
+    exports = tmp_path / "exports"
+    build_tiny_model(export_path(exports, 7), TinyModelSpec(
+        hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
+        max_position_embeddings=128, tokenizer_vocab_size=300))
+    servers = LocalServers({"engine": {"model_path": str(export_path(exports, 0))}}, 1,
+                           tmp_path / "logs")
+
+    async def main():
+        (address,) = servers.start()
+        watch = asyncio.create_task(supervise_local(servers, exports, interval_s=0.2))
+        pool = RolloutPool([address])
+        try:
+            await pool.start(ready_timeout_s=120)
+            return [s.version for s in await pool.status()]
+        finally:
+            watch.cancel()
+            await pool.close()
+
+    try:
+        assert asyncio.run(main()) == [7]
+        log = (tmp_path / "logs" / "rollout_server_0.log").read_text()
+        assert "config error" in log and "(jax engine, version 7" in log  # exited, restarted
+    finally:
+        servers.stop()

@@ -145,10 +145,13 @@ class LocalServers:
                 raise ServerExitedError(f"rollout server {e.index} exited with code "
                                    f"{e.proc.returncode}; log tail:\n{self._log_tail(e.index)}")
 
-    def restart_exited(self, max_restarts: int) -> list[int]:
+    def restart_exited(self, max_restarts: int,
+                       weights: tuple[int, Path] | None = None) -> list[int]:
         """Start again, on the same port, every server that exited; returns their indices.
 
-        Raises ``ServerExitedError`` with the log's tail for a server that exited more than
+        ``weights`` (version, checkpoint): what a restarted server loads as it starts instead of
+        the checkpoint it was launched with, which the run may have pruned since. Raises
+        ``ServerExitedError`` with the log's tail for a server that exited more than
         ``max_restarts`` times: it is failing, not flaking.
         """
         restarted = []
@@ -159,6 +162,11 @@ class LocalServers:
                 raise ServerExitedError(
                     f"rollout server {e.index} exited {e.restarts + 1} times (last code "
                     f"{e.proc.returncode}); log tail:\n{self._log_tail(e.index)}")
+            if weights is not None:
+                version, path = weights
+                engine = {**self._config["engine"], "model_path": str(path),
+                          "initial_version": version}
+                self._config = {**self._config, "engine": engine}
             e.restarts += 1
             self._launch(e)
             restarted.append(e.index)

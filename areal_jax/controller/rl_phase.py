@@ -79,13 +79,14 @@ def compiles_first_batches(cfg: ExperimentConfig, in_helper: bool) -> bool:
     return bool(cfg.rollout.addresses) or servers_spare_the_trainer(cfg) or in_helper
 
 
-async def _run_until_done(loop_run, servers) -> None:
-    """The loop, with local servers restarted when they exit; the first failure ends both."""
+async def _run_until_done(loop_run, servers, exports_dir: Path) -> None:
+    """The loop, with local servers restarted (on the newest export in ``exports_dir``) when
+    they exit; the first failure ends both."""
     loop_task = asyncio.create_task(loop_run)
     if servers is None:
         await loop_task
         return
-    watch = asyncio.create_task(supervise_local(servers))
+    watch = asyncio.create_task(supervise_local(servers, exports_dir))
     try:
         done, _ = await asyncio.wait({loop_task, watch}, return_when=asyncio.FIRST_COMPLETED)
         if watch in done:
@@ -170,7 +171,7 @@ async def run_rl(cfg: ExperimentConfig, trainer, tokenizer, train_set: PromptDat
                 progress.advance(task, m)
 
             loop.on_step = on_step
-            await _run_until_done(loop.run(total, trainer.save), servers)
+            await _run_until_done(loop.run(total, trainer.save), servers, published.parent)
             progress.end_phase(task)
             if eval_items:
                 results["after"] = await run_eval(trainer.version)

@@ -21,6 +21,7 @@ from areal_jax.controller.local_servers import LocalServers, ServerExitedError
 from areal_jax.controller.local_servers import with_deterministic_ops
 from areal_jax.controller.rollout_pool import PoolOptions, RolloutPool
 from areal_jax.experiment import ExperimentConfig
+from areal_jax.trainer.publish import list_exports
 
 log = logging.getLogger(__name__)
 
@@ -206,12 +207,16 @@ async def rollout_servers(cfg: ExperimentConfig, model_path: Path, version: int,
             servers.stop()
 
 
-async def supervise_local(servers: LocalServers, interval_s: float = 2.0) -> None:
-    """Restart local servers that exit (the pool lets them rejoin); raises when one keeps
-    exiting."""
+async def supervise_local(servers: LocalServers, exports_dir: Path,
+                          interval_s: float = 2.0) -> None:
+    """Restart local servers that exit, on the newest export in ``exports_dir`` (the one they
+    were launched with may be pruned by now; the pool lets them rejoin and brings them to its
+    version); raises when one keeps exiting."""
     while True:
         await asyncio.sleep(interval_s)
-        for index in servers.restart_exited(MAX_LOCAL_RESTARTS):
+        exports = list_exports(exports_dir)
+        newest = exports[-1] if exports else None
+        for index in servers.restart_exited(MAX_LOCAL_RESTARTS, newest):
             log.warning("local rollout server %d exited; restarted it", index)
 
 

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from _loop_kit import RecordingTrainer, assert_nothing_lost, config, exports_dir, items, run_loop
 from _loop_kit import run_on_servers, start_servers, trained_ids
-from _rollout_fakes import ArithmeticEngine, write_checkpoint
+from _rollout_fakes import ArithmeticEngine, encode, write_checkpoint
 
 from areal_jax.controller.loop import RolloutRejectedError
-from areal_jax.controller.rollout_pool import PoolOptions, RolloutPool
+from areal_jax.controller.rollout_pool import PoolOptions, RequestFailedError, RolloutPool
 from areal_jax.controller.servers import sync_servers
 
 
@@ -144,6 +144,22 @@ def test_overstale_groups_at_batch_formation(tmp_path, policy):
     else:
         assert worst > 1 and over > 0  # trained anyway, and reported
     assert_nothing_lost(tmp_path / "ledger.jsonl", prompts)
+
+
+def test_a_request_that_takes_down_every_server_it_reaches_stops_the_run(tmp_path):
+    # The engine fails on one prompt (UNAVAILABLE: the server looks like it is going away), the
+    # server answers SERVING again and rejoins: without a count the request cycled forever.
+    prompts = items(30)
+    trainer = RecordingTrainer(exports_dir(tmp_path))
+    engines = [ArithmeticEngine(fail_on=prompts[3].prompt_text) for _ in range(2)]
+    options = PoolOptions(max_attempts=3, rejoin_interval_s=0.1)
+    start = time.monotonic()
+    with pytest.raises(RequestFailedError, match=r"failed 3 times .*UNAVAILABLE: engine: backend"):
+        run_on_servers(tmp_path, engines, config(tmp_path), trainer, prompts, 20, options=options)
+    assert time.monotonic() - start < 30
+    poison = encode(prompts[3].prompt_text)
+    sends = sum(prompt == poison for e in engines for _, prompt, _ in e.requests)
+    assert 3 <= sends <= 3 * 2, sends  # three sends of a group of two samples
 
 
 def test_inserted_tokens_do_not_make_groups_overstale(tmp_path):

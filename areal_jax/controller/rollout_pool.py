@@ -5,8 +5,9 @@ a guarantee that no accepted request is lost.
   deadline), or that comes back with an error the server — not the request — is to blame for
   (UNAVAILABLE, ABORTED, INTERNAL, ...), is sent again to another live server. Only
   INVALID_ARGUMENT (and other request-specific codes) come back to the caller as the request's
-  own error. A request that keeps failing ``max_attempts`` times for reasons other than a dying
-  server fails with ``RequestFailedError`` instead of looping.
+  own error. A request that fails ``max_attempts`` times (counting the replies that report
+  its server going away, but not a broken stream or the other requests it takes down) fails
+  with ``RequestFailedError`` instead of looping.
 * With no live server, requests wait; a supervisor task tries dead servers every
   ``rejoin_interval_s`` and brings one that answers SERVING again back to the current weights
   (a forced update) before it gets work. If no server is reachable for ``no_server_timeout_s``
@@ -249,25 +250,35 @@ class RolloutPool:
         aborted = any(t.finish_reason == pb.FINISH_REASON_ABORT for t in group.trajectories)
         if code in _SERVER_GONE or aborted:
             # The server is going away (shutting down, engine dead): it gets no more work
-            # until it answers SERVING again.
-            detail = group.error.message if code else "partial samples of a shutdown"
-            server.in_flight[group.request_id] = request  # resubmitted with the others
-            server.busy.add()
-            self._mark_dead(server, f"{_code_enum(code).name if code else 'ABORT'}: {detail}")
+            # until it answers SERVING again. The request that says so is charged a failure:
+            # one that takes down every server it is sent to must not cycle forever.
+            reason = (f"{_code_enum(code).name}: {group.error.message}" if code
+                      else "ABORT: partial samples of a shutdown")
+            if not self._failed_for_good(group.request_id, server, reason):
+                server.in_flight[group.request_id] = request  # resubmitted with the others
+                server.busy.add()
+            self._mark_dead(server, reason)
         elif code in _SERVER_FAULT:
-            self._attempts[group.request_id] += 1
-            if self._attempts[group.request_id] >= self.options.max_attempts:
-                self._resolve(group.request_id, error=RequestFailedError(
-                    f"request {group.request_id} failed {self.options.max_attempts} times on the "
-                    f"rollout servers; last error from {server.address}: "
-                    f"{_code_enum(code).name}: {group.error.message}"))
+            reason = f"{_code_enum(code).name}: {group.error.message}"
+            if self._failed_for_good(group.request_id, server, reason):
                 return
-            log.warning("request %s failed on %s (%s: %s); sending it again", group.request_id,
-                        server.address, _code_enum(code).name, group.error.message)
+            log.warning("request %s failed on %s (%s); sending it again", group.request_id,
+                        server.address, reason)
             self.resubmitted += 1
             self._route(request, avoid=server)
         else:
             self._resolve(group.request_id, group)
+
+    def _failed_for_good(self, request_id: str, server: _Server, reason: str) -> bool:
+        """Count one failed send of ``request_id``; at ``max_attempts`` its future fails with
+        ``RequestFailedError`` and this returns True."""
+        self._attempts[request_id] += 1
+        if self._attempts[request_id] < self.options.max_attempts:
+            return False
+        self._resolve(request_id, error=RequestFailedError(
+            f"request {request_id} failed {self.options.max_attempts} times on the rollout "
+            f"servers; last error from {server.address}: {reason}"))
+        return True
 
     # ---- supervision ---------------------------------------------------------------------
     async def _supervise(self) -> None:

@@ -162,6 +162,42 @@ def test_a_request_that_takes_down_every_server_it_reaches_stops_the_run(tmp_pat
     assert 3 <= sends <= 3 * 2, sends  # three sends of a group of two samples
 
 
+class _HangingUpdates(ArithmeticEngine):
+    async def update_weights(self, path: str, version: int) -> None:
+        await asyncio.sleep(3600)
+
+
+def test_publishing_never_waits_for_a_server_hanging_in_its_rejoin(tmp_path):
+    # A server that answers SERVING but hangs loading the weights of its rejoin held the pool's
+    # weights lock for update_timeout_s, and every publish waited behind it.
+    async def main():
+        a, b = await start_servers(tmp_path, [ArithmeticEngine(), ArithmeticEngine()])
+        pool = RolloutPool([f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}"],
+                           options=PoolOptions(rejoin_interval_s=0.1, update_timeout_s=30))
+        await pool.start()
+        pool.record_weights(exports_dir(tmp_path) / "base", 0)
+        port = b.port
+        await b.stop(grace=0)
+        while len(pool.live_servers) == 2:
+            await asyncio.sleep(0.01)
+        await pool.update_weights(write_checkpoint(exports_dir(tmp_path) / "v1", "v1"), 1)
+        hanging = _HangingUpdates()
+        (b,) = await start_servers(tmp_path, [hanging], port=port)
+        await asyncio.sleep(1.0)  # its rejoin reaches the hanging update
+        start = time.monotonic()
+        await pool.update_weights(write_checkpoint(exports_dir(tmp_path) / "v2", "v2"), 2)
+        took = time.monotonic() - start
+        live = pool.live_servers
+        await pool.close()
+        for server in (a, b):
+            await server.stop(grace=0)
+        return took, live, a.port
+
+    took, live, port_a = asyncio.run(main())
+    assert took < 5, took
+    assert live == [f"127.0.0.1:{port_a}"]
+
+
 def test_inserted_tokens_do_not_make_groups_overstale(tmp_path):
     # A workflow's inserted tokens carry version -1 (mask 0); counted as the group's oldest,
     # every group with one looked η + 1 versions stale and the run dropped groups forever.

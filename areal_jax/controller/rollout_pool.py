@@ -10,7 +10,8 @@ a guarantee that no accepted request is lost.
   with ``RequestFailedError`` instead of looping.
 * With no live server, requests wait; a supervisor task tries dead servers every
   ``rejoin_interval_s`` and brings one that answers SERVING again back to the current weights
-  (a forced update) before it gets work. If no server is reachable for ``no_server_timeout_s``
+  (a forced update) before it gets work. Each server's try runs on its own, and publishing
+  never waits for one: a server that hangs loading its rejoin weights holds up nothing else. If no server is reachable for ``no_server_timeout_s``
   every waiting request fails with ``NoLiveServerError``.
 * Every control call (update, push, pause, resume, status) has a deadline; UNAVAILABLE is
   retried ``rpc_retries`` times with backoff; a server still failing (or past its deadline) is
@@ -86,6 +87,7 @@ class _Server:
     alive: bool = False
     version: int | None = None
     busy: BusyClock = dataclasses.field(default_factory=BusyClock)
+    rejoin_error: str | None = None  # why its last rejoin failed once it answered SERVING
 
 
 class RolloutPool:
@@ -110,6 +112,7 @@ class RolloutPool:
         self._weights: _Weights | None = None
         self._weights_lock = asyncio.Lock()
         self._supervisor: asyncio.Task | None = None
+        self._rejoining: dict[str, asyncio.Task] = {}  # address -> its rejoin attempt
         self._closing: list[asyncio.Task] = []
         self.resubmitted = 0  # requests sent again after a server failure
 
@@ -286,9 +289,11 @@ class RolloutPool:
         opts = self.options
         while True:
             await asyncio.sleep(opts.rejoin_interval_s)
-            for server in self._servers:
-                if not server.alive:
-                    await self._try_rejoin(server)
+            for server in self._servers:  # one try per server at a time; a slow one holds no other
+                if not server.alive and server.address not in self._rejoining:
+                    task = asyncio.create_task(self._try_rejoin(server))
+                    self._rejoining[server.address] = task
+                    task.add_done_callback(lambda _, a=server.address: self._rejoining.pop(a))
             if self._none_live_since is not None and not any(s.alive for s in self._servers):
                 waited = time.monotonic() - self._none_live_since
                 if waited >= opts.no_server_timeout_s and self._futures:
@@ -305,6 +310,7 @@ class RolloutPool:
     async def _try_rejoin(self, server: _Server) -> None:
         channel = self._new_channel(server.address)
         timeout = min(self.options.rpc_timeout_s, max(1.0, self.options.rejoin_interval_s))
+        serving_health = False
         try:
             await asyncio.wait_for(channel.channel_ready(), timeout)
             health = await health_pb2_grpc.HealthStub(channel).Check(
@@ -312,19 +318,37 @@ class RolloutPool:
                 metadata=self._metadata)
             if health.status != health_pb2.HealthCheckResponse.SERVING:
                 raise ConnectionError("not serving")
+            serving_health = True
             stub = pb_grpc.RolloutServiceStub(channel)
-            async with self._weights_lock:
-                status = await stub.GetStatus(pb.GetStatusRequest(), timeout=timeout,
-                                              metadata=self._metadata)
+            status = await stub.GetStatus(pb.GetStatusRequest(), timeout=timeout,
+                                          metadata=self._metadata)
+            serving = status.version
+            # The weights go over without the lock, so publishing never waits for a rejoin (a
+            # server may take long to load, or hang); it rejoins, under the lock, only if no
+            # newer version was published meanwhile, else it is sent that one first.
+            while True:
                 w = self._weights
-                if w is not None and status.version != w.version:
+                if w is not None and serving != w.version:
                     await self._send_weights(stub, w, force=True)
-                server.version = w.version if w is not None else status.version
-                self._open(server, channel)
+                    serving = w.version
+                async with self._weights_lock:
+                    if self._weights is None or self._weights.version == serving:
+                        server.version = serving
+                        self._open(server, channel)
+                        break
         except (asyncio.TimeoutError, grpc.aio.AioRpcError, ConnectionError, OSError) as e:
-            log.debug("rollout server %s cannot rejoin yet: %r", server.address, e)
+            # A server that is down says so every try (debug); one that answers SERVING but
+            # fails to take the weights is worth a warning, once per distinct error.
+            error = f"{type(e).__name__}: {e.details() if hasattr(e, 'details') else e}"
+            if serving_health and error != server.rejoin_error:
+                log.warning("rollout server %s answers SERVING but cannot rejoin: %s",
+                            server.address, error)
+            else:
+                log.debug("rollout server %s cannot rejoin yet: %s", server.address, error)
+            server.rejoin_error = error if serving_health else server.rejoin_error
             await channel.close()
             return
+        server.rejoin_error = None
         log.warning("rollout server %s rejoined the pool at version %s", server.address,
                     server.version)
 
@@ -411,9 +435,11 @@ class RolloutPool:
         return [status for _, status in done]
 
     async def close(self) -> None:
-        if self._supervisor is not None:
-            self._supervisor.cancel()
-            await asyncio.gather(self._supervisor, return_exceptions=True)
+        tasks = [self._supervisor] if self._supervisor is not None else []
+        tasks += self._rejoining.values()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         for server in self._servers:
             if server.alive:
                 server.alive = False

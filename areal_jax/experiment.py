@@ -34,8 +34,19 @@ class SamplingConfig:
     def __post_init__(self):
         if self.group_size < 1:
             raise ConfigError(f"sampling.group_size: must be >= 1, got {self.group_size}")
-        if self.max_new_tokens < 1:
-            raise ConfigError(f"sampling.max_new_tokens: must be >= 1, got {self.max_new_tokens}")
+        _check_generation("sampling", self.max_new_tokens, self.temperature)
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"sampling.top_p: must be in (0, 1], got {self.top_p}")
+        if self.top_k != -1 and self.top_k < 1:
+            raise ConfigError(f"sampling.top_k: must be -1 (all) or >= 1, got {self.top_k}")
+
+
+def _check_generation(section: str, max_new_tokens: int, temperature: float) -> None:
+    """What the rollout servers would refuse in every request, refused before the run starts."""
+    if max_new_tokens < 1:
+        raise ConfigError(f"{section}.max_new_tokens: must be >= 1, got {max_new_tokens}")
+    if not 0 <= temperature < float("inf"):  # also rejects NaN
+        raise ConfigError(f"{section}.temperature: must be finite and >= 0, got {temperature}")
 
 
 @dataclasses.dataclass
@@ -148,6 +159,14 @@ class EvalConfig:
     temperature: float = 0.0
     max_new_tokens: int = 256
 
+    def __post_init__(self):
+        if self.max_prompts < 1:
+            raise ConfigError(f"eval.max_prompts: must be >= 1, got {self.max_prompts}")
+        if self.every_steps < 0:
+            raise ConfigError(f"eval.every_steps: must be >= 0 (0: before and after RL "
+                              f"only), got {self.every_steps}")
+        _check_generation("eval", self.max_new_tokens, self.temperature)
+
 
 @dataclasses.dataclass
 class ProcessGroupConfig:
@@ -225,6 +244,9 @@ class ExperimentConfig:
                 f"trainer.max_new_tokens ({budget}) must equal sampling.max_new_tokens "
                 f"({self.sampling.max_new_tokens}) or be left unset"
             )
+        if self.checkpoint_every < 0:
+            raise ConfigError(f"checkpoint_every: must be >= 0 (0: never), got "
+                              f"{self.checkpoint_every}")
         fraction = self.trainer_memory_fraction
         if fraction is not None and not 0 < fraction <= 1:
             raise ConfigError(f"trainer_memory_fraction: must be in (0, 1], got {fraction}")

@@ -38,6 +38,24 @@ def test_trainer_temperature_must_match_sampling():
         load_config(ExperimentConfig, quickstart, ["trainer.max_new_tokens=5"])
 
 
+@pytest.mark.parametrize("override, message", [
+    ("eval.max_new_tokens=0", "eval.max_new_tokens: must be >= 1, got 0"),
+    ("eval.temperature=-1", "eval.temperature: must be finite and >= 0, got -1"),
+    ("eval.temperature=.inf", "eval.temperature: must be finite and >= 0, got inf"),
+    ("eval.max_prompts=-5", "eval.max_prompts: must be >= 1, got -5"),
+    ("eval.every_steps=-3", "eval.every_steps: must be >= 0"),
+    ("checkpoint_every=-1", "checkpoint_every: must be >= 0"),
+    ("sampling.top_p=0", r"sampling.top_p: must be in \(0, 1\], got 0"),
+    ("sampling.top_k=0", "sampling.top_k: must be -1"),
+    ("sampling.temperature=.nan", "sampling.temperature: must be finite and >= 0, got nan"),
+])
+def test_what_every_request_would_be_refused_for_is_refused_before_the_run(override, message):
+    # Accepted, these made every eval request fail (accuracy NaN, written to the run's results)
+    # or every rollout request be rejected; a negative checkpoint_every saved every step.
+    with pytest.raises(ConfigError, match=message):
+        load_config(ExperimentConfig, CONFIGS[-1], [override])
+
+
 def test_cli_reports_config_errors_without_traceback(capsys):
     from areal_jax.cli import main
 

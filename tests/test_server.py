@@ -738,6 +738,7 @@ def test_sampling_params_name_the_invalid_field():
     cases = [
         (dict(max_new_tokens=0), "max_new_tokens"),
         (dict(max_new_tokens=4, temperature=float("nan")), "temperature"),
+        (dict(max_new_tokens=4, temperature=float("inf")), "temperature"),  # sampled uniformly
         (dict(max_new_tokens=4, top_p=0), "top_p"),
         (dict(max_new_tokens=4, top_k=0), "top_k"),
         (dict(max_new_tokens=4, seed=-1), "seed"),

@@ -9,6 +9,7 @@ import os
 from typing import Any, Literal
 
 from areal_jax.config import ConfigError
+from rollout.engine import MAX_VERSION
 
 DEFAULT_WORKFLOW = "rollout.workflows.single_turn.SingleTurnWorkflow"
 log = logging.getLogger(__name__)
@@ -37,8 +38,9 @@ class EngineConfig:
     def __post_init__(self):
         if not self.model_path:
             raise ConfigError("engine.model_path: required (a Hugging Face checkpoint directory)")
-        if self.initial_version < 0:
-            raise ConfigError(f"engine.initial_version: must be >= 0, got {self.initial_version}")
+        if not 0 <= self.initial_version <= MAX_VERSION:
+            raise ConfigError(f"engine.initial_version: must be in [0, {MAX_VERSION}], got "
+                              f"{self.initial_version}")
         self.tokenizer_path = self.tokenizer_path or self.model_path
 
 

@@ -50,6 +50,8 @@ from typing import Any, Literal
 
 from areal_jax.protocol import GREEDY_TEMPERATURE
 
+MAX_VERSION = 2**31 - 1  # weight versions: every generated token records its own as an int32
+
 FinishReason = Literal["stop", "length", "abort"]
 FINISH_REASONS = ("stop", "length", "abort")
 

@@ -35,7 +35,8 @@ from rollout.engine import (
     WeightLoadError,
 )
 from rollout.timing import ActivityClock, ThroughputMeter, TimedEngine, TimedScorer
-from rollout.validation import Limits, generate_args_from_proto, rollout_task_from_proto
+from rollout.validation import Limits, check_version_range, generate_args_from_proto
+from rollout.validation import rollout_task_from_proto
 from rollout.weight_intake import WeightIntake
 from rollout.workflows.base import RewardScorer, RolloutTask, Workflow
 
@@ -287,6 +288,8 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
     # Weights ---------------------------------------------------------------------------------
 
     def _check_weights_path(self, path: str) -> None:
+        if "\0" in path:
+            raise InvalidParamError("path", "contains a NUL character")
         real = os.path.realpath(path)
         if not any(os.path.commonpath([real, root]) == root for root in self._weight_roots):
             raise Rejected(
@@ -323,8 +326,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         try:
             if not request.path:
                 raise InvalidParamError("path", "must not be empty")
-            if request.version < 0:
-                raise InvalidParamError("version", f"must be >= 0, got {request.version}")
+            check_version_range(request.version, "version")
             self._check_weights_path(request.path)
             async with self._update_lock:
                 return await self._update(request.path, request.version, request.force)

@@ -10,7 +10,7 @@ import dataclasses
 from collections.abc import Collection, Sequence
 
 from areal_jax.protocol.v1 import rollout_pb2 as pb
-from rollout.engine import InvalidParamError, SamplingParams
+from rollout.engine import MAX_VERSION, InvalidParamError, SamplingParams
 from rollout.workflows.base import RolloutTask
 
 
@@ -22,6 +22,12 @@ class Limits:
     max_context_len: int
     reward_names: Collection[str]
     max_group_size: int
+
+
+def check_version_range(version: int, field: str) -> None:
+    """A weight version must fit the int32 every generated token records it in."""
+    if not 0 <= version <= MAX_VERSION:
+        raise InvalidParamError(field, f"must be in [0, {MAX_VERSION}], got {version}")
 
 
 def sampling_from_proto(msg: pb.SamplingParams, vocab_size: int) -> SamplingParams:

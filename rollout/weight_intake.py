@@ -16,6 +16,7 @@ from typing import BinaryIO
 
 from areal_jax.protocol.v1 import rollout_pb2 as pb
 from rollout.engine import InvalidParamError
+from rollout.validation import check_version_range
 
 
 def _check_name(name: str, field: str) -> None:
@@ -77,8 +78,7 @@ class WeightIntake:
 
     @staticmethod
     def _check_header(header: pb.WeightsHeader) -> None:
-        if header.version < 0:
-            raise InvalidParamError("header.version", f"must be >= 0, got {header.version}")
+        check_version_range(header.version, "header.version")
         if not header.files:
             raise InvalidParamError("header.files", "must list at least one file")
         seen = set()

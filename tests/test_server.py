@@ -376,7 +376,8 @@ def test_update_weights_reaches_the_engine_and_failures_keep_the_version(tmp_pat
         async with serving(tmp_path, tok_dir) as h:
             ok = await h.stub.UpdateWeights(pb.UpdateWeightsRequest(path=str(good), version=1))
             errors = []
-            attempts = [(str(broken), 2), (str(tmp_path / "none"), 2), (str(good), 1), ("", 3)]
+            attempts = [(str(broken), 2), (str(tmp_path / "none"), 2), (str(good), 1), ("", 3),
+                        (str(good), 2**31), ("/a\0b", 3)]
             for path, version in attempts:
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     await h.stub.UpdateWeights(pb.UpdateWeightsRequest(path=path, version=version))
@@ -389,10 +390,13 @@ def test_update_weights_reaches_the_engine_and_failures_keep_the_version(tmp_pat
     assert [(p, v) for p, v, _ in loaded] == [(str(good), 1)]
     failed = grpc.StatusCode.FAILED_PRECONDITION
     invalid = grpc.StatusCode.INVALID_ARGUMENT
-    assert [code for code, _ in errors] == [failed, failed, failed, invalid]
+    assert [code for code, _ in errors] == [failed, failed, failed, invalid, invalid, invalid]
     assert errors[0][1].startswith("path: cannot load")
     assert errors[2][1].startswith("version: 1 is not newer than the serving version 1")
     assert errors[3][1].startswith("path: ")
+    # Every token records its version as an int32: a larger one broke every later request.
+    assert errors[4][1] == "version: must be in [0, 2147483647], got 2147483648"
+    assert errors[5][1] == "path: contains a NUL character"
     assert status.version == 1
 
 
@@ -509,6 +513,7 @@ def _bad_pushes(src):
         ("header.files[0].name", [renamed] + good[1:]),
         ("chunk.offset", skipped),
         ("header", [header_first, header_first]),
+        ("header.version", [pb.PushWeightsRequest(header=pb.WeightsHeader(version=2**31))]),
     ]
 
 

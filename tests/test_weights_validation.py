@@ -3,6 +3,7 @@
 import asyncio
 import json
 
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
@@ -105,9 +106,85 @@ def test_index_naming_a_tensor_its_file_lacks_is_refused(src, tmp_path):
         load_hf_model(path)
 
 
+def _with_header(path, edit, data_edit=lambda data: data):
+    """Rewrite ``path``'s model.safetensors with ``edit(header dict)`` applied (or, when it
+    returns bytes, those as the raw header) and ``data_edit`` applied to the bytes after it."""
+    f = path / "model.safetensors"
+    raw = f.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    new = edit(header)
+    blob = new if isinstance(new, bytes) else json.dumps(header).encode()
+    f.write_bytes(len(blob).to_bytes(8, "little") + blob + data_edit(raw[8 + n:]))
+    return path
+
+
+def _entry(key, value):
+    def edit(header):
+        header["model.norm.weight"][key] = value
+    return edit
+
+
+def _alias(header):  # the norm's bytes made to be another tensor's
+    other = next(k for k, e in header.items() if k != "model.norm.weight"
+                 and k != "__metadata__" and e["shape"] == header["model.norm.weight"]["shape"])
+    header["model.norm.weight"]["data_offsets"] = header[other]["data_offsets"]
+
+
+FORGED = {
+    # Negative offsets read the header's own bytes as weights (or wrap to the file's end).
+    "negative-offsets": (_entry("data_offsets", [-128, 0]), "data_offsets that are not two "
+                         "non-negative integers: \\[-128, 0\\]"),
+    "float-offsets": (_entry("data_offsets", [0.0, 128.0]), "data_offsets that are not two"),
+    "entry-not-object": (lambda h: h.update({"model.norm.weight": "x"}),
+                         "tensor model.norm.weight has a header entry that is not a JSON object"),
+    "shape-not-list": (_entry("shape", "32"), "has a shape that is not a list"),
+    "aliased-bytes": (_alias, "starts at byte .* before it ends at"),
+    "nested-header": (lambda h: b"[" * 100_000, "has a corrupt header"),
+    "header-not-object": (lambda h: b"[1, 2]", "the header is not a JSON object"),
+    "huge-header": (None, "has a header of 1099511627776 bytes, more than"),
+    "trailing-bytes": (lambda h: None, "has 7 bytes after its last tensor"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FORGED))
+def test_forged_safetensors_headers_are_refused(src, tmp_path, case):
+    edit, message = FORGED[case]
+    path = _variant(src, tmp_path / case, lambda t: None)
+    if case == "huge-header":
+        f = path / "model.safetensors"
+        f.write_bytes((1 << 40).to_bytes(8, "little") + f.read_bytes()[8:])
+    else:
+        _with_header(path, edit, (lambda d: d + b"\0" * 7) if case == "trailing-bytes" else
+                     (lambda d: d))
+    with pytest.raises(CheckpointError, match=message):
+        load_hf_model(path)
+
+
+def test_values_beyond_the_serving_dtype_are_refused(src, tmp_path):
+    # Finite fp32, yet inf once cast to bf16: the check on the file's values passed them.
+    path = _variant(src, tmp_path / "big", _set("model.norm.weight", _poison(3.4e38, (5,))))
+    load_hf_model(path)  # fine in fp32
+    with pytest.raises(CheckpointError, match="tensor model.norm.weight has values beyond the "
+                                              "range of bfloat16"):
+        load_hf_model(path, param_dtype=jnp.bfloat16)
+
+
+def test_index_mapping_a_tensor_outside_the_checkpoint_is_refused(src, tmp_path):
+    # Pushed files are checked by name, but the index could point anywhere on the host.
+    path = _variant(src, tmp_path / "idx", lambda t: None)
+    for target in (str(src / "model.safetensors"), "../src/model.safetensors"):
+        index = {"weight_map": {Q0: "model.safetensors", K0: target}}
+        (path / "model.safetensors.index.json").write_text(json.dumps(index))
+        with pytest.raises(CheckpointError, match=f"tensor {K0} is mapped to .*, not a file name"):
+            load_hf_model(path)
+
+
 def test_engine_refuses_bad_weights_and_keeps_serving_the_old_ones(src, tmp_path):
     ref = hf_model("qwen2", seed=8)
     bad = {c: _variant(src, tmp_path / c, BAD[c][0]) for c in ("nan", "unused", "shape")}
+    bad["float-offsets"] = _with_header(_variant(src, tmp_path / "forged", lambda t: None),
+                                        FORGED["float-offsets"][0])
     greedy = SamplingParams(max_new_tokens=12, temperature=0.0)
     prompt = [5, 17, 3, 88, 41]
 
@@ -128,6 +205,7 @@ def test_engine_refuses_bad_weights_and_keeps_serving_the_old_ones(src, tmp_path
     assert "model.layers.1.mlp.down_proj.weight has 1 non-finite values" in errors["nan"]
     assert "model.layers.9.mlp.up_proj.weight" in errors["unused"]
     assert K0 in errors["shape"]
+    assert "model.norm.weight has data_offsets that are not two" in errors["float-offsets"]
     assert set(out.versions) == {0}
     assert out.output_ids == hf_greedy(ref, prompt, 12)
 

@@ -48,6 +48,12 @@ class WeightFiles:
         try:
             if index.is_file():
                 weight_map = json.loads(index.read_text())["weight_map"]
+                if not isinstance(weight_map, dict):
+                    raise CheckpointError(f"{index.name}: weight_map is not a JSON object")
+                for name, f in weight_map.items():  # never a file outside the checkpoint
+                    if not isinstance(f, str) or Path(f).name != f or f in ("", ".", ".."):
+                        raise CheckpointError(f"{index.name}: tensor {name} is mapped to "
+                                              f"{f!r:.80}, not a file name in {path}")
                 files = {f: SafetensorsFile(path / f) for f in sorted(set(weight_map.values()))}
                 self._where = {name: files[f] for name, f in weight_map.items()}
             elif single.is_file():
@@ -179,7 +185,14 @@ def _place(files: WeightFiles, m: TensorMap, names: list[str], full_shape: tuple
         return shard_of(tuple((s.start, s.stop, s.step) for s in index))
 
     placed = jax.make_array_from_callback(full_shape, sharding, shard)
-    return placed if placed.dtype == dtype else _cast(placed, dtype)
+    if placed.dtype == dtype:
+        return placed
+    cast = _cast(placed, dtype)
+    # Finite in the file, yet beyond the narrower dtype's range (fp32 near its max into bf16).
+    if jnp.finfo(dtype).max < jnp.finfo(placed.dtype).max and not bool(jnp.isfinite(cast).all()):
+        which = names[0] if len(names) == 1 else f"{names[0]} (or another layer's)"
+        raise CheckpointError(f"tensor {which} has values beyond the range of {dtype.name}")
+    return cast
 
 
 def load_hf_model(

@@ -1,7 +1,10 @@
 """Minimal safetensors reader/writer over NumPy (bf16 via ml_dtypes), lazy and validating.
 
-Reading memory-maps the file and checks every tensor's byte range against the file size, so a
-truncated file fails with a message naming the file and tensor instead of a crash later.
+Reading memory-maps the file and checks the header as the format defines it before any tensor
+is read: a header of at most ``MAX_HEADER_BYTES`` holding a JSON object, each entry a dtype,
+a shape of non-negative integers and integer byte offsets, the tensors' byte ranges laid end to
+end from 0 with no gap or overlap and ending at the end of the file. A truncated or forged file
+fails with a message naming the file and tensor, never reads bytes outside its own range.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ DTYPES = {
     "BOOL": np.dtype(np.bool_),
 }
 _NAMES = {v: k for k, v in DTYPES.items()}
+MAX_HEADER_BYTES = 100 << 20  # as the reference implementation: no real header comes close
 
 
 class SafetensorsError(ValueError):
@@ -46,28 +50,60 @@ class SafetensorsFile:
             if len(raw) < 8:
                 raise SafetensorsError(f"{self.path} is truncated (no header)")
             (header_len,) = struct.unpack("<Q", raw)
+            if header_len > MAX_HEADER_BYTES:
+                raise SafetensorsError(f"{self.path} has a header of {header_len} bytes, more "
+                                       f"than {MAX_HEADER_BYTES}")
             if header_len > size - 8:
                 raise SafetensorsError(f"{self.path} is truncated (header of {header_len} bytes)")
             try:
                 header = json.loads(f.read(header_len))
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise SafetensorsError(f"{self.path} has a corrupt header: {e}") from e
-        self.metadata = header.pop("__metadata__", {}) or {}
-        self._entries = header
+            except (ValueError, RecursionError) as e:  # JSON and UTF-8 errors are ValueErrors
+                raise SafetensorsError(f"{self.path} has a corrupt header: {e!s:.200}") from e
+        if not isinstance(header, dict):
+            raise SafetensorsError(f"{self.path}: the header is not a JSON object")
+        metadata = header.pop("__metadata__", None) or {}
+        if not isinstance(metadata, dict):
+            raise SafetensorsError(f"{self.path}: __metadata__ is not a JSON object")
+        self.metadata = metadata
         self._data_start = 8 + header_len
-        for name, entry in header.items():
-            if entry.get("dtype") not in DTYPES:
-                raise SafetensorsError(f"{self.path}: tensor {name} has unsupported dtype {entry.get('dtype')}")
-            begin, end = entry["data_offsets"]
-            expected = int(np.prod(entry["shape"], dtype=np.int64)) * DTYPES[entry["dtype"]].itemsize
-            if end - begin != expected:
-                raise SafetensorsError(f"{self.path}: tensor {name} has inconsistent byte range")
-            if self._data_start + end > size:
+        self._entries = {name: self._checked(name, entry) for name, entry in header.items()}
+        end = 0
+        for name, entry in sorted(self._entries.items(), key=lambda kv: kv[1]["data_offsets"]):
+            begin, stop = entry["data_offsets"]
+            if begin != end:
+                raise SafetensorsError(
+                    f"{self.path}: tensor {name} starts at byte {begin} of the data, the tensor "
+                    f"before it ends at {end} (byte ranges must follow each other)")
+            if self._data_start + stop > size:
                 raise SafetensorsError(
                     f"{self.path} is truncated: tensor {name} needs bytes up to "
-                    f"{self._data_start + end}, file has {size}"
-                )
+                    f"{self._data_start + stop}, file has {size}")
+            end = stop
+        if self._data_start + end < size:
+            raise SafetensorsError(f"{self.path} has {size - self._data_start - end} bytes "
+                                   "after its last tensor")
         self._mmap = np.memmap(self.path, dtype=np.uint8, mode="r") if size else None
+
+    def _checked(self, name: str, entry) -> dict:
+        """``entry`` of tensor ``name`` if well formed (dtype, shape, offsets); else raise."""
+        def bad(why: str) -> SafetensorsError:
+            return SafetensorsError(f"{self.path}: tensor {name} {why}")
+
+        if not isinstance(entry, dict):
+            raise bad("has a header entry that is not a JSON object")
+        if entry.get("dtype") not in DTYPES:
+            raise bad(f"has unsupported dtype {entry.get('dtype')!r:.40}")
+        shape, offsets = entry.get("shape"), entry.get("data_offsets")
+        if not isinstance(shape, list) or not all(_count(d) for d in shape):
+            raise bad(f"has a shape that is not a list of non-negative integers: {shape!r:.80}")
+        if not isinstance(offsets, list) or len(offsets) != 2 or not all(map(_count, offsets)):
+            raise bad(f"has data_offsets that are not two non-negative integers: {offsets!r:.80}")
+        begin, end = offsets
+        expected = int(np.prod(shape, dtype=np.int64)) * DTYPES[entry["dtype"]].itemsize
+        if end - begin != expected:
+            raise bad(f"has a byte range of {end - begin} bytes, its dtype and shape need "
+                      f"{expected}")
+        return entry
 
     def keys(self) -> list[str]:
         return list(self._entries)
@@ -86,6 +122,11 @@ class SafetensorsFile:
         begin, end = entry["data_offsets"]
         buf = self._mmap[self._data_start + begin : self._data_start + end]
         return buf.view(DTYPES[entry["dtype"]]).reshape(entry["shape"])
+
+
+def _count(x) -> bool:
+    """Whether ``x`` is a non-negative JSON integer (not a float or a boolean)."""
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
 def save_safetensors(path: str | Path, tensors: dict[str, np.ndarray], metadata=None,

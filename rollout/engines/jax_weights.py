@@ -53,5 +53,8 @@ def load_params(
         model, _ = load_hf_model(path, dtype=dtype, cfg=cfg, param_dtype=dtype)
     except (OSError, ValueError) as e:  # CheckpointError and SafetensorsError among them
         raise WeightLoadError(f"checkpoint {path}: {e}") from e
+    except Exception as e:  # noqa: BLE001 - whatever a file makes the loader trip on, the
+        # caller must get a WeightLoadError (the old weights keep serving), not a crash
+        raise WeightLoadError(f"checkpoint {path}: {type(e).__name__}: {e!s:.300}") from e
     graphdef, params = nnx.split(model)
     return graphdef, jax.block_until_ready(params)

@@ -37,7 +37,7 @@ from rollout.engine import (
 from rollout.timing import ActivityClock, ThroughputMeter, TimedEngine, TimedScorer
 from rollout.validation import Limits, check_version_range, generate_args_from_proto
 from rollout.validation import rollout_task_from_proto
-from rollout.weight_intake import WeightIntake
+from rollout.weight_intake import PushStalledError, WeightIntake
 from rollout.workflows.base import RewardScorer, RolloutTask, Workflow
 
 log = logging.getLogger(__name__)
@@ -122,7 +122,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         self._admission = Admission(config.max_queued_requests, config.max_concurrent_groups)
         self._meter = ThroughputMeter()
         self._update_lock = asyncio.Lock()
-        self._intake = WeightIntake(push_dir)
+        self._intake = WeightIntake(push_dir, config.push_idle_timeout_s)
         self._weight_roots = config.allowed_weight_roots(str(push_dir))
         self._readers: set[asyncio.Task] = set()
         self._end: tuple[grpc.StatusCode, str] | None = None
@@ -353,6 +353,8 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             code, message = grpc.StatusCode.INVALID_ARGUMENT, str(e)
         except Rejected as e:
             code, message = e.code, str(e)
+        except PushStalledError as e:
+            code, message = grpc.StatusCode.DEADLINE_EXCEEDED, str(e)
         except OSError as e:
             code, message = grpc.StatusCode.RESOURCE_EXHAUSTED, f"writing weights: {e}"
         # Read what the client still sends (for a bounded time) before answering: a status

@@ -2,7 +2,8 @@
 
 The stream is one ``header`` (version, file names and sizes) followed by each file's bytes in
 order. Names must be plain file names; every byte count is checked against the header, and a
-directory that failed (bad stream, full disk, rejected load) is removed.
+directory that failed (bad stream, full disk, rejected load, a stream silent for longer than the
+idle timeout) is removed.
 """
 
 from __future__ import annotations
@@ -24,12 +25,30 @@ def _check_name(name: str, field: str) -> None:
         raise InvalidParamError(field, f"{name!r} is not a plain file name")
 
 
-class WeightIntake:
-    """Writes pushed checkpoints under ``root``; keeps only the last one that was loaded."""
+class PushStalledError(Exception):
+    """A push stream sent nothing for longer than the intake's idle timeout."""
 
-    def __init__(self, root: Path):
+
+class WeightIntake:
+    """Writes pushed checkpoints under ``root``; keeps only the last one that was loaded.
+
+    A stream that sends nothing for ``idle_timeout_s`` ends with ``PushStalledError``: the
+    server takes one update at a time, and a stalled client must not hold the others back.
+    """
+
+    def __init__(self, root: Path, idle_timeout_s: float = 60.0):
         self.root = Path(root)
         self.current: Path | None = None
+        self.idle_timeout_s = idle_timeout_s
+
+    async def _next(self, messages: AsyncIterator[pb.PushWeightsRequest]):
+        """The stream's next message, or None at its end; ``PushStalledError`` past the idle
+        timeout."""
+        try:
+            return await asyncio.wait_for(anext(messages, None), self.idle_timeout_s)
+        except TimeoutError:
+            raise PushStalledError(f"the push sent nothing for {self.idle_timeout_s:g} s "
+                                   "(push_idle_timeout_s)") from None
 
     async def receive(
         self,
@@ -40,7 +59,8 @@ class WeightIntake:
 
         ``check_header`` runs on the header (version, force) before any byte is written.
         """
-        header = await anext(aiter(requests), None)
+        requests = aiter(requests)
+        header = await self._next(requests)
         if header is None or header.WhichOneof("item") != "header":
             raise InvalidParamError("header", "the first message must be the header")
         self._check_header(header.header)
@@ -90,14 +110,14 @@ class WeightIntake:
             if f.size < 0:
                 raise InvalidParamError(f"header.files[{i}].size", f"must be >= 0, got {f.size}")
 
-    @staticmethod
     async def _write_files(
-        requests: AsyncIterator[pb.PushWeightsRequest], directory: Path, sizes: dict[str, int]
+        self, requests: AsyncIterator[pb.PushWeightsRequest], directory: Path,
+        sizes: dict[str, int]
     ) -> dict[str, int]:
         written = dict.fromkeys(sizes, 0)
         handles: dict[str, BinaryIO] = {}
         try:
-            async for req in requests:
+            while (req := await self._next(requests)) is not None:
                 if req.WhichOneof("item") != "chunk":
                     raise InvalidParamError("header", "sent more than once")
                 chunk = req.chunk

@@ -545,6 +545,33 @@ def test_bad_pushes_are_rejected_and_leave_nothing_behind(tmp_path, tok_dir):
     assert os.listdir(tmp_path / "push") == []
 
 
+def test_a_stalled_push_ends_at_its_idle_timeout_and_holds_no_update_back(tmp_path, tok_dir):
+    # A client that sent the header and nothing more held the server's update lock for good.
+    src = write_checkpoint(tmp_path / "src", "x")
+    good = write_checkpoint(tmp_path / "good", "good")
+
+    async def stalled():
+        yield next(iter(push_weight_requests(src, 1)))
+        await asyncio.sleep(60)
+
+    async def scenario():
+        async with serving(tmp_path, tok_dir, push_idle_timeout_s=0.5) as h:
+            start = time.monotonic()
+            push = asyncio.ensure_future(h.stub.PushWeights(stalled()))
+            await asyncio.sleep(0.1)
+            update = await h.stub.UpdateWeights(pb.UpdateWeightsRequest(path=str(good), version=2))
+            waited = time.monotonic() - start
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await push
+            return update.version, waited, err.value, os.listdir(tmp_path / "push")
+
+    version, waited, error, left = asyncio.run(scenario())
+    assert version == 2 and waited < 10
+    assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert error.details() == "the push sent nothing for 0.5 s (push_idle_timeout_s)"
+    assert left == []
+
+
 def test_tokens_after_an_update_carry_the_new_version(tmp_path, tok_dir):
     ckpt = write_checkpoint(tmp_path / "ckpt", "v1")
 

@@ -35,8 +35,8 @@ from rollout.engine import (
     WeightLoadError,
 )
 from rollout.timing import ActivityClock, ThroughputMeter, TimedEngine, TimedScorer
-from rollout.validation import Limits, check_version_range, generate_args_from_proto
-from rollout.validation import rollout_task_from_proto
+from rollout.validation import MAX_REQUEST_ID_CHARS, Limits, check_version_range
+from rollout.validation import generate_args_from_proto, rollout_task_from_proto
 from rollout.weight_intake import PushStalledError, WeightIntake
 from rollout.workflows.base import RewardScorer, RolloutTask, Workflow
 
@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 _DONE = object()
 
 
+MAX_UNREAD_REPLIES = 256  # per Rollout stream, before the server stops reading its requests
 PUSH_DRAIN_S = 2.0  # how long the rest of a rejected push is read before the status is sent
 
 
@@ -56,6 +57,14 @@ async def _drain(requests, timeout_s: float) -> None:
 
     with contextlib.suppress(Exception):
         await asyncio.wait_for(consume(), timeout_s)
+
+
+async def _until_read(replies: asyncio.Queue) -> None:
+    """Wait while a stream's client has ``MAX_UNREAD_REPLIES`` replies it has not read: the
+    server reads no further request meanwhile (gRPC flow control then holds the client), so a
+    client that sends without reading cannot grow the server's memory without bound."""
+    while replies.qsize() >= MAX_UNREAD_REPLIES:
+        await asyncio.sleep(0.02)
 
 
 class Rejected(Exception):
@@ -78,7 +87,7 @@ def _first_leaf(exc: BaseException) -> BaseException:
 
 def _error_group(request_id: str, code: grpc.StatusCode, message: str, field: str = ""):
     error = pb.RequestError(code=code.value[0], field=field, message=message)
-    return pb.TrajectoryGroup(request_id=request_id, error=error)
+    return pb.TrajectoryGroup(request_id=request_id[:MAX_REQUEST_ID_CHARS], error=error)
 
 
 def _chunk_to_proto(chunk: GenerationChunk) -> pb.GenerateChunk:
@@ -191,6 +200,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         in_flight: set[str] = set()
         try:
             async for req in requests:
+                await _until_read(out)
                 try:
                     task = rollout_task_from_proto(req, self._limits())
                     if task.request_id in in_flight:

@@ -85,9 +85,15 @@ def _check_prompt(prompt_ids: Sequence[int], params: SamplingParams, limits: Lim
                  budget_field="sampling_params.max_new_tokens")
 
 
+MAX_REQUEST_ID_CHARS = 256
+
+
 def _check_request_id(request_id: str) -> None:
     if not request_id:
         raise InvalidParamError("request_id", "must not be empty")
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidParamError("request_id", f"{len(request_id)} characters, at most "
+                                f"{MAX_REQUEST_ID_CHARS}")
 
 
 def rollout_task_from_proto(req: pb.RolloutRequest, limits: Limits) -> RolloutTask:

@@ -231,6 +231,42 @@ def test_duplicate_request_id_in_flight_is_rejected(tmp_path, tok_dir):
     assert not second.HasField("error")
 
 
+def test_a_client_that_never_reads_its_replies_is_held_back(tmp_path, tok_dir, monkeypatch):
+    # Invalid requests were answered into an unbounded per-stream queue, each echoing its
+    # request_id (1 MB ones grew the server by 620 MB over 600 requests). Now the echo is at
+    # most 256 characters, and once the client's receive window is full and MAX_UNREAD_REPLIES
+    # replies wait, the server stops reading the stream, so the client's writes block.
+    from rollout import service
+
+    monkeypatch.setattr(service, "MAX_UNREAD_REPLIES", 8)
+    bulky = pb.RolloutRequest(request_id="x" * 1000, prompt_ids=[7] * 100_000)  # no params
+    small_window = [("grpc.http2.bdp_probe", 0)]  # the client's window stays at 64 KiB
+
+    async def scenario():
+        async with serving(tmp_path, tok_dir, channel_factory=lambda t: grpc.aio.insecure_channel(
+                t, options=small_window)) as h:
+            call = h.stub.Rollout()
+            sent = [0]
+
+            async def writer():
+                while sent[0] < 600:
+                    await call.write(bulky)
+                    sent[0] += 1
+
+            writing = asyncio.create_task(writer())
+            await asyncio.wait({writing}, timeout=3.0)  # 600 x 100 KB unhindered: well under
+            held_at = sent[0]
+            first = await call.read()
+            call.cancel()
+            await asyncio.gather(writing, return_exceptions=True)
+            return held_at, first
+
+    sent, first = asyncio.run(scenario())
+    assert 8 <= sent < 600, sent
+    assert (first.error.field, first.request_id) == ("request_id", "x" * 256)
+    assert first.error.message == "request_id: 1000 characters, at most 256"
+
+
 def test_generate_streams_tokens_then_the_finish_reason(tmp_path, tok_dir):
     async def scenario():
         async with serving(tmp_path, tok_dir) as h:

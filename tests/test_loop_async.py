@@ -198,6 +198,22 @@ def test_publishing_never_waits_for_a_server_hanging_in_its_rejoin(tmp_path):
     assert live == [f"127.0.0.1:{port_a}"]
 
 
+def test_a_defect_handling_a_result_stops_the_run_instead_of_hanging_it(tmp_path, monkeypatch):
+    # Raised in a future's done-callback, the error vanished into the event loop's log: the
+    # group was neither buffered nor pending, and the loop waited for it forever.
+    from areal_jax.controller import loop as loop_module
+
+    def broken(*args):
+        raise ZeroDivisionError("defect")
+
+    monkeypatch.setattr(loop_module._Finished, "of", broken)
+    trainer = RecordingTrainer(exports_dir(tmp_path))
+    start = time.monotonic()
+    with pytest.raises(ZeroDivisionError, match="defect"):
+        run_on_servers(tmp_path, [ArithmeticEngine()], config(tmp_path), trainer, items(20), 3)
+    assert time.monotonic() - start < 30 and not trainer.batches
+
+
 def test_inserted_tokens_do_not_make_groups_overstale(tmp_path):
     # A workflow's inserted tokens carry version -1 (mask 0); counted as the group's oldest,
     # every group with one looked η + 1 versions stale and the run dropped groups forever.

@@ -145,6 +145,19 @@ class RLLoop:
         item = self._in_flight.pop(index, None)
         if future.cancelled() or item is None:
             return
+        try:
+            self._settle(index, item, future)
+            self._fill()
+        except Exception as e:  # noqa: BLE001 - raised in a callback, it would vanish: the group
+            # would be neither buffered nor pending and the loop would wait for it forever
+            log.exception("handling the rollout of prompt %s failed", item.id)
+            if item not in self._retry and all(f.item is not item for f in self._buffer):
+                self._retry.insert(0, item)  # kept for the checkpoint
+            self._fatal = self._fatal or e
+        self._wake.set()
+
+    def _settle(self, index: int, item: PromptItem, future: asyncio.Future) -> None:
+        """Account for a finished request: buffer its group, or count its failure."""
         error = future.exception()
         if error is not None:
             self.gate.on_failed()
@@ -156,8 +169,6 @@ class RLLoop:
             self._consecutive_rejected = 0
             self.gate.on_finished()
             self._buffer.append(_Finished.of(index, item, future.result()))
-        self._wake.set()
-        self._fill()
 
     def _on_rejected(self, item: PromptItem, err) -> None:
         self.gate.on_failed()

@@ -11,7 +11,11 @@
      budget to all of it) against the same requests at equal lengths (the mean), greedy, with
      the share of wall time spent in prefill calls and the mean batch a decode call computed;
      and the ragged requests on an engine whose decode calls always compute every slot
-     (``batch_buckets: [slots]``), to show what computing only the live batch buys.
+     (``batch_buckets: [slots]``), to show what computing only the live batch buys;
+   - the same comparison on a stream (``--stream-factor`` times as many requests as slots),
+     closer to an RL run, where the servers always have more requests than slots: the tail of
+     a finite batch then matters little, and what is left is the cost of admitting requests
+     one by one and of attention windows set by the longest live sequence.
    ``--dtype bfloat16`` runs both sides in bfloat16 (the engine's ``dtype`` option, the
    transformers model loaded in it).
    All sides are timed round-robin in one process; medians; the engine's compile time (first
@@ -157,15 +161,22 @@ async def decode_benchmark(path, args) -> tuple[list[dict], list[dict], list[dic
     ragged = rng.integers(args.new_tokens // 8, args.new_tokens + 1, 2 * args.batch).tolist()
     equal = [round(statistics.mean(ragged))] * len(ragged)
     ragged_prompts = rng.integers(1, VOCAB, (len(ragged), args.prompt_len)).tolist()
+    stream = rng.integers(args.new_tokens // 8, args.new_tokens + 1,
+                          args.stream_factor * args.batch).tolist()
+    stream_equal = [round(statistics.mean(stream))] * len(stream)
+    stream_prompts = rng.integers(1, VOCAB, (len(stream), args.prompt_len)).tolist()
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
     thread_counts = sorted({1, torch.get_num_threads()})  # one thread is often faster here
     options = dict(num_slots=args.batch, dtype=args.dtype,
                    max_seq_len=1 << (args.prompt_len + args.new_tokens - 1).bit_length(),
-                   decode_steps_per_call=args.steps_per_call)
+                   decode_steps_per_call=args.steps_per_call,
+                   prefill_buckets=args.prefill_buckets)
     engine = await engine_for(path, **options)
     every_slot = await engine_for(path, **options, batch_buckets=[args.batch])
-    sides = {"equal": (engine, equal), "ragged": (engine, ragged),
-             "ragged, every slot computed": (every_slot, ragged)}
+    sides = {"equal": (engine, equal, ragged_prompts), "ragged": (engine, ragged, ragged_prompts),
+             "ragged, every slot computed": (every_slot, ragged, ragged_prompts),
+             "equal, stream": (engine, stream_equal, stream_prompts),
+             "ragged, stream": (engine, stream, stream_prompts)}
     n = [args.new_tokens] * args.batch
     first = await jax_batch(engine, prompts, "greedy", n)
     warm = await jax_batch(engine, prompts, "greedy", n)
@@ -176,8 +187,8 @@ async def decode_benchmark(path, args) -> tuple[list[dict], list[dict], list[dic
             torch.set_num_threads(threads)
             hf_batch(hf, prompts, kind, 8)  # warm-up
         await jax_batch(engine, prompts, kind, [8] * args.batch)
-    for side, lengths in sides.values():
-        await jax_batch(side, ragged_prompts, "greedy", lengths)
+    for side, lengths, side_prompts in sides.values():
+        await jax_batch(side, side_prompts, "greedy", lengths)
     times: dict[tuple, list[float]] = {}
     prefill: dict[str, list[float]] = {}
     batch: dict[str, list[float]] = {}
@@ -189,9 +200,9 @@ async def decode_benchmark(path, args) -> tuple[list[dict], list[dict], list[dic
                 times.setdefault((f"transformers, {threads} thread(s)", kind), []).append(t)
             times.setdefault(("JAX engine", kind), []).append(
                 await jax_batch(engine, prompts, kind, n))
-        for name, (side, lengths) in sides.items():
+        for name, (side, lengths, side_prompts) in sides.items():
             before = side.stats()
-            t = await jax_batch(side, ragged_prompts, "greedy", lengths)
+            t = await jax_batch(side, side_prompts, "greedy", lengths)
             after = side.stats()
             times.setdefault(("JAX engine", name), []).append(t)
             prefill.setdefault(name, []).append(
@@ -213,8 +224,10 @@ async def decode_benchmark(path, args) -> tuple[list[dict], list[dict], list[dic
                     "tokens/s": rate(("JAX engine", name), sum(lengths)),
                     "prefill share of wall time": statistics.median(prefill[name]),
                     "mean decode batch": statistics.median(batch[name])}
-                   for name, (_, lengths) in sides.items()]
-    ceilings = ragged_ceilings(equal, ragged, engine.options.batch_buckets, args)
+                   for name, (_, lengths, _) in sides.items()]
+    ceilings = {"batch": ragged_ceilings(equal, ragged, engine.options.batch_buckets, args),
+                "stream": ragged_ceilings(stream_equal, stream, engine.options.batch_buckets,
+                                          args)}
     return rows, ragged_rows, compile_rows, ceilings
 
 
@@ -322,11 +335,14 @@ def decode_goal(name: str, rows: list[dict], ragged_rows: list[dict], ceilings: 
              f"transformers (goal >= {GOALS[name]:g}x: "
              f"{'met' if r['JAX / transformers'] >= GOALS[name] else 'NOT met'})" for r in rows]
     by = {r["lengths"]: r["tokens/s"] for r in ragged_rows}
-    ratio = by["ragged"] / by["equal"]
-    lines.append(f"- {name}, ragged / equal lengths: {ratio:.2f} (goal >= {RAGGED_GOAL:g}: "
-                 f"{'met' if ratio >= RAGGED_GOAL else 'NOT met'}; the FIFO schedule itself, "
-                 f"prefill and host work free, allows {ceilings['every slot']:.2f} computing "
-                 f"every slot, {ceilings['live batch']:.2f} computing the live batch bucket)")
+    for kind, suffix in (("batch", ""), ("stream", ", stream")):
+        ratio = by["ragged" + suffix] / by["equal" + suffix]
+        ceiling = ceilings[kind]
+        lines.append(
+            f"- {name}, ragged / equal lengths{suffix}: {ratio:.2f} (goal >= {RAGGED_GOAL:g}: "
+            f"{'met' if ratio >= RAGGED_GOAL else 'NOT met'}; the FIFO schedule itself, prefill "
+            f"and host work free, allows {ceiling['every slot']:.2f} computing every slot, "
+            f"{ceiling['live batch']:.2f} computing the live batch bucket)")
     return lines
 
 
@@ -345,6 +361,11 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--steps-per-call", type=int, default=8)
+    parser.add_argument("--stream-factor", type=int, default=8,
+                        help="stream side of the ragged comparison: this many requests per slot")
+    parser.add_argument("--prefill-buckets", type=int, nargs="+", default=None,
+                        help="the engine's prefill_buckets (also its decode attention windows; "
+                             "default: powers of two)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                         help="decode benchmark: both sides compute in this dtype")
     parser.add_argument("--models", nargs="+", choices=list(DECODE_MODELS),
@@ -376,7 +397,8 @@ def main() -> None:
                     f"{args.prompt_len}, "
                     f"{args.new_tokens} new tokens, {args.steps_per_call} steps per call, "
                     f"median of {args.reps} round-robin rounds)\n\n{table(rows)}\n\n"
-                    f"Ragged against equal lengths ({2 * args.batch} requests, greedy):\n\n"
+                    f"Ragged against equal lengths ({2 * args.batch} requests, and a stream of "
+                    f"{args.stream_factor * args.batch}; greedy):\n\n"
                     f"{table(ragged_rows)}\n\nCompile time (greedy, {args.batch} requests):"
                     f"\n\n{table(compile_rows)}")
                 summary += decode_goal(name, rows, ragged_rows, ceilings)

@@ -109,7 +109,8 @@ class SamplingParams:
         if self.max_new_tokens < 1:
             raise InvalidParamError("max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
         if not 0 <= self.temperature < float("inf"):  # also rejects NaN
-            raise InvalidParamError("temperature", f"must be finite and >= 0, got {self.temperature}")
+            raise InvalidParamError("temperature",
+                                    f"must be finite and >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise InvalidParamError("top_p", f"must be in (0, 1], got {self.top_p}")
         if self.top_k != -1 and self.top_k < 1:

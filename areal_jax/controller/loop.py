@@ -332,7 +332,8 @@ def _generated_versions(t) -> np.ndarray:
 
 def _staleness_metrics(groups, version: int, bound: int) -> dict[str, float]:
     """Distribution of the per-token staleness (``version`` minus the token's) trained on."""
-    stale = np.concatenate([version - _generated_versions(t) for g in groups for t in g.trajectories])
+    stale = np.concatenate([version - _generated_versions(t)
+                            for g in groups for t in g.trajectories])
     return {"staleness/p50": float(np.percentile(stale, 50)),
             "staleness/p90": float(np.percentile(stale, 90)),
             "staleness/over_bound_fraction": float(np.mean(stale > bound))}

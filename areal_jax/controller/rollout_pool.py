@@ -11,8 +11,9 @@ a guarantee that no accepted request is lost.
 * With no live server, requests wait; a supervisor task tries dead servers every
   ``rejoin_interval_s`` and brings one that answers SERVING again back to the current weights
   (a forced update) before it gets work. Each server's try runs on its own, and publishing
-  never waits for one: a server that hangs loading its rejoin weights holds up nothing else. If no server is reachable for ``no_server_timeout_s``
-  every waiting request fails with ``NoLiveServerError``.
+  never waits for one: a server that hangs loading its rejoin weights holds up nothing else.
+  If no server is reachable for ``no_server_timeout_s`` every waiting request fails with
+  ``NoLiveServerError``.
 * Every control call (update, push, pause, resume, status) has a deadline; UNAVAILABLE is
   retried ``rpc_retries`` times with backoff; a server still failing (or past its deadline) is
   taken out of the pool, its groups go elsewhere, and it may rejoin later.
@@ -340,14 +341,18 @@ class RolloutPool:
             # A server that is down says so every try (debug); one that answers SERVING but
             # fails to take the weights is worth a warning, once per distinct error.
             error = f"{type(e).__name__}: {e.details() if hasattr(e, 'details') else e}"
-            if serving_health and error != server.rejoin_error:
+            if not serving_health:
+                log.debug("rollout server %s cannot rejoin yet: %s", server.address, error)
+            elif error != server.rejoin_error:
                 log.warning("rollout server %s answers SERVING but cannot rejoin: %s",
                             server.address, error)
-            else:
-                log.debug("rollout server %s cannot rejoin yet: %s", server.address, error)
-            server.rejoin_error = error if serving_health else server.rejoin_error
+            if serving_health:
+                server.rejoin_error = error
             await channel.close()
             return
+        except asyncio.CancelledError:  # the pool is closing
+            await channel.close()
+            raise
         server.rejoin_error = None
         log.warning("rollout server %s rejoined the pool at version %s", server.address,
                     server.version)

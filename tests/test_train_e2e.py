@@ -3,6 +3,7 @@ gRPC, asynchronous RL, evaluation, checkpoints; then the same command resumes, a
 `areal-jax export` writes a loadable HF directory."""
 
 import json
+import shutil
 
 import numpy as np
 import yaml
@@ -115,3 +116,20 @@ def test_train_with_pushed_weights_keeps_staleness_bounded(tmp_path):
     trained = [r for r in rows if "loss" in r]
     assert [r["step"] for r in trained] == [1, 2, 3]
     assert all(r["staleness/max"] <= 1 for r in trained)
+
+
+def test_sft_killed_before_its_model_was_written_runs_again(tmp_path):
+    # SFT keeps no checkpoint: a re-run starts over at step 1, and its metrics must too (they
+    # kept the killed run's steps and refused step 1 after step 2 of the earlier run).
+    cfg = tiny_experiment(tmp_path, total_steps=0)
+    path = write_experiment(tmp_path / "exp.yaml", cfg)
+    assert main(["sft", "--config", str(path)]) == 0
+    run_dir = tmp_path / "run"
+    first = (run_dir / "sft_model" / "model.safetensors").read_bytes()
+    shutil.rmtree(run_dir / "sft_model")  # as if killed after its last step
+    assert main(["sft", "--config", str(path)]) == 0
+    rows = (run_dir / "sft" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(r)["step"] for r in rows] == [1, 2, 3]
+    # The same config and seed on a CPU: the same weights, written whole.
+    assert (run_dir / "sft_model" / "model.safetensors").read_bytes() == first
+    assert not list(run_dir.glob("exports/v*"))  # written in place, not through an export

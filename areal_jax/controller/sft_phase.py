@@ -8,7 +8,6 @@ the leader writes ``<run_dir>/sft_model``.
 from __future__ import annotations
 
 import contextlib
-import os
 from pathlib import Path
 
 from areal_jax.config import ConfigError
@@ -18,6 +17,7 @@ from areal_jax.controller.trainers import make_trainer
 from areal_jax.data.dataset import PromptDataset
 from areal_jax.experiment import ExperimentConfig
 from areal_jax.metrics import MetricsLogger
+from areal_jax.models import export_hf_tensors
 
 
 def sft_examples(cfg: ExperimentConfig, tokenizer) -> list[tuple[list[int], list[int]]]:
@@ -52,9 +52,11 @@ def run_sft(cfg: ExperimentConfig, base: Path, tokenizer, progress: TrainingProg
     try:
         task = progress.start_phase("SFT warm start", cfg.sft.steps)
         n, bs = len(examples), cfg.sft.batch_size
-        # The leader alone writes the metrics (every process computes the same ones).
+        # The leader alone writes the metrics (every process computes the same ones). SFT keeps
+        # no checkpoint: a re-run after a kill starts over at step 1, and so do its metrics.
         metrics_dir = Path(cfg.run_dir) / "sft"
-        with MetricsLogger(metrics_dir) if leader else contextlib.nullcontext() as metrics:
+        with MetricsLogger(metrics_dir, resume_from_step=1) if leader \
+                else contextlib.nullcontext() as metrics:
             for step in range(cfg.sft.steps):
                 start = (step * bs) % n
                 batch = [examples[(start + i) % n] for i in range(bs)]
@@ -64,8 +66,9 @@ def run_sft(cfg: ExperimentConfig, base: Path, tokenizer, progress: TrainingProg
                 progress.advance(task, {"loss": m.get("loss", float("nan"))})
         progress.end_phase(task)
         snapshot = trainer.snapshot_for_publish()  # collective: every process takes part
-        if leader:
-            os.replace(snapshot.write(), out)
+        if leader:  # synced to disk: kept by every later run, it is never written again
+            export_hf_tensors(snapshot.tensors, snapshot.model_cfg, out,
+                              tokenizer_dir=snapshot.tokenizer_dir, durable=True)
         barrier("sft_model written")
     finally:
         trainer.close()

@@ -92,16 +92,31 @@ class Checkpointer:
         damaged = []
         for s in steps:
             try:
-                return self._restore_step(abstract_state, s)
+                restored = self._restore_step(abstract_state, s)
             except CheckpointCorruptError as e:
                 log.warning("skipping damaged checkpoint %d: %s", s, e)
                 damaged.append(e)
+                continue
+            if damaged:
+                self._set_aside(steps[: len(damaged)])
+            return restored
         if damaged:
             raise CheckpointCorruptError(
                 f"no intact checkpoint in {self.directory} ({len(damaged)} damaged); "
                 f"the newest: {damaged[0]}"
             ) from damaged[0]
         return None
+
+    def _set_aside(self, steps: list[int]) -> None:
+        """Rename damaged checkpoints newer than the restored one to ``<step>.damaged``: left in
+        place they stay the manager's latest steps, and it would skip every save below them."""
+        if jax.process_index() == 0:
+            for step in steps:
+                (self.directory / str(step)).rename(self.directory / f"{step}.damaged")
+                log.warning("moved damaged checkpoint %d aside to %s", step,
+                            self.directory / f"{step}.damaged")
+        all_processes(True)  # every process sees the renames before it rereads the steps
+        self._manager.reload()
 
     def latest_step(self) -> int | None:
         """The newest checkpoint's step (after any pending save finishes), or None."""

@@ -76,6 +76,31 @@ def test_changing_the_data_of_a_run_directory_is_detected(tmp_path):
     check_fingerprint(longer)
 
 
+def test_files_a_run_trusts_later_are_written_whole_and_a_torn_one_is_named(tmp_path,
+                                                                           monkeypatch):
+    import os
+
+    from areal_jax.files import write_atomic
+
+    cfg = from_dict(ExperimentConfig, _config(tmp_path))
+    (tmp_path / "run").mkdir()
+    check_fingerprint(cfg)
+    path = tmp_path / "run" / "fingerprint.json"
+    whole = path.read_text()
+
+    def full_disk(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        write_atomic(path, "{")
+    monkeypatch.undo()
+    assert path.read_text() == whole and os.listdir(path.parent) == ["fingerprint.json"]
+    path.write_text(whole[: len(whole) // 2])  # torn by a crash before files were written whole
+    with pytest.raises(ConfigError, match=r"fingerprint.json is not valid JSON .* delete it"):
+        check_fingerprint(cfg)
+
+
 def test_sft_without_its_response_field_names_the_setting(tmp_path):
     from areal_jax.models.tiny import build_tiny_tokenizer
 

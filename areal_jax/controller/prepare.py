@@ -14,6 +14,7 @@ from pathlib import Path
 from areal_jax.config import ConfigError, to_dict
 from areal_jax.data.config import DatasetConfig
 from areal_jax.experiment import ExperimentConfig
+from areal_jax.files import read_json, write_atomic
 
 FINGERPRINT_FILE = "fingerprint.json"
 
@@ -102,9 +103,9 @@ def check_fingerprint(cfg: ExperimentConfig) -> None:
     path = Path(cfg.run_dir) / FINGERPRINT_FILE
     current = run_fingerprint(cfg)
     if not path.is_file():
-        path.write_text(json.dumps(current, indent=2))
+        write_atomic(path, json.dumps(current, indent=2))
         return
-    recorded = json.loads(path.read_text())
+    recorded = read_json(path)
     changed = [k for k in current if recorded.get(k) != current[k]]
     if changed:
         raise ConfigError(

@@ -22,6 +22,7 @@ from areal_jax.controller.servers import supervise_local, sync_servers
 from areal_jax.controller.sketches import first_batch_sketches
 from areal_jax.data.dataset import PromptDataset
 from areal_jax.experiment import ExperimentConfig
+from areal_jax.files import read_json, write_atomic
 from areal_jax.metrics import MetricsLogger
 
 log = logging.getLogger(__name__)
@@ -39,12 +40,12 @@ async def _accuracy_before_rl(run_dir: Path, version: int, run_eval, metrics_log
     """Held-out accuracy before RL: measured once, and read back when the run resumes."""
     path = run_dir / BEFORE_RL_FILE
     if path.is_file():
-        before = json.loads(path.read_text())
+        before = read_json(path)
         _print_eval(f"held-out accuracy at version {before['version']:.0f} (before RL, recorded)",
                     before)
         return before
     before = {**await run_eval(version), "version": float(version)}
-    path.write_text(json.dumps(before))
+    write_atomic(path, json.dumps(before))
     metrics_log.log(version, before)
     _print_eval(f"held-out accuracy at version {version} (before RL)", before)
     return before

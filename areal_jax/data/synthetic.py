@@ -24,6 +24,8 @@ import re
 from pathlib import Path
 from typing import Literal
 
+from areal_jax.files import write_atomic
+
 Split = Literal["train", "test"]
 _ANSWER = re.compile(r"Answer:\s*(-?\d+)(?!\d|\.\d)")
 
@@ -132,22 +134,21 @@ def sft_pairs(problems: list[ArithProblem]) -> list[tuple[str, str]]:
 
 
 def write_jsonl(problems: list[ArithProblem], path: str | Path, split: Split) -> Path:
-    """Write rows with fields id, question, answer, solution, steps."""
+    """Write rows with fields id, question, answer, solution, steps (whole or not at all)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", encoding="utf-8") as f:
-        for i, p in enumerate(problems):
-            row = {"id": f"{split}-{i:06d}", **dataclasses.asdict(p)}
-            f.write(json.dumps(row) + "\n")
+    write_atomic(path, "".join(json.dumps({"id": f"{split}-{i:06d}", **dataclasses.asdict(p)})
+                               + "\n" for i, p in enumerate(problems)))
     return path
 
 
 def write_synthetic_splits(out_dir: str | Path, cfg: SyntheticConfig) -> dict[str, Path]:
-    """Write ``train.jsonl`` and ``test.jsonl`` under ``out_dir``; returns their paths."""
+    """Write ``test.jsonl`` and then ``train.jsonl`` under ``out_dir`` (a run takes the files as
+    written once train.jsonl exists); returns their paths."""
     out_dir = Path(out_dir)
     return {
         split: write_jsonl(generate_split(cfg, split), out_dir / f"{split}.jsonl", split)
-        for split in ("train", "test")
+        for split in ("test", "train")
     }
 
 

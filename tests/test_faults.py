@@ -137,3 +137,19 @@ def test_sigkill_the_trainer_and_resume_against_surviving_servers(tmp_path):
         assert_nothing_lost(tmp_path / "ledger.jsonl", items(300))
     finally:
         _reap(a, b)
+
+
+def test_a_ledger_torn_by_a_crash_keeps_every_event_of_the_resumed_run(tmp_path):
+    path = tmp_path / "ledger.jsonl"
+    with RunLedger(path) as ledger:
+        ledger.record("start", version=0)
+        ledger.record("train", version=1, prompts=["a"])
+    with open(path, "a") as f:
+        f.write('{"event": "train", "vers')  # the crash cut this line
+    with RunLedger(path) as ledger:  # the resumed run
+        ledger.record("start", version=1)
+        ledger.record("train", version=2, prompts=["b"])
+    # The resumed run's events used to be read as nothing: its first one shared the torn line,
+    # and reading stopped there.
+    assert [(e["event"], e["version"]) for e in read_ledger(path)] == [
+        ("start", 0), ("train", 1), ("start", 1), ("train", 2)]

@@ -21,7 +21,10 @@ class RunLedger:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        torn = self.path.is_file() and _ends_mid_line(self.path)
         self._file = self.path.open("a", encoding="utf-8")
+        if torn:  # a crash cut the last line: the next event starts a line of its own
+            self._file.write("\n")
 
     def record(self, event: str, **fields) -> None:
         self._file.write(json.dumps({"event": event, **fields}) + "\n")
@@ -37,14 +40,24 @@ class RunLedger:
         self.close()
 
 
+def _ends_mid_line(path: Path) -> bool:
+    with path.open("rb") as f:
+        f.seek(0, 2)
+        if f.tell() == 0:
+            return False
+        f.seek(-1, 2)
+        return f.read(1) != b"\n"
+
+
 def read_ledger(path: str | Path) -> list[dict]:
-    """Every event of the ledger at ``path``, in order (a torn last line is ignored)."""
+    """Every event of the ledger at ``path``, in order; lines torn by a crash are skipped (a
+    resumed run appends after them)."""
     events = []
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
+    for line in Path(path).read_text(encoding="utf-8", errors="replace").splitlines():
         try:
             events.append(json.loads(line))
         except json.JSONDecodeError:
-            break
+            continue
     return events
 
 

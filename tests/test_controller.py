@@ -78,3 +78,7 @@ def test_resume_resubmits_pending_groups_first(tmp_path):
     assert set(state["pending"]) <= set(resumed)
     assert not set(resumed) & set(trained_ids(first))
     assert len(set(resumed)) == len(resumed) == 12
+    # Request ids (and the sampling seeds drawn from them) go on from the checkpoint, as
+    # without the restart, instead of repeating the first run's from 0.
+    indices = [int(g.group_id.split(":", 1)[0]) for _, groups in second.batches for g in groups]
+    assert state["next_request"] > 0 and min(indices) >= state["next_request"]

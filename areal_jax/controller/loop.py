@@ -102,13 +102,17 @@ class RLLoop:
 
     def state_dict(self) -> dict:
         return {"data": self.prompts.state_dict(), "pending": self.pending_ids(),
-                "version": self.version, "rejected_groups": self._rejected}
+                "version": self.version, "rejected_groups": self._rejected,
+                "next_request": self._next_index}
 
     def load_state_dict(self, state: dict) -> None:
         self.prompts.load_state_dict(state["data"])
         pending = state.get("pending", [])
         self._retry = [self.items_by_id[i] for i in pending if i in self.items_by_id]
         self._rejected = int(state.get("rejected_groups", state.get("failed_groups", 0)))
+        # Request ids and sampling seeds go on where the checkpoint left them, as they would
+        # have without the restart (checkpoints from before this key start over at 0).
+        self._next_index = int(state.get("next_request", 0))
         # Re-submitted groups are charged to the gate when they are sent again.
         self.gate.restore(self.version)
 

@@ -274,6 +274,16 @@ def test_pruning_keeps_the_newest_exports_and_the_multiples_of_keep_every(tmp_pa
         TrainerConfig(export_keep_every=-1)
 
 
+def test_a_resumed_run_discards_the_exports_of_versions_past_its_checkpoint(tmp_path):
+    from areal_jax.trainer.publish import discard_exports_after
+
+    for v in (2, 4, 6, 7):
+        (tmp_path / f"v{v:06d}").mkdir()
+    assert discard_exports_after(tmp_path, 4) == [tmp_path / "v000006", tmp_path / "v000007"]
+    assert [v for v, _ in list_exports(tmp_path)] == [2, 4]
+    assert discard_exports_after(tmp_path / "none", 0) == []
+
+
 def test_publish_exports_what_transformers_loads_and_prunes_old_versions(tmp_path):
     ref = hf_model("qwen2", seed=5)
     src = save_hf_model(ref, tmp_path / "src")

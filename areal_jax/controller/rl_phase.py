@@ -24,6 +24,7 @@ from areal_jax.data.dataset import PromptDataset
 from areal_jax.experiment import ExperimentConfig
 from areal_jax.files import read_json, write_atomic
 from areal_jax.metrics import MetricsLogger
+from areal_jax.trainer.publish import discard_exports_after
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +118,9 @@ async def run_rl(cfg: ExperimentConfig, trainer, tokenizer, train_set: PromptDat
     prompt_lengths = [len(item.prompt_ids) for item in train_set]
 
     version = trainer.version
-    published = trainer.snapshot_for_publish().write()
+    snapshot = trainer.snapshot_for_publish()
+    discard_exports_after(snapshot.exports_dir, version)  # what a killed run trained past it
+    published = snapshot.write()
     push = cfg.rollout.weights_transport == "push"
     results: dict = {}
     in_helper = trainer.compiles_ahead_in_helper

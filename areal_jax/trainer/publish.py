@@ -76,6 +76,18 @@ def list_exports(exports_dir: str | Path) -> list[tuple[int, Path]]:
     return sorted(exports)
 
 
+def discard_exports_after(exports_dir: str | Path, version: int) -> list[Path]:
+    """Delete the exports of versions above ``version``: a run resumed from the checkpoint at
+    ``version`` discards what the interrupted run trained after it (a server restarted on the
+    newest export would otherwise serve weights of the discarded run); returns their paths."""
+    if not Path(exports_dir).is_dir():
+        return []
+    doomed = [p for v, p in list_exports(exports_dir) if v > version]
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    return doomed
+
+
 def prune_exports(
     exports_dir: str | Path, keep: int, protect: Path | None = None, keep_every: int = 0
 ) -> list[Path]:

@@ -73,7 +73,7 @@ class SGLangDouble:
         self.ready_at = time.monotonic() + startup_s
         self.cond = threading.Condition()
         self.paused = False
-        self.running: dict[str, bool] = {}  # rid -> abort requested
+        self.running: dict[str, str | bool] = {}  # rid -> False, or the version at its abort
         self.produced: dict[str, int] = {}  # rid -> tokens generated so far
         self.log: list[tuple[str, dict]] = []  # (path, payload) of every POST, in order
         self.server = ThreadingHTTPServer((host, port), _handler(self))
@@ -94,7 +94,7 @@ class SGLangDouble:
         with self.cond:
             self.paused = False
             for rid in self.running:
-                self.running[rid] = True
+                self.running[rid] = self.weight_version
             self.cond.notify_all()
         self.server.shutdown()
         self.server.server_close()
@@ -139,19 +139,24 @@ class SGLangDouble:
         out, triples, finish = [], [], None
         while finish is None:
             with self.cond:
-                if self.running[rid]:
-                    if not self.pause_drains:  # the answer is built after the swap
-                        self.cond.wait_for(lambda: not self.paused)
-                    message = "Abort in waiting queue" if out else "Abort before prefill"
-                    finish = {"type": "abort", "message": message}
-                    break
-                version = self.weight_version
+                # running[rid]: False, or the weight version when it was aborted (the weights
+                # the one token it still decodes comes from)
+                aborted = self.running[rid]
+                version = aborted or self.weight_version
+                if aborted and not self.pause_drains:  # the answer is built after the swap
+                    self.cond.wait_for(lambda: not self.paused)
+            if aborted and not out:
+                finish = {"type": "abort", "message": "Abort before prefill"}
+                break
             time.sleep(self.token_delay_s)
             token = next_token(context + out, self.vocab_size)
             out.append(token)
             self.produced[rid] = len(out)
             triples.append([token_logprob(token, version), token, None])
-            if token in stops:
+            if aborted:  # as SGLang: a running request decodes one more token after an abort,
+                # and its finish check sees the abort before any stop that token makes
+                finish = {"type": "abort", "message": "Abort in running batch"}
+            elif token in stops:
                 finish = {"type": "stop", "matched": token}
             elif len(out) >= params.get("max_new_tokens", 128):
                 finish = {"type": "length", "length": len(out)}
@@ -176,7 +181,7 @@ class SGLangDouble:
             self.paused = True
             if body.get("mode", "abort") == "abort":
                 for rid in self.running:
-                    self.running[rid] = True
+                    self.running[rid] = self.weight_version
                 if self.pause_drains:
                     self.cond.wait_for(lambda: not self.running)
         return 200, {"message": "Generation paused successfully."}
@@ -191,7 +196,7 @@ class SGLangDouble:
         with self.cond:
             for rid in self.running:
                 if body.get("abort_all") or rid.startswith(body.get("rid", "")):
-                    self.running[rid] = True
+                    self.running[rid] = self.weight_version
         return 200, {}
 
     def update_weights(self, body: dict) -> tuple[int, dict]:

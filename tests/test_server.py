@@ -799,7 +799,7 @@ def test_engine_factory_explains_a_missing_engine_module(monkeypatch, tmp_path):
             EngineConfig(kind="sglang", model_path=str(tmp_path), options={"tp_size": 0})
         )
     built = engines.create_engine(EngineConfig(kind="sglang", model_path=str(tmp_path)))
-    assert (built.kind, built.vocab_size, built.max_context_len) == ("sglang", 10, 32)
+    assert (built.kind, built.vocab_size, built.max_context_len) == ("sglang", 10, 31)
 
 
 def test_sampling_params_name_the_invalid_field():

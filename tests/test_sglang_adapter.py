@@ -98,6 +98,32 @@ def test_generate_returns_tokens_logprobs_and_versions(model_dir, double):
     }
 
 
+def test_an_interrupted_answer_that_ends_on_a_stop_token_is_finished():
+    # SGLang decodes one more token after an abort and reports the abort over the stop that
+    # token makes: resubmitted, the sequence went on past its end.
+    assert api.interrupted_finish([4, 9, 7], 10, {7}) == "stop"
+    assert api.interrupted_finish([4, 9], 2, {7}) == "length"
+    assert api.interrupted_finish([4, 9], 5, {7}) is None
+    assert api.interrupted_finish([], 5, {7}) is None
+
+
+def test_unseeded_requests_get_seeds_of_their_own(model_dir, double):
+    # With deterministic inference SGLang gives every unseeded request the same seed, so the
+    # samples of a group came out identical.
+    async def scenario():
+        engine = attached(model_dir, double)
+        await engine.start()
+        try:
+            for rid in ("a", "b"):
+                await _generate(engine, PROMPT, SamplingParams(max_new_tokens=2), rid)
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(scenario())
+    seeds = [p["sampling_params"]["sampling_seed"] for p in double.posts("/generate")]
+    assert len(seeds) == 2 and seeds[0] != seeds[1] and all(0 <= s < 2**31 for s in seeds)
+
+
 def _interrupted_run(engine, double, update):
     """Start a 30-token request, run ``update`` after about 10 tokens, return the result."""
 
@@ -275,7 +301,7 @@ def test_launches_sglang_waits_until_ready_and_stops_it(model_dir, tmp_path, mon
     result = asyncio.run(scenario())
     assert result.output_ids == expected_tokens(PROMPT, 3)
     assert result.versions == [4, 4, 4]  # launched with --weight-version 4
-    assert engine.max_context_len == 128
+    assert engine.max_context_len == 127  # SGLang refuses prompt + max_new_tokens >= 128
     assert engine.process.exit_code() is not None  # stopped with the engine
 
 

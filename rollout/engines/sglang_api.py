@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import urllib.parse
-from typing import Any
+from typing import Any, Literal
 
 from rollout.engine import FinishReason, SamplingParams
 
@@ -92,6 +92,17 @@ def generate_payload(
         "logprob_start_len": -1,
         "rid": rid,
     }
+
+
+def interrupted_finish(token_ids: list[int], remaining: int,
+                       stop_ids: set[int]) -> Literal["stop", "length"] | None:
+    """The finish of an answer a pause cut short (SGLang reports ``abort``): ``stop`` when its
+    last token is a stop token (SGLang decodes one more token after an abort and reports the
+    abort over the stop that token makes), ``length`` when it used the whole budget, else None:
+    the rest is to be resubmitted."""
+    if token_ids and token_ids[-1] in stop_ids:
+        return "stop"
+    return "length" if len(token_ids) >= remaining else None
 
 
 @dataclasses.dataclass(frozen=True)

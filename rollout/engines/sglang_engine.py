@@ -26,6 +26,7 @@ import dataclasses
 import json
 import logging
 import os
+import random
 import sys
 import tempfile
 from collections.abc import AsyncIterator
@@ -84,8 +85,12 @@ class SGLangOptions:
             )
 
 
-def _model_dims(model_path: str, context_length: int | None) -> tuple[int, int]:
-    """``(vocab_size, max_context_len)`` from the checkpoint's ``config.json``."""
+def _model_dims(model_path: str, context_length: int | None) -> tuple[int, int, set[int]]:
+    """``(vocab_size, max_context_len, end-of-sequence ids)`` from the checkpoint's
+    ``config.json`` (and ``generation_config.json``, whose end ids SGLang stops on too).
+
+    SGLang refuses a request whose prompt plus ``max_new_tokens`` reaches its context length,
+    so the longest total it takes is one less."""
     path = Path(model_path) / "config.json"
     try:
         cfg = json.loads(path.read_text())
@@ -99,7 +104,19 @@ def _model_dims(model_path: str, context_length: int | None) -> tuple[int, int]:
         raise ConfigError(
             f"engine.options.context_length: required, {path} has no max_position_embeddings"
         )
-    return int(cfg["vocab_size"]), int(context)
+    eos = _ids(cfg.get("eos_token_id"))
+    try:
+        eos |= _ids(json.loads((Path(model_path) / "generation_config.json").read_text())
+                    .get("eos_token_id"))
+    except (OSError, ValueError, AttributeError):
+        pass  # no generation config, or none readable: config.json's ids alone
+    return int(cfg["vocab_size"]), int(context) - 1, eos
+
+
+def _ids(value) -> set[int]:
+    """Token ids from a config value: an id, a list of ids, or nothing."""
+    values = value if isinstance(value, list) else [value]
+    return {v for v in values if isinstance(v, int) and not isinstance(v, bool)}
 
 
 class SGLangEngine(GenerationEngine):
@@ -112,7 +129,8 @@ class SGLangEngine(GenerationEngine):
         self._model_path = model_path  # the checkpoint SGLang serves, as ``_version``
         self._version = version
         self._failure: EngineError | None = None
-        self._vocab_size, self._context_len = _model_dims(model_path, options.context_length)
+        self._vocab_size, self._context_len, self._eos_ids = _model_dims(
+            model_path, options.context_length)
         self.process: SGLangProcess | None = None
         self._client: JsonHttpClient | None = None
         self._control = asyncio.Lock()  # pause / resume / update run one at a time
@@ -217,6 +235,11 @@ class SGLangEngine(GenerationEngine):
         self, prompt_ids: list[int], params: SamplingParams, request_id: str
     ) -> AsyncIterator[GenerationChunk]:
         context, remaining, attempt = list(prompt_ids), params.max_new_tokens, 0
+        stops = set(params.stop_token_ids) | self._eos_ids
+        if params.seed is None:
+            # SGLang honours seeds only with deterministic inference, and there it gives every
+            # unseeded request the same one: a group's samples would all be alike.
+            params = dataclasses.replace(params, seed=random.getrandbits(31))
         while True:
             await self._running.wait()
             if self._closed:
@@ -239,7 +262,7 @@ class SGLangEngine(GenerationEngine):
             finish = out.finish_reason
             interrupted = finish == "abort" and epoch != self._pause_epoch and not self._closed
             if interrupted:
-                finish = "length" if n >= remaining else None  # resubmit the rest
+                finish = api.interrupted_finish(out.token_ids, remaining, stops)
             reported = out.weight_version
             token_version = version if interrupted or reported is None else reported
             yield GenerationChunk(

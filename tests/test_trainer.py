@@ -274,6 +274,18 @@ def test_pruning_keeps_the_newest_exports_and_the_multiples_of_keep_every(tmp_pa
         TrainerConfig(export_keep_every=-1)
 
 
+def test_a_minibatch_without_trained_tokens_makes_no_update(model):
+    # Split into two minibatches, one holding only a trajectory whose tokens a workflow
+    # inserted: AdamW used to step on its zero gradients (momentum, weight decay, schedule).
+    good, inserted = toy_groups(seed=5, n_groups=1, group_size=2)[0].trajectories
+    inserted.output_mask = np.zeros(len(inserted.output_ids), np.int32)
+    split = _trainer(model, ppo_n_minibatches=2)
+    whole = _trainer(model, ppo_n_minibatches=1)  # the same gradient in one update
+    for trainer in (split, whole):
+        trainer.train_on_batch([TrajectoryGroup("g", [good, inserted])])
+    assert_params_close(host_params(split), host_params(whole), atol=1e-6)
+
+
 def test_a_resumed_run_discards_the_exports_of_versions_past_its_checkpoint(tmp_path):
     from areal_jax.trainer.publish import discard_exports_after
 

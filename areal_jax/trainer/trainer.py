@@ -163,8 +163,12 @@ class Trainer:
         prox = [[self._steps.logprobs(self._state.params, b) if recompute else None
                  for b in mb] for mb in device]  # fmt: skip
         next_version = self._version + 1
+        # A minibatch with no trained token (only inserted or empty outputs) makes no update:
+        # with zero gradients AdamW would still move the weights along its momentum, decay them
+        # and advance the schedule. The batch as a whole always has trained tokens.
         results = [self._update_minibatch(packed, arrays, mb_prox, next_version)
-                   for packed, arrays, mb_prox in zip(plan, device, prox)]  # fmt: skip
+                   for packed, arrays, mb_prox in zip(plan, device, prox)
+                   if sum(b.n_valid_tokens for b in packed) > 0]  # fmt: skip
         losses, stats, updates = zip(*jax.device_get(results))
         self._version = next_version
         self._compile_ahead(shapes, groups, len(trajs))

@@ -240,6 +240,58 @@ def test_failed_loads_keep_serving_the_old_weights(models, tmp_path):
     assert set(after.versions) == {2} and after.output_ids == hf_greedy(old_model, PROMPTS[0], 30)
 
 
+def test_a_swap_that_fails_on_the_device_keeps_serving_the_old_weights(models, monkeypatch):
+    # Placing the new weights (a device computation: it can run out of memory) ran after the
+    # engine had switched its version: a failure killed the engine and left the call waiting.
+    from rollout.engines import jax_decode
+
+    (old_model, old_dir), (_, new_dir) = models["old"], models["new"]
+
+    async def main():
+        engine = await started(old_dir, 2)
+
+        def out_of_memory(*args):
+            raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
+
+        monkeypatch.setattr(jax_decode, "split_layers", out_of_memory)
+        with pytest.raises(WeightLoadError, match="placing the weights of version 3 on the "
+                                                  "device failed: RuntimeError: RESOURCE_EXH"):
+            await engine.update_weights(new_dir, 3)
+        after = await engine.generate_full(PROMPTS[0], greedy(20), "after")
+        failure, version = engine.failure, engine.version
+        await engine.shutdown()
+        return after, failure, version
+
+    after, failure, version = run(main())
+    assert failure is None and version == 2
+    assert set(after.versions) == {2} and after.output_ids == hf_greedy(old_model, PROMPTS[0], 20)
+
+
+def test_commands_whose_callers_gave_up_neither_act_nor_kill_the_engine(models):
+    # A Pause or UpdateWeights past its gRPC deadline cancels the command's future; the worker
+    # used to apply it anyway and then fail on resolving a cancelled future, taking every
+    # request and the server down with it.
+    old_model, old_dir = models["old"]
+
+    async def main():
+        engine = await started(old_dir, 2)
+        running = asyncio.ensure_future(engine.generate_full(PROMPTS[2], greedy(60), "during"))
+        worker = engine._worker
+        with worker._cond:  # the worker takes no command until both are cancelled
+            for command in (worker.pause(), worker.resume(), worker.pause()):
+                assert command.cancel()
+        during = await running
+        after = await engine.generate_full(PROMPTS[0], greedy(20), "after")
+        failure, paused = engine.failure, engine.paused
+        await engine.shutdown()
+        return during, after, failure, paused
+
+    during, after, failure, paused = run(main())
+    assert failure is None and not paused
+    assert during.output_ids == hf_greedy(old_model, PROMPTS[2], 60)
+    assert after.output_ids == hf_greedy(old_model, PROMPTS[0], 20)
+
+
 def test_forced_swap_to_an_older_version_continues_with_its_weights(models):
     """A trainer restored from an older checkpoint takes the engine back to its version."""
     (old_model, old_dir), (new_model, new_dir) = models["old"], models["new"]

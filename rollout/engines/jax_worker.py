@@ -43,7 +43,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from areal_jax.models import KVCache, ModelConfig
 from areal_jax.rl import packing
-from rollout.engine import EngineError, GenerationChunk
+from rollout.engine import EngineError, GenerationChunk, WeightLoadError
 from rollout.engines import jax_decode
 from rollout.engines.jax_slots import Sequence, SlotTable
 
@@ -231,7 +231,7 @@ class DecodeWorker:
     def _set_paused(self, paused: bool, fut: Future) -> None:
         self._paused = paused
         self._maybe_swap()
-        fut.set_result(None)
+        _settle(fut)
 
     def _request_swap(self, params: nnx.State, version: int, fut: Future) -> None:
         self._swap = (params, version, fut)
@@ -265,8 +265,17 @@ class DecodeWorker:
                 self._cond.wait()
             commands = list(self._commands)
             self._commands.clear()
-        for action, fut in commands:
-            action(fut)
+        for i, (action, fut) in enumerate(commands):
+            # A command whose caller gave up (a deadline cancelled its future) never takes
+            # effect, except closing; one that takes effect resolves a future nobody may cancel.
+            if not (fut.set_running_or_notify_cancel() or action == self._set_closing):
+                continue
+            try:
+                action(fut)
+            except BaseException:
+                with self._cond:  # refused by _end, not left waiting
+                    self._commands.extendleft(reversed(commands[i + 1:]))
+                raise
         return not self._closing
 
     def _round(self) -> None:
@@ -293,18 +302,27 @@ class DecodeWorker:
             return
         params, version, fut = self._swap
         self._swap = None
-        self._params, self.version = params, version
-        self._layers = jax_decode.split_layers(self._graphdef, params)
+        try:  # before any state changes: a failure here leaves the old weights serving
+            layers = jax_decode.split_layers(self._graphdef, params)
+        except Exception as e:  # noqa: BLE001 - e.g. the device ran out of memory
+            log.exception("placing the weights of version %d failed", version)
+            _settle(fut, error=WeightLoadError(
+                f"placing the weights of version {version} on the device failed: "
+                f"{type(e).__name__}: {e!s:.300}"))
+            return
+        self._params, self._layers, self.version = params, layers, version
         self.swaps += 1
         if self._swap_mode != "keep_cache":
             for slot in self._slots.occupied():
                 self._slots.invalidate(slot)
-        fut.set_result(None)
+        _settle(fut)
 
     def _admit(self) -> None:
         """Move queued sequences into free slots (prefilled next)."""
         with self._cond:
             for slot in self._slots.free():
+                while self._pending and self._pending[0].cancelled:  # cancelled meanwhile
+                    self._pending.popleft()
                 if not self._pending:
                     return
                 self._slots.assign(slot, self._pending.popleft())
@@ -483,8 +501,18 @@ class DecodeWorker:
         self._slots = SlotTable(len(self._slots.seqs))
         refused = self.error or EngineError("the engine has shut down")
         for _, fut in commands:
-            fut.set_exception(refused)
+            _settle(fut, error=refused)
         if self._swap is not None:
-            self._swap[2].set_exception(refused)
+            _settle(self._swap[2], error=refused)
         if self._close_future is not None:
-            self._close_future.set_result(None)
+            _settle(self._close_future)
+
+
+def _settle(fut: Future, error: BaseException | None = None) -> None:
+    """Resolve a command's future, unless its caller already gave up on it (cancelled)."""
+    if fut.done():
+        return
+    if error is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(error)

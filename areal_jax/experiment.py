@@ -238,6 +238,9 @@ class ExperimentConfig:
                 f"trainer.temperature ({self.trainer.temperature:g}) must equal "
                 f"sampling.temperature ({sampled_at:g})"
             )
+        if self.trainer.advantage.estimator == "rloo" and self.sampling.group_size < 2:
+            raise ConfigError("trainer.advantage.estimator: rloo needs sampling.group_size >= 2 "
+                              f"(leave-one-out), got {self.sampling.group_size}")
         budget = self.trainer.max_new_tokens
         if budget is not None and budget != self.sampling.max_new_tokens:
             raise ConfigError(

@@ -32,6 +32,9 @@ class Trajectory:
         if self.output_mask is None:
             self.output_mask = np.ones(len(self.output_ids), dtype=np.int32)
         self.output_mask = np.asarray(self.output_mask, dtype=np.int32)
+        if not np.isin(self.output_mask, (0, 1)).all():
+            raise ValueError("Trajectory.output_mask must hold only 0 (inserted) and 1 "
+                             f"(generated), got values {sorted(set(self.output_mask.tolist()))}")
         n = len(self.output_ids)
         for name in ("behav_logprobs", "versions", "output_mask"):
             if len(getattr(self, name)) != n:

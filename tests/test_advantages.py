@@ -195,6 +195,10 @@ def test_trajectory_advantages_errors():
         )  # fmt: skip
     with pytest.raises(ValueError, match="group 0 \\('e'\\) has no trajectories"):
         trajectory_advantages([TrajectoryGroup("e", [])], AdvantageConfig())
+    # Advantages read mask == 1, packing and the token count mask != 0: a 2 was trained with
+    # advantage 0 yet counted in the loss's normaliser.
+    with pytest.raises(ValueError, match=r"output_mask must hold only 0 .* got values \[0, 1, 2\]"):
+        Trajectory([1], [2, 3, 4], [0.0] * 3, [0] * 3, output_mask=[1, 2, 0])
 
 
 def test_config_validation():

@@ -48,12 +48,13 @@ def test_trainer_temperature_must_match_sampling():
     ("sampling.top_p=0", r"sampling.top_p: must be in \(0, 1\], got 0"),
     ("sampling.top_k=0", "sampling.top_k: must be -1"),
     ("sampling.temperature=.nan", "sampling.temperature: must be finite and >= 0, got nan"),
+    ("trainer.advantage.estimator=rloo sampling.group_size=1", "rloo needs sampling.group_size"),
 ])
 def test_what_every_request_would_be_refused_for_is_refused_before_the_run(override, message):
     # Accepted, these made every eval request fail (accuracy NaN, written to the run's results)
     # or every rollout request be rejected; a negative checkpoint_every saved every step.
     with pytest.raises(ConfigError, match=message):
-        load_config(ExperimentConfig, CONFIGS[-1], [override])
+        load_config(ExperimentConfig, CONFIGS[-1], override.split())
 
 
 def test_cli_reports_config_errors_without_traceback(capsys):

@@ -19,6 +19,7 @@ import pytest
 from areal_jax.parallel import MeshConfig, make_mesh, wire
 from areal_jax.rl import MicroBatchConfig
 from areal_jax.trainer import Trainer, TrainerConfig
+from areal_jax.trajectory import Trajectory
 
 from _trainer_kit import one_device_mesh, tiny_model, toy_groups, truncate_checkpoint
 
@@ -42,8 +43,11 @@ def _worker(process_id: int, port: int, run_dir: Path, out: Path) -> None:
     mesh = make_mesh(MeshConfig(fsdp=8))  # both processes' devices
     group = TrainerGroup(Trainer(_config(run_dir), mesh=mesh, model=tiny_model(seed=21)))
     if not is_leader():
-        group.follow()
-        (out / "follower.json").write_text(json.dumps({"version": group.version}))
+        try:
+            group.follow()
+        except ValueError as e:  # the batch every process refuses, below
+            (out / "follower.json").write_text(json.dumps({"version": group.version,
+                                                           "error": str(e)}))
         return
     result = {}
     try:
@@ -63,6 +67,14 @@ def _worker(process_id: int, port: int, run_dir: Path, out: Path) -> None:
     result["again"] = group.train_on_batch(_batches(4)[-1])  # needs the restored RNG key too
     np.savez(out / "resumed.npz", **group.snapshot_for_publish().tensors)
     result["version"] = group.version
+    # A batch that passes the leader's checks but fails on every process (a sequence longer
+    # than the token budget): all raise at once, and close sends nothing to the departed.
+    too_long = toy_groups(seed=3, n_groups=1, group_size=2, max_output=10)
+    too_long[0].trajectories[0] = Trajectory(list(range(5)), list(range(80)), [0.0] * 80, [0] * 80)
+    try:
+        group.train_on_batch(too_long)
+    except ValueError as e:
+        result["failed_everywhere"] = str(e)
     group.close()
     (out / "leader.json").write_text(json.dumps(result))
 
@@ -80,6 +92,23 @@ def test_with_one_process_the_group_is_the_trainer(tmp_path):
         group.train_on_batch(toy_groups(seed=9, n_groups=1, group_size=1))
     with pytest.raises(RuntimeError, match=r"follow\(\) runs on the processes other than 0"):
         group.follow()
+
+
+def test_a_process_of_a_slurm_job_keeps_every_device_it_sees(monkeypatch):
+    # Given no local_device_ids, jax.distributed restricts a SLURM or Open MPI process to the
+    # device of its local rank: one GPU of eight per host, with no error.
+    import jax
+
+    from areal_jax.parallel import initialize_distributed
+
+    seen = {}
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: seen.update(kw))
+    monkeypatch.setattr(jax.config, "update", lambda name, value: seen.update({name: value}))
+    monkeypatch.setenv("SLURM_LOCALID", "0")
+    initialize_distributed("10.0.0.1:1234", 4, 2)
+    assert seen["local_device_ids"] == []  # not None: no restriction (None is the local rank's)
+    assert (seen["coordinator_address"], seen["num_processes"], seen["process_id"]) == (
+        "10.0.0.1:1234", 4, 2)
 
 
 def test_trajectory_groups_cross_the_wire_unchanged():
@@ -159,7 +188,12 @@ def test_two_processes_train_like_one_and_restore_together(tmp_path):
     assert leader["again"]["loss"] == leader["metrics"][-1]["loss"]  # same state, same split
     assert Path(leader["published"]) == run_dir / "exports" / "v000003"
     assert (Path(leader["published"]) / "model.safetensors").is_file()
-    assert leader["version"] == json.loads((out / "follower.json").read_text())["version"] == 4
+    follower = json.loads((out / "follower.json").read_text())
+    assert leader["version"] == follower["version"] == 4
+    # Each process raised its own error for the batch all refused, and nobody waited for the
+    # heartbeat timeouts (the processes ended within the communicate() limit above).
+    for error in (leader["failed_everywhere"], follower["error"]):
+        assert "85 tokens, more than the micro-batch token budget 64" in error, error
     _assert_close(np.load(out / "resumed.npz"), single.snapshot_for_publish().tensors)
 
 

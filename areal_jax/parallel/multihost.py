@@ -19,11 +19,14 @@ def initialize_distributed(
 
     Arguments left out are read from the cluster's environment by ``jax.distributed`` (TPU pod
     metadata, SLURM ``SLURM_*`` variables, Open MPI). CPU processes exchange collectives over
-    gloo (TCP).
+    gloo (TCP). A process uses every accelerator it can see (one process per host; narrow it with
+    ``CUDA_VISIBLE_DEVICES`` or ``trainer_devices``): left to itself, ``jax.distributed`` would
+    give a SLURM or Open MPI process only the device of its local rank (one GPU of eight).
     """
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(
-        coordinator_address=coordinator, num_processes=num_processes, process_id=process_id
+        coordinator_address=coordinator, num_processes=num_processes, process_id=process_id,
+        local_device_ids=[],  # not None: no device restriction (None means the local rank's)
     )
 
 

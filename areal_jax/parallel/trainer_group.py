@@ -3,19 +3,25 @@
 The leader (process 0) calls a ``TrainerGroup`` exactly like a ``Trainer``; each call first
 sends the command and its inputs to the other processes, then runs it locally. The others sit
 in ``follow()``, running every command they receive, so all processes execute the same jitted
-steps on the same batch in the same order. With one process the group is a pass-through.
+steps on the same batch in the same order. After each command the processes agree whether it
+succeeded everywhere: a command that fails anywhere raises on every process at once (its own
+error, or one naming the command), and the group is over, instead of the others waiting in the
+next command's collectives for ``jax.distributed``'s heartbeat timeouts. With one process the
+group is a pass-through.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import jax
 
 from areal_jax.parallel import wire
-from areal_jax.parallel.multihost import broadcast_bytes, is_leader
+from areal_jax.parallel.multihost import all_processes, broadcast_bytes, is_leader
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     from areal_jax.trainer.trainer import PublishSnapshot, Trainer
@@ -32,6 +38,7 @@ class TrainerGroup:
     def __init__(self, trainer: Trainer):
         self.trainer = trainer
         self._multi = jax.process_count() > 1
+        self._broken = False  # a command failed somewhere: the others have left follow()
 
     @property
     def version(self) -> int:
@@ -42,28 +49,28 @@ class TrainerGroup:
         """``Trainer.train_on_batch`` on every process; the metrics (identical everywhere)."""
         self.trainer.check_batch(groups)  # bad input raises here, before the others see it
         self._send("train", *wire.groups_to_message(groups))
-        return self.trainer.train_on_batch(groups)
+        return self._agree("train", lambda: self.trainer.train_on_batch(groups))
 
     def sft_on_batch(self, examples) -> dict[str, float]:
         """``Trainer.sft_on_batch`` on every process."""
         self.trainer.check_sft(examples)
         self._send("sft", *wire.examples_to_message(examples))
-        return self.trainer.sft_on_batch(examples)
+        return self._agree("sft", lambda: self.trainer.sft_on_batch(examples))
 
     def save(self, extra: dict | None = None) -> None:
         """Checkpoint on every process (each writes its own shards)."""
         self._send("save", {"extra": extra})
-        self.trainer.save(extra)
+        self._agree("save", lambda: self.trainer.save(extra))
 
     def restore(self, version: int | None = None) -> dict | None:
         """Restore on every process; all land on the same version."""
         self._send("restore", {"version": version})
-        return self.trainer.restore(version)
+        return self._agree("restore", lambda: self.trainer.restore(version))
 
     def snapshot_for_publish(self, version: int | None = None) -> PublishSnapshot:
         """Gather the parameters to the leader's host (every process takes part)."""
         self._send("snapshot", {"version": version})
-        return self.trainer.snapshot_for_publish(version)
+        return self._agree("snapshot", lambda: self.trainer.snapshot_for_publish(version))
 
     def publish(self, version: int | None = None) -> Path:
         """Snapshot on every process, then the leader writes the export."""
@@ -74,14 +81,14 @@ class TrainerGroup:
         sketches = [[int(n) for n in lengths] for lengths in sketches]
         shapes = self.trainer.compile_ahead_for(sketches)  # bad input raises before sending
         self._send("sketches", {"sketches": sketches})
-        return shapes
+        return self._agree("sketches", lambda: shapes)
 
     def expect_lengths(self, lengths, batch_trajectories: int) -> list[tuple[int, int]]:
         """``Trainer.expect_lengths`` on every process."""
         lengths = [int(n) for n in lengths]
         shapes = self.trainer.expect_lengths(lengths, batch_trajectories)
         self._send("lengths", {"lengths": lengths, "batch_trajectories": batch_trajectories})
-        return shapes
+        return self._agree("lengths", lambda: shapes)
 
     @property
     def compiles_ahead_in_helper(self) -> bool:
@@ -93,17 +100,17 @@ class TrainerGroup:
         return self.trainer.idle()
 
     def close(self) -> None:
-        """Release the other processes from ``follow()``, then finish checkpoint writes."""
-        self._send("close", {})
+        """Release the other processes from ``follow()`` (unless a failed command ended the
+        group: they have left it), then finish checkpoint writes."""
+        if not self._broken:
+            self._send("close", {})
         self.trainer.close()
 
     def follow(self) -> None:
         """On a process other than the leader: run the leader's commands until ``close``.
 
-        A command that raises ends the follower with that error rather than letting the
-        processes diverge; the leader, running the same command, normally raises too (bad
-        batches are refused on the leader before they are sent), and ``jax.distributed``'s
-        heartbeats stop any process still waiting on the one that ended.
+        A command that fails here or on any other process raises here (see the module
+        docstring); bad batches are refused on the leader before they are sent.
         """
         if is_leader():
             raise RuntimeError("follow() runs on the processes other than 0; the leader commands")
@@ -111,11 +118,30 @@ class TrainerGroup:
             with self.trainer.idle():  # waiting for the leader: compile ahead meanwhile
                 header, arrays = wire.unpack_message(broadcast_bytes(None))
             command = header.pop("command")
-            self._run(command, header, arrays)
             if command == "close":
+                self.trainer.close()
                 return
+            self._agree(command, lambda: self._run(command, header, arrays))
+
+    def _agree(self, command: str, run: Callable[[], T]) -> T:
+        """``run()`` here, then learn from every process whether it succeeded everywhere; if
+        not, raise (this process's error, or one naming the command) and mark the group over."""
+        error = None
+        try:
+            result = run()
+        except Exception as e:  # noqa: BLE001 - raised below, after the agreement
+            error, result = e, None
+        if self._multi and not all_processes(error is None):
+            self._broken = True
+            error = error or RuntimeError(
+                f"trainer-group command {command!r} failed on another process; its log says why")
+        if error is not None:
+            raise error
+        return result
 
     def _send(self, command: str, header: dict, arrays=()) -> None:
+        if self._broken:
+            raise RuntimeError(f"{command}: the trainer group ended when a command failed")
         if self._multi:
             if not is_leader():
                 raise RuntimeError(f"{command}: only the leader (process 0) commands the group")
@@ -137,7 +163,5 @@ class TrainerGroup:
             t.compile_ahead_for(header["sketches"])
         elif command == "lengths":
             t.expect_lengths(header["lengths"], header["batch_trajectories"])
-        elif command == "close":
-            t.close()
         else:
             raise RuntimeError(f"unknown trainer-group command {command!r}")

@@ -247,6 +247,12 @@ class ExperimentConfig:
                 f"trainer.max_new_tokens ({budget}) must equal sampling.max_new_tokens "
                 f"({self.sampling.max_new_tokens}) or be left unset"
             )
+        pg = self.process_group
+        if not self.distributed and (pg.coordinator_address or pg.num_processes or
+                                     pg.process_id is not None):
+            raise ConfigError("process_group: set, but distributed is false (every process "
+                              "would run as its own leader on the shared run_dir); set "
+                              "distributed: true")
         if self.checkpoint_every < 0:
             raise ConfigError(f"checkpoint_every: must be >= 0 (0: never), got "
                               f"{self.checkpoint_every}")

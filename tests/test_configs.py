@@ -49,6 +49,7 @@ def test_trainer_temperature_must_match_sampling():
     ("sampling.top_k=0", "sampling.top_k: must be -1"),
     ("sampling.temperature=.nan", "sampling.temperature: must be finite and >= 0, got nan"),
     ("trainer.advantage.estimator=rloo sampling.group_size=1", "rloo needs sampling.group_size"),
+    ("process_group.process_id=1", "process_group: set, but distributed is false"),
 ])
 def test_what_every_request_would_be_refused_for_is_refused_before_the_run(override, message):
     # Accepted, these made every eval request fail (accuracy NaN, written to the run's results)

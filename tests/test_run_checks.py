@@ -101,6 +101,13 @@ def test_files_a_run_trusts_later_are_written_whole_and_a_torn_one_is_named(tmp_
         check_fingerprint(cfg)
 
 
+def test_the_sft_command_refuses_a_distributed_config(tmp_path):
+    # Every process would run its own SFT and write the same <run_dir>/sft_model.
+    cfg = _config(tmp_path, sft={"steps": 2})
+    with pytest.raises(SystemExit, match="runs on one process; with distributed: true"):
+        main(["sft", "--config", _write(tmp_path, cfg), "distributed=true"])
+
+
 def test_sft_without_its_response_field_names_the_setting(tmp_path):
     from areal_jax.models.tiny import build_tiny_tokenizer
 

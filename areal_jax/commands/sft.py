@@ -27,6 +27,9 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(ExperimentConfig, args.config, args.overrides)
     if cfg.sft.steps < 1:
         raise SystemExit("sft.steps must be >= 1 for `areal-jax sft`")
+    if cfg.distributed:  # each process would run its own SFT into the same sft_model
+        raise SystemExit("`areal-jax sft` runs on one process; with distributed: true, "
+                         "`areal-jax train` runs the SFT warm start across the processes")
     claim_devices(cfg, with_servers=False)  # no servers: the trainer's share stays set
     enable_compilation_cache(cfg.compilation_cache_dir)
     prepare_data(cfg)

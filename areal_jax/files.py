@@ -1,4 +1,4 @@
-"""Small files a run writes once and trusts on every later run: written whole or not at all."""
+"""Files a run writes and trusts on later runs: written whole or not at all."""
 
 from __future__ import annotations
 

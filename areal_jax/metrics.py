@@ -16,6 +16,8 @@ import os
 import time
 from pathlib import Path
 
+from areal_jax.files import write_atomic
+
 logger = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
@@ -107,7 +109,5 @@ def _truncate(path: Path, resume_from_step: int | None) -> int | None:
             last_step = step if last_step is None else max(last_step, step)
     if dropped:
         logger.info("%s: dropped %d lines on resume from step %s", path, dropped, resume_from_step)
-        tmp = path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(kept), encoding="utf-8")
-        os.replace(tmp, path)
+        write_atomic(path, "".join(kept))
     return last_step

@@ -359,3 +359,22 @@ def test_fixed_and_dynamic_micro_batches_give_the_same_update():
         assert m_fix[key] == pytest.approx(m_dyn[key], rel=1e-5, abs=1e-6), key
     assert_params_close(p_fix, p_dyn, atol=1e-5)  # float32 summation order; steps are ~1e-2
     assert m_dyn["grad_norm"] > 1e-3  # a real update was compared
+
+
+def test_a_minibatch_with_fewer_sequences_than_min_micro_batches_gets_one_per_sequence():
+    # Minibatches are balanced by tokens, not by sequence count: one long answer can be a
+    # minibatch of its own next to one of many short answers. min_micro_batches then cannot be
+    # met; each sequence gets a micro-batch of its own instead of the step failing.
+    from areal_jax.trainer.batches import minibatch_plan
+
+    trajs = [_traj(4, 600, seed=0)] + [_traj(4, 30, seed=i) for i in range(1, 16)]
+    cfg = MicroBatchConfig(token_budget=1024, min_micro_batches=3)
+    plan = minibatch_plan(trajs, [0.5] * len(trajs), 2, cfg, np.arange(len(trajs)))
+    sizes = sorted(sum(len(b.traj_index) for b in mb) for mb in plan)
+    assert sizes == [1, 15]
+    lone = next(mb for mb in plan if sum(len(b.traj_index) for b in mb) == 1)
+    assert len(lone) == 1 and list(lone[0].traj_index) == [0]
+    many = next(mb for mb in plan if len(mb) > 1)
+    assert len(many) >= 3
+    placed = sorted(int(i) for mb in plan for b in mb for i in b.traj_index)
+    assert placed == list(range(len(trajs)))

@@ -33,7 +33,9 @@ class MicroBatchConfig:
     """How a minibatch is cut into micro-batches and padded into rows.
 
     ``mode``: ``dynamic`` packs micro-batches of at most ``token_budget`` tokens (Algorithm 1,
-    at least ``min_micro_batches`` of them); ``fixed`` cuts the minibatch, in its order, into
+    at least ``min_micro_batches`` of them, or one per sequence in a minibatch of fewer
+    sequences: minibatches are balanced by tokens, so one long answer can be a minibatch of its
+    own); ``fixed`` cuts the minibatch, in its order, into
     ``num_micro_batches`` micro-batches of about equal sequence count (fewer when there are
     fewer sequences), one sequence per row, each padded to its longest sequence; there a
     micro-batch of more than ``token_budget`` padded tokens (sequences x longest) is an error.
@@ -484,7 +486,8 @@ def micro_batch_layouts(
     if fixed:
         plan = plan_fixed_micro_batches(lengths, cfg.num_micro_batches, cfg.token_budget)
     else:
-        plan = plan_micro_batches(lengths, cfg.token_budget, cfg.min_micro_batches)
+        plan = plan_micro_batches(lengths, cfg.token_budget,
+                                  min(cfg.min_micro_batches, len(lengths)))
     layouts, known = [], set(known)
     for members in plan:
         row_len, n_rows, rows = _row_layout(

@@ -125,9 +125,11 @@ def from_dict(cls: type[T], data: dict[str, Any] | None, prefix: str = "") -> T:
         raise ConfigError(f"missing required config key {where}{missing[0]}")
     try:
         return cls(**kwargs)
-    except (ValueError, TypeError) as e:
-        if isinstance(e, ConfigError):
+    except ConfigError as e:
+        if not prefix or str(e).startswith(prefix):
             raise
+        raise ConfigError(f"{prefix}: {e}") from e  # name the section it came from
+    except (ValueError, TypeError) as e:
         raise ConfigError(f"{prefix or cls.__name__}: {e}") from e
 
 

@@ -11,7 +11,7 @@ import dataclasses
 import os
 from typing import Any, Literal
 
-from areal_jax.config import ConfigError
+from areal_jax.config import ConfigError, from_dict, to_dict
 from areal_jax.controller.local_servers import (JAX_DEFAULT_MEMORY_FRACTION,
                                                MEMORY_FRACTION_VARIABLE)
 from areal_jax.data.config import DatasetConfig
@@ -253,6 +253,19 @@ class ExperimentConfig:
             raise ConfigError("process_group: set, but distributed is false (every process "
                               "would run as its own leader on the shared run_dir); set "
                               "distributed: true")
+        trajectories = self.schedule.batch_size * self.sampling.group_size
+        if self.trainer.ppo_n_minibatches > trajectories:
+            raise ConfigError(
+                f"trainer.ppo_n_minibatches ({self.trainer.ppo_n_minibatches}) is more than the "
+                f"{trajectories} trajectories of a batch (schedule.batch_size x "
+                "sampling.group_size)")
+        if self.sft.steps > 0:
+            sft = from_dict(TrainerConfig, self.trainer_fields(self.sft.trainer), "sft.trainer")
+            if sft.ppo_n_minibatches > self.sft.batch_size:
+                raise ConfigError(
+                    f"sft.trainer.ppo_n_minibatches ({sft.ppo_n_minibatches}, from trainer "
+                    f"unless set there) is more than the sft.batch_size ({self.sft.batch_size}) "
+                    "examples of an SFT step")
         if self.checkpoint_every < 0:
             raise ConfigError(f"checkpoint_every: must be >= 0 (0: never), got "
                               f"{self.checkpoint_every}")
@@ -263,6 +276,16 @@ class ExperimentConfig:
         if self.compile_servers_during_sft and self.compilation_cache_dir == "":
             raise ConfigError("compile_servers_during_sft: needs the persistent compilation "
                               "cache, which compilation_cache_dir: '' turns off")
+
+    def trainer_fields(self, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The ``trainer`` section as plain data with ``overrides`` (e.g. ``sft.trainer``)
+        applied on top, and ``max_new_tokens`` from ``sampling`` where unset (the overlong
+        penalty measures against it)."""
+        data = to_dict(self.trainer)
+        if data.get("max_new_tokens") is None:
+            data["max_new_tokens"] = self.sampling.max_new_tokens
+        data.update(overrides or {})
+        return data
 
     def _jax_processes_by_device(self, with_trainer: bool = True
                                  ) -> dict[int | None, list[tuple[str, float | None]]]:

@@ -50,6 +50,12 @@ def test_trainer_temperature_must_match_sampling():
     ("sampling.temperature=.nan", "sampling.temperature: must be finite and >= 0, got nan"),
     ("trainer.advantage.estimator=rloo sampling.group_size=1", "rloo needs sampling.group_size"),
     ("process_group.process_id=1", "process_group: set, but distributed is false"),
+    # the quickstart's batch: 8 prompts x 8 answers; the first step (or SFT step) would fail
+    ("trainer.ppo_n_minibatches=65", r"trainer.ppo_n_minibatches \(65\) is more than the 64 "),
+    ("sft.trainer.ppo_n_minibatches=33", r"sft.trainer.ppo_n_minibatches \(33, from trainer"),
+    ("sft.trainer.lr=-1", r"sft.trainer: lr must be > 0, got -1"),
+    ("trainer.lr=0", r"trainer: lr must be > 0, got 0"),
+    ("sft.trainer.lrr=1", r"unknown config key sft.trainer.lrr"),
 ])
 def test_what_every_request_would_be_refused_for_is_refused_before_the_run(override, message):
     # Accepted, these made every eval request fail (accuracy NaN, written to the run's results)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from areal_jax.config import from_dict, to_dict
+from areal_jax.config import from_dict
 from areal_jax.experiment import ExperimentConfig
 
 
@@ -14,10 +14,7 @@ def make_trainer(cfg: ExperimentConfig, model_path: Path, overrides: dict | None
     from areal_jax.trainer import Trainer
     from areal_jax.trainer.config import TrainerConfig
 
-    data = to_dict(cfg.trainer)
-    if data.get("max_new_tokens") is None:  # the overlong penalty measures against it
-        data["max_new_tokens"] = cfg.sampling.max_new_tokens
-    data.update(overrides or {})
+    data = cfg.trainer_fields(overrides)
     data["model_path"] = str(model_path)
     data["run_dir"] = str(run_dir or cfg.run_dir)
     return Trainer(from_dict(TrainerConfig, data))

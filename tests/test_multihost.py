@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -92,6 +93,46 @@ def test_with_one_process_the_group_is_the_trainer(tmp_path):
         group.train_on_batch(toy_groups(seed=9, n_groups=1, group_size=1))
     with pytest.raises(RuntimeError, match=r"follow\(\) runs on the processes other than 0"):
         group.follow()
+
+
+def test_closing_the_group_waits_for_the_command_in_flight():
+    # The controller runs a step on a worker thread; if the run stops meanwhile, close() must
+    # not send its message (a collective) while the step's collectives are still running, nor
+    # close the trainer under it.
+    import threading
+
+    from areal_jax.parallel import TrainerGroup
+
+    release, events = threading.Event(), []
+
+    class SlowTrainer:
+        version = 0
+
+        def check_batch(self, groups):
+            pass
+
+        def train_on_batch(self, groups):
+            events.append("step started")
+            release.wait(10)
+            events.append("step ended")
+            return {}
+
+        def close(self):
+            events.append("closed")
+
+    group = TrainerGroup(SlowTrainer())
+    step = threading.Thread(target=group.train_on_batch, args=([],))
+    step.start()
+    while not events:
+        time.sleep(0.01)
+    closer = threading.Thread(target=group.close)
+    closer.start()
+    closer.join(0.5)
+    assert closer.is_alive() and events == ["step started"]
+    release.set()
+    closer.join(10)
+    step.join(10)
+    assert events == ["step started", "step ended", "closed"]
 
 
 def test_a_process_of_a_slurm_job_keeps_every_device_it_sees(monkeypatch):

@@ -12,6 +12,7 @@ group is a pass-through.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
@@ -31,14 +32,15 @@ if TYPE_CHECKING:
 class TrainerGroup:
     """A ``Trainer`` on every process of the group, commanded by the leader.
 
-    The leader's calls must not overlap (one at a time, from any thread): each is a sequence of
-    collectives that every process runs in the same order.
+    The leader's calls run one at a time (from any thread; a call made while another runs
+    waits for it): each is a sequence of collectives that every process runs in the same order.
     """
 
     def __init__(self, trainer: Trainer):
         self.trainer = trainer
         self._multi = jax.process_count() > 1
         self._broken = False  # a command failed somewhere: the others have left follow()
+        self._commanding = threading.Lock()  # held from a command's send to its agreement
 
     @property
     def version(self) -> int:
@@ -48,29 +50,28 @@ class TrainerGroup:
     def train_on_batch(self, groups: Sequence[TrajectoryGroup]) -> dict[str, float]:
         """``Trainer.train_on_batch`` on every process; the metrics (identical everywhere)."""
         self.trainer.check_batch(groups)  # bad input raises here, before the others see it
-        self._send("train", *wire.groups_to_message(groups))
-        return self._agree("train", lambda: self.trainer.train_on_batch(groups))
+        return self._command("train", *wire.groups_to_message(groups),
+                             run=lambda: self.trainer.train_on_batch(groups))
 
     def sft_on_batch(self, examples) -> dict[str, float]:
         """``Trainer.sft_on_batch`` on every process."""
         self.trainer.check_sft(examples)
-        self._send("sft", *wire.examples_to_message(examples))
-        return self._agree("sft", lambda: self.trainer.sft_on_batch(examples))
+        return self._command("sft", *wire.examples_to_message(examples),
+                             run=lambda: self.trainer.sft_on_batch(examples))
 
     def save(self, extra: dict | None = None) -> None:
         """Checkpoint on every process (each writes its own shards)."""
-        self._send("save", {"extra": extra})
-        self._agree("save", lambda: self.trainer.save(extra))
+        self._command("save", {"extra": extra}, run=lambda: self.trainer.save(extra))
 
     def restore(self, version: int | None = None) -> dict | None:
         """Restore on every process; all land on the same version."""
-        self._send("restore", {"version": version})
-        return self._agree("restore", lambda: self.trainer.restore(version))
+        return self._command("restore", {"version": version},
+                             run=lambda: self.trainer.restore(version))
 
     def snapshot_for_publish(self, version: int | None = None) -> PublishSnapshot:
         """Gather the parameters to the leader's host (every process takes part)."""
-        self._send("snapshot", {"version": version})
-        return self._agree("snapshot", lambda: self.trainer.snapshot_for_publish(version))
+        return self._command("snapshot", {"version": version},
+                             run=lambda: self.trainer.snapshot_for_publish(version))
 
     def publish(self, version: int | None = None) -> Path:
         """Snapshot on every process, then the leader writes the export."""
@@ -80,15 +81,15 @@ class TrainerGroup:
         """``Trainer.compile_ahead_for`` on every process (each compiles for its own devices)."""
         sketches = [[int(n) for n in lengths] for lengths in sketches]
         shapes = self.trainer.compile_ahead_for(sketches)  # bad input raises before sending
-        self._send("sketches", {"sketches": sketches})
-        return self._agree("sketches", lambda: shapes)
+        return self._command("sketches", {"sketches": sketches}, run=lambda: shapes)
 
     def expect_lengths(self, lengths, batch_trajectories: int) -> list[tuple[int, int]]:
         """``Trainer.expect_lengths`` on every process."""
         lengths = [int(n) for n in lengths]
         shapes = self.trainer.expect_lengths(lengths, batch_trajectories)
-        self._send("lengths", {"lengths": lengths, "batch_trajectories": batch_trajectories})
-        return self._agree("lengths", lambda: shapes)
+        return self._command("lengths", {"lengths": lengths,
+                                         "batch_trajectories": batch_trajectories},
+                             run=lambda: shapes)
 
     @property
     def compiles_ahead_in_helper(self) -> bool:
@@ -100,11 +101,13 @@ class TrainerGroup:
         return self.trainer.idle()
 
     def close(self) -> None:
-        """Release the other processes from ``follow()`` (unless a failed command ended the
-        group: they have left it), then finish checkpoint writes."""
-        if not self._broken:
-            self._send("close", {})
-        self.trainer.close()
+        """After the command in flight, if any (a step on a worker thread of a run that is
+        stopping), release the other processes from ``follow()`` (unless a failed command ended
+        the group: they have left it), then finish checkpoint writes."""
+        with self._commanding:
+            if not self._broken:
+                self._send("close", {})
+            self.trainer.close()
 
     def follow(self) -> None:
         """On a process other than the leader: run the leader's commands until ``close``.
@@ -122,6 +125,12 @@ class TrainerGroup:
                 self.trainer.close()
                 return
             self._agree(command, lambda: self._run(command, header, arrays))
+
+    def _command(self, command: str, header: dict, arrays=(), *, run: Callable[[], T]) -> T:
+        """Send ``command`` to the other processes, run it here, agree on the outcome."""
+        with self._commanding:
+            self._send(command, header, arrays)
+            return self._agree(command, run)
 
     def _agree(self, command: str, run: Callable[[], T]) -> T:
         """``run()`` here, then learn from every process whether it succeeded everywhere; if

@@ -68,12 +68,24 @@ def _hf_layout(m: TensorMap, x: jax.Array, dtype: np.dtype) -> jax.Array:
     return x if m.stacked else x[0]
 
 
-def hf_state_dict(model: Transformer, dtype="float32") -> dict[str, np.ndarray]:
+@functools.partial(jax.jit, static_argnames=("m", "dtype"))
+def _hf_layer(m: TensorMap, x: jax.Array, i: jax.Array, dtype: np.dtype) -> jax.Array:
+    """Layer ``i`` of stacked ``x`` cast to ``dtype`` in HF layout (one program for every i)."""
+    return _hf_layout(m, jax.lax.dynamic_index_in_dim(x, i, keepdims=True), dtype)[0]
+
+
+def hf_state_dict(model: Transformer, dtype="float32", keep: bool = True
+                  ) -> dict[str, np.ndarray]:
     """Host copies of all tensors in HF names and layout.
 
     ``dtype`` is one dtype or ``{hf_name: dtype}`` (float32 where a name is absent). Each
     tensor is converted on its devices and copied to the host in the target dtype, so a bf16
     export never holds an fp32 copy of the model. The arrays do not alias the parameters.
+
+    Parameters spread over several processes are gathered a layer at a time (a gather
+    replicates what it gathers on every device: a whole stacked tensor could exceed a
+    device's memory); every process must call this, and ``keep=False`` (processes other than
+    the one writing the export) takes part in the gathers without holding the tensors.
     """
     cfg = model.cfg
     state = nnx.state(model, nnx.Param)
@@ -83,12 +95,15 @@ def hf_state_dict(model: Transformer, dtype="float32") -> dict[str, np.ndarray]:
         value = get_var(state, m.path)[...]
         targets = [export_dtype(dtype.get(n, "float32") if isinstance(dtype, dict) else dtype)
                    for n in names]
-        if len(set(targets)) == 1:
+        if len(set(targets)) == 1 and (value.is_fully_addressable or not m.stacked):
             host = host_array(_hf_layout(m, value, targets[0]))
-            out.update(zip(names, host if m.stacked else [host]))
-        else:  # layers of one parameter in different dtypes
-            for i, (name, target) in enumerate(zip(names, targets)):
-                out[name] = host_array(_hf_layout(m, value[i : i + 1], target))[0]
+            if keep:
+                out.update(zip(names, host if m.stacked else [host]))
+            continue
+        for i, (name, target) in enumerate(zip(names, targets)):  # a layer at a time
+            host = host_array(_hf_layer(m, value, np.int32(i), target))
+            if keep:
+                out[name] = host
     return out
 
 

@@ -312,7 +312,7 @@ class Trainer:
             dtype = self._source_dtypes or "float32"
         else:
             dtype = self.config.export_dtype
-        tensors = hf_state_dict(self.model, dtype)
+        tensors = hf_state_dict(self.model, dtype, keep=is_leader())
         return PublishSnapshot(
             version, tensors if is_leader() else None, self.model.cfg,
             Path(self.config.run_dir) / "exports", self.config.export_keep,

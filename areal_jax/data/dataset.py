@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -37,14 +38,19 @@ class PromptDataset(Sequence[PromptItem]):
         rows = read_rows(path, config.resolved_format())
         ids, questions, metadata = [], [], []
         seen: dict[str, str] = {}
+        control = _control_tokens(tokenizer)
         for index, (where, row) in enumerate(rows):
             question = _field(row, config.prompt_field, path, where)
             if not isinstance(question, str) or not question.strip():
                 raise DatasetError(
                     f"{path} {where}: field {config.prompt_field!r} must be a non-empty string"
                 )
+            _check_text(question, f"{path} {where}: field {config.prompt_field!r}")
+            _check_no_control_tokens(question, control,
+                                     f"{path} {where}: field {config.prompt_field!r}")
             item_id = (
-                str(_field(row, config.id_field, path, where))
+                _item_id(_field(row, config.id_field, path, where),
+                         f"{path} {where}: field {config.id_field!r}")
                 if config.id_field
                 else f"{path.stem}-{index}"
             )
@@ -57,7 +63,8 @@ class PromptDataset(Sequence[PromptItem]):
             questions.append(question)
             metadata.append(
                 {
-                    key: _field(row, column, path, where)
+                    key: _wire_value(_field(row, column, path, where),
+                                     f"{path} {where}: field {column!r}")
                     for key, column in config.metadata_fields.items()
                 }
             )
@@ -100,3 +107,57 @@ def _field(row: dict, name: str, path: Path, where: str):
     if name not in row:
         raise DatasetError(f"{path} {where}: missing field {name!r}")
     return row[name]
+
+
+MAX_ID_CHARS = 200  # a request id is "<index>:<id>", and servers take ids up to 256 characters
+
+
+def _check_text(text: str, where: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise DatasetError(f"{where}: not valid Unicode text ({e.reason} at character "
+                           f"{e.start})") from None
+
+
+def _control_tokens(tokenizer) -> list[str]:
+    """The text of every special token of ``tokenizer`` (``<|im_end|>``, ...)."""
+    added = getattr(tokenizer, "added_tokens_decoder", {}).values()
+    return sorted({*getattr(tokenizer, "all_special_tokens", ()),
+                   *(t.content for t in added if t.special)} - {""})
+
+
+def _check_no_control_tokens(question: str, control: list[str], where: str) -> None:
+    """A question holding the text of a special token (``<|im_end|>``) would be tokenized as
+    that control token inside the chat template: a turn closed, another opened by the data."""
+    for token in control:
+        if token in question:
+            raise DatasetError(f"{where}: contains the tokenizer's special token {token!r}, "
+                               "which would act as a control token in the prompt")
+
+
+def _item_id(value, where: str) -> str:
+    """A row's id as the string requests carry: a string or an integer, at most
+    ``MAX_ID_CHARS`` characters."""
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise DatasetError(f"{where}: an id must be a string or an integer, got "
+                           f"{type(value).__name__}")
+    item_id = str(value)
+    _check_text(item_id, where)
+    if not item_id or len(item_id) > MAX_ID_CHARS:
+        raise DatasetError(f"{where}: an id must have 1 to {MAX_ID_CHARS} characters, got "
+                           f"{len(item_id)}")
+    return item_id
+
+
+def _wire_value(value, where: str):
+    """``value`` if it can travel with a request (a string as it is, anything else as JSON)."""
+    if isinstance(value, str):
+        _check_text(value, where)
+        return value
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError, RecursionError) as e:
+        raise DatasetError(f"{where}: a metadata value must be text or JSON data "
+                           f"({type(value).__name__}: {e})") from None
+    return value

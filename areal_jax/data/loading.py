@@ -28,14 +28,21 @@ def read_rows(path: str | Path, fmt: str) -> list[tuple[str, dict]]:
 
 def _read_jsonl(path: Path) -> list[tuple[str, dict]]:
     rows = []
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise DatasetError(f"{path} line {number}: not valid UTF-8 ({e.reason} at byte "
+                                   f"{e.start})") from None
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DatasetError(f"{path} line {number}: invalid JSON ({e.msg})") from None
+            except RecursionError:
+                raise DatasetError(f"{path} line {number}: JSON nested too deeply") from None
             if not isinstance(row, dict):
                 raise DatasetError(
                     f"{path} line {number}: expected a JSON object, got {type(row).__name__}"

@@ -14,6 +14,7 @@ import math
 import numbers
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from areal_jax.files import write_atomic
@@ -90,24 +91,42 @@ def _to_float(name, value) -> float:
         raise ValueError(f"metric {name!r} is not a number: {value!r:.80}") from None
 
 
+def read_records(path: Path) -> Iterator[tuple[int, str, dict | None]]:
+    """(line number, line, record) of every non-blank line of a metrics JSONL; the record is
+    None where the line is not a JSON object with an integer ``step`` (torn by a crash, or
+    damaged: undecodable bytes are read as U+FFFD and fail here, not in the caller)."""
+    with path.open(encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                record["step"] = int(record["step"])
+            except (ValueError, KeyError, TypeError, OverflowError, RecursionError):
+                record = None
+            yield number, line, record
+
+
 def _truncate(path: Path, resume_from_step: int | None) -> int | None:
-    """Keep the lines with step < resume_from_step (all when None); return the last kept step."""
+    """Keep the lines with step < resume_from_step (all when None); return the last kept step.
+    The file is rewritten when a line is dropped or the last one lacks its newline (the next
+    record would be appended to it)."""
     if not path.exists():
         return None
-    kept, last_step, dropped = [], None, 0
-    with path.open(encoding="utf-8") as f:
-        for line in f:
-            try:
-                step = int(json.loads(line)["step"])
-            except (ValueError, KeyError, TypeError):
-                dropped += 1  # a line torn by a crash
-                continue
-            if resume_from_step is not None and step >= resume_from_step:
-                dropped += 1
-                continue
-            kept.append(line if line.endswith("\n") else line + "\n")
-            last_step = step if last_step is None else max(last_step, step)
-    if dropped:
+    kept, last_step, dropped, unterminated = [], None, 0, False
+    for _, line, record in read_records(path):
+        if record is None:
+            dropped += 1  # a line torn by a crash
+            continue
+        step = record["step"]
+        if resume_from_step is not None and step >= resume_from_step:
+            dropped += 1
+            continue
+        if not line.endswith("\n"):
+            unterminated, line = True, line + "\n"
+        kept.append(line)
+        last_step = step if last_step is None else max(last_step, step)
+    if dropped or unterminated:
         logger.info("%s: dropped %d lines on resume from step %s", path, dropped, resume_from_step)
         write_atomic(path, "".join(kept))
     return last_step

@@ -14,11 +14,13 @@ Panels and the metric keys they read (a panel appears when any of its keys is pr
 
 from __future__ import annotations
 
-import json
+import logging
 import math
 from pathlib import Path
 
-from areal_jax.metrics import EVAL_CURVE_FILE, METRICS_FILE
+from areal_jax.metrics import EVAL_CURVE_FILE, METRICS_FILE, read_records
+
+logger = logging.getLogger(__name__)
 
 CURVE_KEY = "eval/accuracy (exports, after the run)"
 PANELS: list[tuple[str, tuple[str, ...]]] = [
@@ -40,29 +42,27 @@ class PlotError(ValueError):
 
 
 def read_series(path: str | Path) -> dict[str, tuple[list[int], list[float]]]:
-    """key -> (steps, values) for every numeric metric in a metrics JSONL; nulls are skipped."""
+    """key -> (steps, values) for every numeric metric in a metrics JSONL; nulls are skipped,
+    and so are lines that are not records (a run that crashed mid-write), with a warning."""
     path = Path(path)
     if not path.is_file():
         raise PlotError(f"metrics file {path} does not exist")
     series: dict[str, tuple[list[int], list[float]]] = {}
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
+    skipped = []
+    for number, _, record in read_records(path):
+        if record is None:
+            skipped.append(number)
+            continue
+        for key, value in record.items():
+            if key in ("step", "wall_time") or isinstance(value, bool):
                 continue
-            try:
-                record = json.loads(line)
-                step = int(record["step"])
-            except (ValueError, KeyError, TypeError):
-                raise PlotError(
-                    f"{path} line {number}: not a metrics record with a 'step'"
-                ) from None
-            for key, value in record.items():
-                if key in ("step", "wall_time") or isinstance(value, bool):
-                    continue
-                if isinstance(value, (int, float)) and math.isfinite(value):
-                    steps, values = series.setdefault(key, ([], []))
-                    steps.append(step)
-                    values.append(float(value))
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                steps, values = series.setdefault(key, ([], []))
+                steps.append(record["step"])
+                values.append(float(value))
+    if skipped:
+        logger.warning("%s: skipped %d lines that are not metrics records (line %s%s)", path,
+                       len(skipped), skipped[0], ", ..." if len(skipped) > 1 else "")
     return series
 
 

@@ -153,8 +153,38 @@ def test_plot_errors_are_clear(tmp_path, capsys):
     with pytest.raises(PlotError, match="none of the plotted metrics"):
         plot_run(tmp_path)
     (tmp_path / METRICS_FILE).write_text('{"no_step": 1}\n')
-    with pytest.raises(PlotError, match="line 1: not a metrics record"):
-        read_series(tmp_path / METRICS_FILE)
+    with pytest.raises(PlotError, match="none of the plotted metrics"):
+        plot_run(tmp_path)
+
+
+CRASHED_TAILS = {  # what a crash (or a damaged disk) can leave at the end of metrics.jsonl
+    "torn": b'{"step": 3, "wall_time": 3.0, "lo',
+    "undecodable": b"\xff\xfe\x80garbage",
+    "overflowing": b'{"step": 1e999}\n',
+}
+
+
+@pytest.mark.parametrize("tail", CRASHED_TAILS)
+def test_a_crashed_runs_metrics_plot_and_resume(tmp_path, tail, caplog):
+    good = b'{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.0}\n'
+    (tmp_path / METRICS_FILE).write_bytes(good + CRASHED_TAILS[tail])
+    assert read_series(tmp_path / METRICS_FILE) == {"loss": ([1, 2], [2.0, 1.0])}
+    assert "skipped 1 lines that are not metrics records (line 3)" in caplog.text
+    with MetricsLogger(tmp_path, resume_from_step=3) as logger:
+        logger.log(3, {"loss": 0.5})
+    assert [r["step"] for r in _lines(tmp_path)] == [1, 2, 3]
+
+
+def test_a_last_record_without_its_newline_is_kept_apart_from_the_next(tmp_path):
+    # A crash between a record and its newline: the record is whole and must stay, on its own
+    # line, through this resume and the next (appending merged it with the next record, and the
+    # resume after that dropped both).
+    (tmp_path / METRICS_FILE).write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.0}')
+    with MetricsLogger(tmp_path, resume_from_step=3) as logger:
+        logger.log(3, {"loss": 0.5})
+    with MetricsLogger(tmp_path, resume_from_step=4) as logger:
+        logger.log(4, {"loss": 0.25})
+    assert [r["step"] for r in _lines(tmp_path)] == [1, 2, 3, 4]
 
 
 def test_read_series_skips_nulls(tmp_path):

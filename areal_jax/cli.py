@@ -42,6 +42,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from areal_jax.controller.rollout_pool import WeightsRejectedError
     from areal_jax.data.loading import DatasetError
     from areal_jax.models.config import ModelConfigError
+    from areal_jax.models.hf_export import ExportTargetError
     from areal_jax.models.hf_io import CheckpointError
     from areal_jax.models.safetensors_io import SafetensorsError
     from areal_jax.rewards.registry import RewardNotFoundError
@@ -49,7 +50,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
 
     return (ConfigError, DatasetError, ModelConfigError, CheckpointError, SafetensorsError,
             RewardNotFoundError, CheckpointMismatchError, CheckpointCorruptError,
-            ServerExitedError,
+            ServerExitedError, ExportTargetError,
             RolloutRejectedError, NoLiveServerError, RequestFailedError,
             WeightsRejectedError)  # fmt: skip
 

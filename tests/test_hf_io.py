@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from areal_jax.models import CheckpointError, ModelConfig, ModelConfigError, export_hf, load_hf_model
+from areal_jax.models.hf_export import ExportTargetError
 from areal_jax.models.safetensors_io import SafetensorsFile
 
 from _hf_models import hf_logits, hf_model, save_hf_model
@@ -53,13 +54,30 @@ def test_export_reproduces_every_tensor_exactly_in_source_dtype(tmp_path):
     np.testing.assert_allclose(hf_logits(reloaded, tokens), hf_logits(ref_bf16, tokens), atol=1e-5)
 
 
-def test_export_replaces_existing_directory_atomically(tmp_path):
+def test_export_replaces_an_earlier_export_atomically_and_nothing_else(tmp_path):
     model, _ = load_hf_model(save_hf_model(hf_model("llama", seed=1), tmp_path / "src"))
-    (tmp_path / "out").mkdir()
-    (tmp_path / "out" / "stale.txt").write_text("old")
+    export_hf(model, tmp_path / "out", max_shard_bytes=20_000)  # an earlier, sharded export
+    assert len(list((tmp_path / "out").glob("model-*.safetensors"))) > 1
     export_hf(model, tmp_path / "out")
-    assert not (tmp_path / "out" / "stale.txt").exists()
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "config.json", "generation_config.json", "model.safetensors"]  # no stale shard left
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]  # no temp dirs left
+    # A directory holding anything but a model's files (a run directory, a home directory) is
+    # refused and left as it was: the export would have replaced it whole.
+    for extra in ("notes.txt", "checkpoints/"):
+        target = tmp_path / f"keep-{extra.strip('/')}"
+        target.mkdir()
+        (target / "config.json").write_text("{}")
+        if extra.endswith("/"):
+            (target / extra).mkdir()
+        else:
+            (target / extra).write_text("mine")
+        with pytest.raises(ExportTargetError, match=f"holds '{extra.strip('/')}'"):
+            export_hf(model, target)
+        assert sorted(p.name for p in target.iterdir()) == sorted(["config.json", extra.strip("/")])
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ExportTargetError, match="is not a directory"):
+        export_hf(model, tmp_path / "file")
 
 
 def test_list_of_eos_ids_is_kept_hashable_and_round_trips():

@@ -3,12 +3,14 @@ gRPC, asynchronous RL, evaluation, checkpoints; then the same command resumes, a
 `areal-jax export` writes a loadable HF directory."""
 
 import json
+import re
 import shutil
 
 import numpy as np
 import yaml
 from _e2e_kit import tiny_experiment, write_experiment
 from _loop_kit import assert_nothing_lost
+from _trainer_kit import truncate_checkpoint
 
 from areal_jax.cli import main
 from areal_jax.config import from_dict
@@ -100,6 +102,26 @@ def test_train_resume_and_export(tmp_path, capsys):
 
     assert main(["plot", str(run_dir), "--out", str(tmp_path / "curves.png")]) == 0
     assert (tmp_path / "curves.png").stat().st_size > 10_000
+
+    # An export never replaces the run, its models or anything but an earlier export; a
+    # missing version lists those there are; a damaged newest checkpoint is an error, not a
+    # silent export of an older one, and the run directory is left as it was.
+    capsys.readouterr()
+    before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    for out, message in ((run_dir, "is the run directory"),
+                         (run_dir / "sft_model", "is the run's starting model"),
+                         (tmp_path, "is the run directory .* or holds it"),
+                         (run_dir / "logs", "holds '"),
+                         (tmp_path / "hf2", r"--version 7: no such checkpoint .* there are "
+                                            r"\d+, \d+, 5")):
+        assert main(["export", "--config", str(cfg), "--out", str(out), "--version", "7"]) == 2
+        assert re.search(message, capsys.readouterr().err), message
+    truncate_checkpoint(run_dir / "checkpoints" / "5")
+    assert main(["export", "--config", str(cfg), "--out", str(tmp_path / "hf3")]) == 2
+    assert "checkpoint" in capsys.readouterr().err
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before
+    assert (run_dir / "sft_model" / "model.safetensors").is_file()
+    assert not (tmp_path / "hf2").exists() and not (tmp_path / "hf3").exists()
 
 
 def test_train_with_pushed_weights_keeps_staleness_bounded(tmp_path):

@@ -38,6 +38,32 @@ TOKENIZER_FILES = (
     "added_tokens.json",
 )
 _BY_ALIAS = {alias: d for d, aliases in DTYPE_ALIASES.items() for alias in aliases}
+_MODEL_FILES = {"config.json", "generation_config.json", "model.safetensors.index.json",
+                *TOKENIZER_FILES}
+
+
+class ExportTargetError(ValueError):
+    """An export's output directory holds something other than a model's files."""
+
+
+def check_export_target(out_dir: str | Path) -> None:
+    """Raise ``ExportTargetError`` unless ``out_dir`` is absent, empty, or a model directory
+    (config, safetensors and tokenizer files only): an export replaces its output directory
+    whole, and must never take a run directory or anything else with it."""
+    out_dir = Path(out_dir)
+    if not out_dir.exists() and not out_dir.is_symlink():
+        return
+    if not out_dir.is_dir() or out_dir.is_symlink():
+        raise ExportTargetError(f"{out_dir} exists and is not a directory; an export writes a "
+                                "directory: choose a new path")
+    foreign = sorted(p.name for p in out_dir.iterdir()
+                     if p.is_symlink() or not p.is_file()
+                     or not (p.name in _MODEL_FILES or p.name.endswith(".safetensors")))
+    if foreign:
+        raise ExportTargetError(
+            f"{out_dir} holds {foreign[0]!r} ({len(foreign)} entries that are not a model's "
+            "files): an export replaces its output directory whole, so it must be new, empty or "
+            "an earlier export; choose another path")
 
 
 def export_dtype(spec) -> np.dtype:
@@ -145,11 +171,13 @@ def export_hf_tensors(
     The tensors must be exactly those of ``cfg`` (``CheckpointError`` otherwise).
     ``config.json`` declares the tensors' dtype (``dtype`` and ``torch_dtype``), so
     transformers loads them as written. Files go to a temporary sibling directory which is
-    then renamed into place; an existing ``out_dir`` is replaced.
+    then renamed into place; an existing ``out_dir`` is replaced if it holds a model's files
+    only (``ExportTargetError`` otherwise).
     """
     out_dir = Path(out_dir)
     found = {name: (t.shape, t.dtype) for name, t in tensors.items()}
     check_tensors(found, hf_shapes(cfg), cfg, f"export to {out_dir}")
+    check_export_target(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:

@@ -118,6 +118,11 @@ class Checkpointer:
         all_processes(True)  # every process sees the renames before it rereads the steps
         self._manager.reload()
 
+    def steps(self) -> list[int]:
+        """Every checkpoint's step, ascending (after any pending save finishes)."""
+        self._manager.wait_until_finished()
+        return sorted(self._manager.all_steps())
+
     def latest_step(self) -> int | None:
         """The newest checkpoint's step (after any pending save finishes), or None."""
         self._manager.wait_until_finished()

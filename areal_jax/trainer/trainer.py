@@ -291,6 +291,10 @@ class Trainer:
         self._version = int(meta["version"])
         return meta["extra"]
 
+    def checkpoint_versions(self) -> list[int]:
+        """Versions of the checkpoints on disk, ascending."""
+        return self._require_checkpoints().steps()
+
     def latest_checkpoint(self) -> int | None:
         """Version of the newest checkpoint, or None."""
         return self._require_checkpoints().latest_step()

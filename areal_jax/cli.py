@@ -38,6 +38,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from areal_jax.config import ConfigError
     from areal_jax.controller.local_servers import ServerExitedError
     from areal_jax.controller.loop import RolloutRejectedError
+    from areal_jax.controller.reward_watch import RewardFailingError
     from areal_jax.controller.rollout_pool import NoLiveServerError, RequestFailedError
     from areal_jax.controller.rollout_pool import WeightsRejectedError
     from areal_jax.data.loading import DatasetError
@@ -51,7 +52,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
     return (ConfigError, DatasetError, ModelConfigError, CheckpointError, SafetensorsError,
             RewardNotFoundError, CheckpointMismatchError, CheckpointCorruptError,
             ServerExitedError, ExportTargetError,
-            RolloutRejectedError, NoLiveServerError, RequestFailedError,
+            RolloutRejectedError, RewardFailingError, NoLiveServerError, RequestFailedError,
             WeightsRejectedError)  # fmt: skip
 
 

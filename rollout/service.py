@@ -232,11 +232,9 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             started = True
             queue_s = time.monotonic() - admitted
             gen_clock, reward_clock = ActivityClock(), ActivityClock()
+            scorer = TimedScorer(self._scorer, reward_clock)
             group = await self._unless_ended(self._workflow.run(
-                task,
-                TimedEngine(self._engine, gen_clock, self._meter.add),
-                TimedScorer(self._scorer, reward_clock),
-            ))
+                task, TimedEngine(self._engine, gen_clock, self._meter.add), scorer))
             _check_group(group, task)
             if any(t.finish_reason == "abort" for t in group.trajectories):
                 raise _Unfinished("the engine aborted a sample")
@@ -245,7 +243,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                 "generation_s": gen_clock.total,
                 "reward_s": reward_clock.total,
             }
-            msg = group_to_proto(group, timing)
+            msg = group_to_proto(group, timing, scorer.failures)
         except Exception as e:  # noqa: BLE001 - reported to the client, the stream goes on
             msg = self._failure(task.request_id, _first_leaf(e))
         finally:

@@ -94,12 +94,21 @@ class TimedEngine:
 
 
 class TimedScorer:
-    """A scorer view that times scoring on ``clock``."""
+    """A scorer view for one group: times scoring on ``clock`` and keeps, in ``failures``,
+    what went wrong in each call that failed and scored 0 (where the scorer tells, with
+    ``score_with_error`` as ``RewardPool`` does)."""
 
     def __init__(self, scorer: RewardScorer, clock: ActivityClock):
         self._scorer = scorer
         self._clock = clock
+        self.failures: list[str] = []
 
     async def score(self, reward_name: str, completion: str, metadata: dict) -> float:
+        checked = getattr(self._scorer, "score_with_error", None)
         with self._clock.track():
-            return await self._scorer.score(reward_name, completion, metadata)
+            if checked is None:
+                return await self._scorer.score(reward_name, completion, metadata)
+            value, error = await checked(reward_name, completion, metadata)
+        if error is not None:
+            self.failures.append(error)
+        return value

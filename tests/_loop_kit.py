@@ -105,8 +105,10 @@ def exports_dir(tmp_path: Path) -> Path:
     return tmp_path / "exports"
 
 
-async def start_servers(tmp_path: Path, engines: list[ArithmeticEngine], **overrides) -> list:
-    """In-process rollout servers, one per engine, all sharing the exports directory."""
+async def start_servers(tmp_path: Path, engines: list[ArithmeticEngine],
+                        scorer=ExactAnswerScorer, **overrides) -> list:
+    """In-process rollout servers, one per engine (each with a ``scorer()``), all sharing the
+    exports directory."""
     tok = make_tokenizer_dir(tmp_path / "tok")
     base = write_checkpoint(exports_dir(tmp_path) / "base", "base")
     servers = []
@@ -114,9 +116,9 @@ async def start_servers(tmp_path: Path, engines: list[ArithmeticEngine], **overr
         cfg = from_dict(ServerConfig, {
             "engine": {"model_path": str(base), "tokenizer_path": str(tok)}, "port": 0,
             "push_dir": str(tmp_path / f"push{i}"), **overrides})
-        scorer = ExactAnswerScorer()
-        servers.append(await start_server(cfg, engine=engine, scorer=scorer,
-                                          reward_names=scorer.names))
+        instance = scorer()
+        servers.append(await start_server(cfg, engine=engine, scorer=instance,
+                                          reward_names=instance.names))
     return servers
 
 
@@ -175,13 +177,14 @@ def assert_nothing_lost(ledger_path: Path, prompts, seed: int = 0, shuffle: bool
 
 def run_on_servers(tmp_path: Path, engines: list[ArithmeticEngine], cfg: ExperimentConfig,
                    trainer: RecordingTrainer, prompts: list[PromptItem], steps: int,
-                   during=None, options: PoolOptions | None = None, state: dict | None = None):
+                   during=None, options: PoolOptions | None = None, state: dict | None = None,
+                   scorer=ExactAnswerScorer):
     """``run_loop`` over in-process servers for ``engines``, with the run ledger at
     ``tmp_path/ledger.jsonl``; ``during(loop, pool, servers)`` runs alongside. The servers
     (including any ``during`` appends to the list) are stopped at the end."""
 
     async def main():
-        servers = await start_servers(tmp_path, engines)
+        servers = await start_servers(tmp_path, engines, scorer)
         ledger = RunLedger(tmp_path / "ledger.jsonl")
         side = (lambda loop, pool: during(loop, pool, servers)) if during else None
         try:

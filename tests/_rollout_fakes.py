@@ -192,6 +192,11 @@ def exact_reward(completion: str, metadata: dict) -> float:
     return 1.0 if completion.strip() == metadata.get("answer") else 0.0
 
 
+def broken_reward(completion: str, metadata: dict) -> float:
+    """A reward reading a metadata key requests do not carry: it raises on every call."""
+    return float(metadata["no_such_key"] in completion)
+
+
 class ExactAnswerScorer:
     """Reward 1.0 when the completion equals ``metadata["answer"]``, else 0.0."""
 
@@ -206,6 +211,20 @@ class ExactAnswerScorer:
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
         return exact_reward(completion, metadata)
+
+
+class FailingScorer(ExactAnswerScorer):
+    """``ExactAnswerScorer`` whose calls fail (score 0, with an error, as ``RewardPool`` does)
+    for the answers ``fails(metadata["answer"])`` picks."""
+
+    def __init__(self, fails=lambda answer: True):
+        super().__init__()
+        self.fails = fails
+
+    async def score_with_error(self, reward_name: str, completion: str, metadata: dict):
+        if self.fails(metadata["answer"]):
+            return 0.0, f"reward {reward_name} failed: KeyError: 'no_such_key'"
+        return await self.score(reward_name, completion, metadata), None
 
 
 class MislabelledWorkflow(Workflow):

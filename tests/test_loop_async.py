@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 from _loop_kit import RecordingTrainer, assert_nothing_lost, config, exports_dir, items, run_loop
 from _loop_kit import run_on_servers, start_servers, trained_ids
-from _rollout_fakes import ArithmeticEngine, encode, write_checkpoint
+from _rollout_fakes import ArithmeticEngine, FailingScorer, encode, write_checkpoint
 
 from areal_jax.controller.loop import RolloutRejectedError
+from areal_jax.controller.reward_watch import RewardFailingError
 from areal_jax.controller.rollout_pool import PoolOptions, RequestFailedError, RolloutPool
 from areal_jax.controller.servers import sync_servers
 
@@ -59,6 +60,37 @@ def test_invalid_requests_stop_the_run_with_the_servers_error(tmp_path):
     # It stops after the limit instead of cycling through the dataset (in-flight ones aside).
     assert 5 <= len(rejects) <= 5 + 8, len(rejects)
     assert trainer.batches == []
+
+
+def test_a_reward_failing_on_every_answer_stops_the_run(tmp_path, caplog):
+    # Each failed call scores 0: a run would train on nothing but zeros, with the errors only
+    # in the servers' logs. Three batches in a row of failures stop it, naming the error.
+    trainer = RecordingTrainer(exports_dir(tmp_path))
+    with pytest.raises(RewardFailingError, match=r"reward 'exact' failed on every answer of 3 "
+                                                 r"batches in a row.*KeyError: 'no_such_key'"):
+        run_on_servers(tmp_path, [ArithmeticEngine()], config(tmp_path), trainer, items(100),
+                       10, scorer=FailingScorer)
+    assert len(trainer.batches) == 2  # the third is not trained
+    warnings = [r for r in caplog.records if "failed on" in r.getMessage()]
+    assert len(warnings) == 1 and "KeyError" in warnings[0].getMessage()  # once per message
+
+
+def test_reward_failures_are_counted_per_batch(tmp_path):
+    trainer = RecordingTrainer(exports_dir(tmp_path))
+    prompts = items(60)
+    odd = lambda answer: int(answer) % 2 == 1  # noqa: E731
+    loop = run_on_servers(tmp_path, [ArithmeticEngine()], config(tmp_path), trainer, prompts, 6,
+                          scorer=lambda: FailingScorer(odd))
+    assert len(trainer.batches) == 6  # some answers scored: the run goes on
+    answer = {p.id: p.metadata["answer"] for p in prompts}
+    seen = set()
+    for (_, groups), metrics in zip(trainer.batches, loop.metrics):
+        failing = sum(len(g.trajectories) for g in groups
+                      if odd(answer[g.group_id.split(":", 1)[1]]))
+        assert metrics["reward/failed_calls"] == failing
+        assert metrics["reward/failed_fraction"] == failing / 6
+        seen.add(failing)
+    assert len(seen) > 1  # batches with more and fewer failures: the count is per batch
 
 
 def test_engine_failure_behind_a_live_server_loses_nothing(tmp_path):

@@ -158,7 +158,8 @@ def test_messages_that_do_not_decode_are_invalid_arguments(tmp_path, tok_dir):
 
 
 def test_requests_may_name_only_the_configured_rewards(tmp_path, tok_dir):
-    rewards = {"num_workers": 1, "custom": {"exact": "_rollout_fakes:exact_reward"}}
+    rewards = {"num_workers": 1, "custom": {"exact": "_rollout_fakes:exact_reward",
+                                            "broken": "_rollout_fakes:broken_reward"}}
 
     async def scenario():
         config = server_config(tmp_path, tok_dir, rewards=rewards)
@@ -168,6 +169,7 @@ def test_requests_may_name_only_the_configured_rewards(tmp_path, tok_dir):
                 stub = pb_stub(channel)
                 requests = [
                     rollout_request("custom", reward_name="exact"),
+                    rollout_request("broken", reward_name="broken"),
                     rollout_request("exec", reward_name="builtins:exec"),
                     rollout_request("system", reward_name="os:system"),
                     rollout_request("dotted", reward_name="_rollout_fakes.encode"),
@@ -179,6 +181,12 @@ def test_requests_may_name_only_the_configured_rewards(tmp_path, tok_dir):
 
     by_id = {r.request_id: r for r in asyncio.run(scenario())}
     assert [t.reward for t in by_id["custom"].trajectories] == [1.0, 0.0]
+    assert by_id["custom"].reward_failures == 0 and not by_id["custom"].reward_error
+    # A reward that raises scores 0, and the group says so: two failed calls, the first's error.
+    assert [t.reward for t in by_id["broken"].trajectories] == [0.0, 0.0]
+    assert by_id["broken"].reward_failures == 2
+    assert by_id["broken"].reward_error.startswith("reward broken failed: KeyError")
+    assert "no_such_key" in by_id["broken"].reward_error
     for request_id in ("exec", "system", "dotted", "unknown"):
         error = by_id[request_id].error
         assert (error.code, error.field) == (INVALID, "reward_name"), request_id

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 
 import numpy as np
 
@@ -11,6 +12,7 @@ from areal_jax.controller.requests import rollout_request
 from areal_jax.controller.rollout_pool import RolloutPool
 from areal_jax.data.dataset import PromptItem
 
+log = logging.getLogger(__name__)
 _rounds = itertools.count()
 
 
@@ -27,11 +29,16 @@ async def evaluate(pool: RolloutPool, items: list[PromptItem], reward: str, *,
         for i, item in enumerate(items)
     ]
     groups = await asyncio.gather(*futures)
-    rewards, lengths, failed = [], [], 0
+    rewards, lengths, failed, reward_failures = [], [], 0, 0
     for group in groups:
         if group.HasField("error"):
             failed += 1
             continue
+        if group.reward_failures:
+            if not reward_failures:
+                log.warning("evaluation: reward %r failed (scored 0): %s", reward,
+                            group.reward_error)
+            reward_failures += group.reward_failures
         for t in group.trajectories:
             rewards.append(t.reward)
             lengths.append(len(t.output_ids))
@@ -42,6 +49,7 @@ async def evaluate(pool: RolloutPool, items: list[PromptItem], reward: str, *,
         "eval/response_length": float(np.mean(lengths)) if lengths else float("nan"),
         "eval/num_prompts": float(len(rewards)),
         "eval/failed": float(failed),
+        "eval/reward_failures": float(reward_failures),
     }
 
 

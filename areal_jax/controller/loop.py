@@ -31,6 +31,7 @@ from areal_jax.controller.gate import StalenessGate
 from areal_jax.controller.ledger import RunLedger
 from areal_jax.controller.publisher import Publisher
 from areal_jax.controller.requests import rollout_request
+from areal_jax.controller.reward_watch import RewardWatch
 from areal_jax.controller.rollout_pool import RolloutPool
 from areal_jax.data.dataset import PromptItem
 from areal_jax.data.sampler import PromptIterator
@@ -92,6 +93,7 @@ class RLLoop:
         self._publisher: Publisher | None = None
         self._busy = BusyWindow()
         self._compiles = CompileMeter()
+        self._rewards = RewardWatch(cfg.dataset.reward)
 
     # ---- state that survives a restart -------------------------------------------------
     def pending_ids(self) -> list[str]:
@@ -259,6 +261,7 @@ class RLLoop:
                 batch = await self._next_batch()
                 groups = [group_from_proto(f.group) for f in batch]
                 metrics = _staleness_metrics(groups, self.version, self.cfg.schedule.max_staleness)
+                metrics.update(self._rewards.observe(groups))
                 if sync:
                     self._paused = True
                     await self.pool.pause()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from areal_jax.protocol.v1 import rollout_pb2 as pb
@@ -34,10 +36,15 @@ def finish_reason_from_proto(value: int) -> str:
         raise ValueError(f"finish_reason {value} is not a finished state") from None
 
 
+MAX_REWARD_ERROR_CHARS = 1000
+
+
 def group_to_proto(
-    group: TrajectoryGroup, timing: dict[str, float] | None = None
+    group: TrajectoryGroup, timing: dict[str, float] | None = None,
+    reward_failures: Sequence[str] = (),
 ) -> pb.TrajectoryGroup:
-    """Message for a finished group; every trajectory must share the group's prompt."""
+    """Message for a finished group; every trajectory must share the group's prompt.
+    ``reward_failures``: what went wrong in each reward call that failed (it scored 0)."""
     if not group.trajectories:
         raise ValueError(f"group {group.group_id!r} has no trajectories")
     prompt = group.trajectories[0].prompt_ids
@@ -61,11 +68,16 @@ def group_to_proto(
         )
     if timing:
         msg.timing.CopyFrom(pb.Timing(**{k: float(timing.get(k, 0.0)) for k in TIMING_KEYS}))
+    if reward_failures:
+        msg.reward_failures = len(reward_failures)
+        msg.reward_error = reward_failures[0][:MAX_REWARD_ERROR_CHARS]
     return msg
 
 
 def group_from_proto(msg: pb.TrajectoryGroup) -> TrajectoryGroup:
-    """Trajectory group of a successful response; its timing lands in ``metadata["timing"]``.
+    """Trajectory group of a successful response; its timing lands in ``metadata["timing"]``,
+    its failed reward calls, if any, in ``metadata["reward_failures"]`` (and the first's
+    message in ``metadata["reward_error"]``).
 
     Raises ValueError for a response that carries an error (check ``msg.HasField("error")``).
     """
@@ -86,4 +98,7 @@ def group_from_proto(msg: pb.TrajectoryGroup) -> TrajectoryGroup:
         for t in msg.trajectories
     ]
     timing = {k: getattr(msg.timing, k) for k in TIMING_KEYS}
-    return TrajectoryGroup(msg.request_id, trajectories, {"timing": timing})
+    metadata = {"timing": timing}
+    if msg.reward_failures:
+        metadata.update(reward_failures=msg.reward_failures, reward_error=msg.reward_error)
+    return TrajectoryGroup(msg.request_id, trajectories, metadata)

@@ -166,17 +166,23 @@ class RewardPool:
 
         A name outside :attr:`reward_names` raises RewardNotFoundError before any work.
         """
+        return (await self.score_with_error(reward_name, completion, metadata))[0]
+
+    async def score_with_error(self, reward_name: str, completion: str, metadata: dict
+                               ) -> tuple[float, str | None]:
+        """(reward, None), or (0.0, what went wrong) when the call timed out, its worker
+        crashed or the reward raised: :meth:`score` that tells a failure from a 0."""
         fn, path = self._resolve(reward_name)
         limit = min(self.timeout_s + _time_budget(fn, metadata), self.max_call_s)
         worker = await self._acquire()
         healthy = False
         try:
-            value, healthy = await self._call(
+            value, healthy, error = await self._call(
                 worker, reward_name, path, completion, metadata, limit
             )
         finally:
             self._release(worker, healthy)
-        return value
+        return value, error
 
     def score_sync(self, reward_name: str, completion: str, metadata: dict) -> float:
         """Blocking :meth:`score`, for tests and evaluation scripts outside an event loop."""
@@ -261,8 +267,9 @@ class RewardPool:
 
     async def _call(
         self, worker, reward_name, path, completion, metadata, limit
-    ) -> tuple[float, bool]:
-        """(reward, whether the worker is still usable) for one call on ``worker``."""
+    ) -> tuple[float, bool, str | None]:
+        """(reward, whether the worker is still usable, the failure if any) for one call on
+        ``worker``."""
         self.num_scored += 1
         loop = asyncio.get_running_loop()
         ready = loop.create_future()
@@ -277,19 +284,20 @@ class RewardPool:
             status, value = worker.conn.recv()
         except TimeoutError:
             self.num_timeouts += 1
-            logger.warning(
-                "reward %s timed out after %.1fs; worker restarted", reward_name, limit
-            )
-            return 0.0, False
+            error = f"reward {reward_name} timed out after {limit:.1f}s"
+            logger.warning("%s; worker restarted", error)
+            return 0.0, False, error
         except (EOFError, OSError) as e:
             self.num_errors += 1
-            logger.warning("reward %s worker died (%r); worker restarted", reward_name, e)
-            return 0.0, False
+            error = f"reward {reward_name} worker died ({e!r})"
+            logger.warning("%s; worker restarted", error)
+            return 0.0, False, error
         if status == "error":
             self.num_errors += 1
-            logger.warning("reward %s failed: %s", reward_name, value)
-            return 0.0, True
-        return value, True
+            error = f"reward {reward_name} failed: {value}"
+            logger.warning("%s", error)
+            return 0.0, True, error
+        return value, True, None
 
 
 def _time_budget(fn: RewardFn, metadata: dict) -> float:

@@ -154,7 +154,11 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         key = key.strip()
         if not key:
             raise ConfigError(f"override {item!r} has an empty key")
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {key}: its value is not valid YAML "
+                              f"({_yaml_problem(e)})") from None
         node = data
         parts = key.split(".")
         for i, part in enumerate(parts[:-1]):
@@ -176,8 +180,22 @@ def load_config(cls: type[T], path: str | Path | None, overrides: list[str] = ()
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist")
-        loaded = yaml.safe_load(path.read_text())
+        try:
+            loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {path}: not valid UTF-8 ({e.reason} at byte "
+                              f"{e.start})") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path}: not valid YAML ({_yaml_problem(e)})") from None
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {path} must hold a mapping at the top level")
         data = loaded or {}
     return from_dict(cls, apply_overrides(data, list(overrides)))
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """What the YAML parser found wrong, and where (line and column from 1)."""
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"{problem}{where}"

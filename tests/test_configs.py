@@ -225,3 +225,23 @@ def test_chosen_shares_are_reported_on_an_accelerator_only(monkeypatch, capsys):
     _report_default_memory_shares(load_config(ExperimentConfig, CONFIGS[-1],
                                               ["trainer_memory_fraction=0.2"]))
     assert capsys.readouterr().out == ""  # set by the user: nothing chosen
+
+
+def test_yaml_that_does_not_parse_is_a_config_error_naming_where(tmp_path, capsys):
+    from areal_jax.cli import main
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("run_dir: runs/x\ndataset: {path: a\n")
+    with pytest.raises(ConfigError, match=r"config file .*bad.yaml: not valid YAML \(.* at line "
+                                          r"3, column 1\)"):
+        load_config(ExperimentConfig, bad)
+    bad.write_bytes(b"run_dir: caf\xe9\n")
+    with pytest.raises(ConfigError, match="bad.yaml: not valid UTF-8"):
+        load_config(ExperimentConfig, bad)
+    with pytest.raises(ConfigError, match=r"override sft.steps: its value is not valid YAML"):
+        load_config(ExperimentConfig, CONFIGS[-1], ["sft.steps=[1"])
+    for command in ("train", "eval", "serve", "export"):
+        extra = {"eval": ["--model", str(tmp_path)], "export": ["--out", str(tmp_path / "o")]}
+        assert main([command, "--config", str(bad), *extra.get(command, [])]) == 2, command
+        err = capsys.readouterr().err
+        assert "not valid UTF-8" in err and "Traceback" not in err, command

@@ -51,6 +51,18 @@ def test_a_model_path_without_a_hugging_face_config_names_the_setting(tmp_path, 
     assert main(["train", "--config", _write(tmp_path, cfg)]) == 2
     err = capsys.readouterr().err
     assert f"model_path: {tmp_path / 'not_a_model'} has no config.json" in err
+    # Weights and config without the tokenizer: named here, not as an empty tokenizer later.
+    (tmp_path / "not_a_model" / "config.json").write_text("{}")
+    assert main(["train", "--config", _write(tmp_path, cfg)]) == 2
+    assert f"model_path: {tmp_path / 'not_a_model'} has no tokenizer files" in (
+        capsys.readouterr().err)
+    # eval checks its --model the same way, before starting any server.
+    for model in (tmp_path / "missing", tmp_path / "not_a_model"):
+        assert main(["eval", "--config", _write(tmp_path, _config(tmp_path)), "--model",
+                     str(model)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"areal-jax eval: error: --model: {model} has no ") and (
+            "Traceback" not in err)
 
 
 def test_an_unknown_reward_name_is_refused(tmp_path, capsys):

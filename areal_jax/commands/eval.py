@@ -29,14 +29,17 @@ def run(args: argparse.Namespace) -> int:
     from areal_jax.commands._preflight import preflight
     from areal_jax.config import ConfigError, load_config
     from areal_jax.controller.evaluation import evaluate_checkpoints
+    from areal_jax.controller.prepare import check_model_dir
     from areal_jax.experiment import ExperimentConfig
+    from areal_jax.files import write_atomic
     from areal_jax.metrics import EVAL_CURVE_FILE
     from areal_jax.trainer import list_exports
 
     cfg = load_config(ExperimentConfig, args.config, args.overrides)
     preflight(cfg)
     if args.model is not None:
-        result = asyncio.run(evaluate_checkpoints(cfg, [Path(args.model)]))[0]
+        model = check_model_dir(Path(args.model), "--model")
+        result = asyncio.run(evaluate_checkpoints(cfg, [model]))[0]
         print(json.dumps(result, indent=2))
         return 0
     exports_dir = Path(args.curve) / "exports"
@@ -45,9 +48,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--curve: no version exports under {exports_dir}")
     results = asyncio.run(evaluate_checkpoints(cfg, [path for _, path in exports]))
     out = Path(args.curve) / EVAL_CURVE_FILE
-    with out.open("w") as f:
-        for (version, _), result in zip(exports, results):
-            f.write(json.dumps({"step": version, **result}) + "\n")
+    write_atomic(out, "".join(json.dumps({"step": version, **result}) + "\n"
+                              for (version, _), result in zip(exports, results)))
     print("| version | accuracy | mean response tokens |\n|---:|---:|---:|")
     for (version, _), result in zip(exports, results):
         print(f"| {version} | {result['eval/accuracy']:.3f} | "

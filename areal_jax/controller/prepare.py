@@ -35,14 +35,27 @@ def base_model_path(cfg: ExperimentConfig) -> Path:
     return Path(fill_run_dir(cfg.model_path, cfg.run_dir))
 
 
+TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def check_model_dir(path: Path, key: str) -> Path:
+    """``path`` if it is a local Hugging Face model directory with its tokenizer, else a
+    ``ConfigError`` naming ``key`` (without tokenizer files transformers would build an empty
+    tokenizer and fail far from the cause)."""
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"{key}: {path} has no config.json; a local Hugging Face model "
+                          "directory is expected (nothing is downloaded)")
+    if not any((path / name).is_file() for name in TOKENIZER_MARKERS):
+        raise ConfigError(f"{key}: {path} has no tokenizer files (any of "
+                          f"{', '.join(TOKENIZER_MARKERS)}); copy the model's tokenizer in")
+    return path
+
+
 def prepare_base_model(cfg: ExperimentConfig) -> Path:
     """The base HF directory; ``tiny`` builds the kit once into the run dir."""
     path = base_model_path(cfg)
     if cfg.model_path != "tiny":
-        if not (path / "config.json").is_file():
-            raise ConfigError(f"model_path: {path} has no config.json; a local Hugging Face "
-                              f"model directory is expected (nothing is downloaded)")
-        return path
+        return check_model_dir(path, "model_path")
     if not (path / "config.json").is_file():
         from areal_jax.models.tiny import build_tiny_model
 

@@ -6,6 +6,8 @@ import dataclasses
 from pathlib import Path
 from typing import Literal
 
+from areal_jax.config import ConfigError
+
 
 @dataclasses.dataclass
 class DatasetConfig:
@@ -56,7 +58,7 @@ class DatasetConfig:
             return "jsonl"
         if suffix in (".parquet", ".pq"):
             return "parquet"
-        raise ValueError(
+        raise ConfigError(
             f"dataset.format: cannot infer the format of {self.path!r} from its suffix "
             "(.jsonl or .parquet); set dataset.format"
         )

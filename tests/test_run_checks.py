@@ -1,6 +1,8 @@
 """What `areal-jax train` checks before it starts a long run: the free-form server config, the
 rewards, and that a run directory is not reused with other data or settings."""
 
+import re
+
 import pytest
 import yaml
 
@@ -127,3 +129,24 @@ def test_sft_without_its_response_field_names_the_setting(tmp_path):
     tok = build_tiny_tokenizer(tmp_path / "tok", vocab_size=300)
     with pytest.raises(ConfigError, match="sft.response_key.*metadata_fields"):
         sft_examples(cfg, tok)
+
+
+def test_a_server_context_the_model_or_the_answers_do_not_fit_fails_before_sft(tmp_path, capsys):
+    # The servers would exit at their start (past the model's positions), or reject every
+    # long request; both only after SFT had run.
+    tiny = {"hidden_size": 32, "intermediate_size": 64, "num_layers": 1, "num_heads": 2,
+            "num_kv_heads": 1, "max_position_embeddings": 256, "tokenizer_vocab_size": 300}
+    key = "rollout.server.engine.options.max_seq_len"
+    for options, sampling, message in (
+            ({"max_seq_len": 512}, {}, f"{key}: 512 exceeds the model's "
+                                       "max_position_embeddings 256"),
+            ({}, {"max_new_tokens": 250}, rf"{key} \(unset: 256\) is below the longest training "
+                                          r"prompt \(\d+ tokens\) \+ sampling.max_new_tokens "
+                                          r"\(250\)"),
+            ({"max_seq_len": 64}, {"max_new_tokens": 60}, rf"{key} \(64\) is below")):
+        cfg = _config(tmp_path, tiny=tiny, sampling=sampling, sft={"steps": 5},
+                      rollout={"server": {"engine": {"options": options}}})
+        assert main(["train", "--config", _write(tmp_path, cfg)]) == 2
+        err = capsys.readouterr().err
+        assert re.search(message, err), err
+        assert not (tmp_path / "run" / "sft_model").exists()

@@ -25,7 +25,7 @@ from areal_jax.controller.prepare import check_fingerprint, prepare_base_model, 
 from areal_jax.controller.prepare import base_model_path, dataset_config
 from areal_jax.controller.progress import TrainingProgress
 from areal_jax.controller.rl_phase import check_trajectories_fit, run_rl
-from areal_jax.controller.servers import servers_compiling
+from areal_jax.controller.servers import check_local_engine_context, servers_compiling
 from areal_jax.controller.sft_phase import run_sft, sft_model_kept
 from areal_jax.controller.trainers import make_trainer
 from areal_jax.data.dataset import PromptDataset
@@ -102,7 +102,9 @@ def train(cfg: ExperimentConfig) -> dict:
         base = base_model_path(cfg)
         tokenizer = AutoTokenizer.from_pretrained(base)
         train_set = PromptDataset(dataset_config(cfg.dataset, cfg.run_dir), tokenizer)
-        check_trajectories_fit(cfg, [len(item.prompt_ids) for item in train_set])  # before SFT
+        prompt_lengths = [len(item.prompt_ids) for item in train_set]
+        check_trajectories_fit(cfg, prompt_lengths)  # before SFT
+        check_local_engine_context(cfg, base, max(prompt_lengths))
         start = base
         if cfg.sft.steps:
             with servers_compiling(cfg, base, leader and not sft_model_kept(cfg)):

@@ -55,6 +55,34 @@ def server_config(cfg: ExperimentConfig, model_path: Path, version: int) -> dict
     return server
 
 
+def check_local_engine_context(cfg: ExperimentConfig, model_path: Path,
+                               longest_prompt: int) -> None:
+    """Refuse, before anything runs, a local JAX-engine context (``max_seq_len``) beyond the
+    model's positions (each server would exit at its start) or too short for the longest
+    training prompt and ``sampling.max_new_tokens`` (each such request would be rejected)."""
+    engine = cfg.rollout.server.get("engine", {})
+    if cfg.rollout.addresses or engine.get("kind", "jax") != "jax":
+        return
+    from areal_jax.models.config import ModelConfig
+    from rollout.engines.jax_engine import DEFAULT_MAX_SEQ_LEN
+
+    key = "rollout.server.engine.options.max_seq_len"
+    positions = ModelConfig.from_pretrained(model_path).max_position_embeddings
+    max_len = (engine.get("options") or {}).get("max_seq_len")
+    if max_len is not None and max_len > positions:
+        raise ConfigError(f"{key}: {max_len} exceeds the model's max_position_embeddings "
+                          f"{positions} ({model_path / 'config.json'})")
+    context = max_len or min(positions, DEFAULT_MAX_SEQ_LEN)
+    need = longest_prompt + cfg.sampling.max_new_tokens
+    if cfg.schedule.total_steps and need > context:
+        unset = "" if max_len else "unset: "
+        raise ConfigError(
+            f"{key} ({unset}{context}) is below the longest training prompt ({longest_prompt} "
+            f"tokens) + sampling.max_new_tokens ({cfg.sampling.max_new_tokens}) = {need}: the "
+            f"servers would reject those requests; raise it (the model holds {positions}) or "
+            "lower sampling.max_new_tokens")
+
+
 def make_pool(cfg: ExperimentConfig, addresses: list[str]) -> RolloutPool:
     r = cfg.rollout
     token = os.environ.get(r.auth_token_env) if r.auth_token_env else None

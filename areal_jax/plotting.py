@@ -35,6 +35,7 @@ PANELS: list[tuple[str, tuple[str, ...]]] = [
 PANEL_SIZE_IN = (5.0, 3.5)
 DPI = 100
 MAX_COLUMNS = 3
+IMAGE_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
 
 
 class PlotError(ValueError):
@@ -74,6 +75,10 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     import matplotlib.pyplot as plt
 
     run_dir = Path(run_dir)
+    out = Path(out) if out is not None else run_dir / "curves.png"
+    if out.suffix.lower() not in IMAGE_SUFFIXES or out.is_dir():
+        raise PlotError(f"--out {out}: not an image file name (ending in "
+                        f"{', '.join(IMAGE_SUFFIXES)})")
     series = read_series(run_dir / METRICS_FILE)
     if (run_dir / EVAL_CURVE_FILE).is_file():
         curve = read_series(run_dir / EVAL_CURVE_FILE).get("eval/accuracy")
@@ -106,8 +111,11 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
         ax.axis("off")
     fig.suptitle(run_dir.resolve().name)
     fig.tight_layout()
-    out = Path(out) if out is not None else run_dir / "curves.png"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=DPI)
-    plt.close(fig)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out, dpi=DPI)
+    except OSError as e:
+        raise PlotError(f"--out {out}: cannot be written ({e.strerror or e})") from None
+    finally:
+        plt.close(fig)
     return out

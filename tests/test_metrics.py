@@ -152,6 +152,14 @@ def test_plot_errors_are_clear(tmp_path, capsys):
     _synthetic_run(tmp_path, ["something_else"])
     with pytest.raises(PlotError, match="none of the plotted metrics"):
         plot_run(tmp_path)
+    _synthetic_run(tmp_path / "ok", ["loss"])
+    (tmp_path / "a_file").write_text("where a directory is needed")
+    for out, message in ((tmp_path, "not an image file name"),  # a directory
+                         (tmp_path / "x.xyz", "not an image file name"),
+                         (tmp_path / "a_file" / "x.png", "cannot be written")):
+        assert cli_main(["plot", str(tmp_path / "ok"), "--out", str(out)]) == 1
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, err
     (tmp_path / METRICS_FILE).write_text('{"no_step": 1}\n')
     with pytest.raises(PlotError, match="none of the plotted metrics"):
         plot_run(tmp_path)

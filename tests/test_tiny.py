@@ -1,5 +1,7 @@
 """The tiny model kit: tokenizer survives AutoTokenizer, model loads in transformers."""
 
+import re
+
 import jax.numpy as jnp
 import numpy as np
 import torch
@@ -43,3 +45,18 @@ def test_tiny_model_cli(tmp_path, capsys):
     assert "parameters" in out and "next-token logits" in out
     assert (tmp_path / "m" / "tokenizer.json").is_file()
     assert (tmp_path / "m" / "model.safetensors").is_file()
+
+
+def test_the_tiny_model_command_refuses_shapes_it_cannot_build(tmp_path, capsys):
+    # These gave a ZeroDivisionError, or wrote (replacing OUT_DIR) a model transformers refuses.
+    out = tmp_path / "tiny"
+    out.mkdir()
+    (out / "mine.txt").write_text("kept")
+    for args, message in ((["--num-heads", "0"], "tiny.num_heads: must be >= 1, got 0"),
+                          (["--hidden-size", "28"], r"tiny.hidden_size \(28\) must be num_heads "
+                                                    r"\(4\) x an even head dimension"),
+                          (["--num-kv-heads", "3"], r"tiny.num_heads \(4\) must be a multiple")):
+        assert main(["tiny-model", str(out), *args]) == 2
+        err = capsys.readouterr().err
+        assert re.search(message, err) and "Traceback" not in err, err
+    assert (out / "mine.txt").read_text() == "kept"

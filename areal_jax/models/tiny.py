@@ -14,6 +14,7 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
+from areal_jax.config import ConfigError
 from areal_jax.models.build import init_model
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.hf_export import export_hf
@@ -90,6 +91,18 @@ class TinyModelSpec:
     tie_word_embeddings: bool = True
     tokenizer_vocab_size: int = 512
     seed: int = 0
+
+    def __post_init__(self):
+        for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "max_position_embeddings"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"tiny.{name}: must be >= 1, got {getattr(self, name)}")
+        if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 2:
+            raise ConfigError(f"tiny.hidden_size ({self.hidden_size}) must be num_heads "
+                              f"({self.num_heads}) x an even head dimension (rotary embedding)")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"tiny.num_heads ({self.num_heads}) must be a multiple of "
+                              f"num_kv_heads ({self.num_kv_heads})")
 
 
 def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None) -> Path:

@@ -245,3 +245,17 @@ def test_yaml_that_does_not_parse_is_a_config_error_naming_where(tmp_path, capsy
         assert main([command, "--config", str(bad), *extra.get(command, [])]) == 2, command
         err = capsys.readouterr().err
         assert "not valid UTF-8" in err and "Traceback" not in err, command
+
+
+def test_the_shipped_server_config_loads_as_the_docs_start_it(tmp_path):
+    from rollout.config import ServerConfig
+
+    path = Path(__file__).parent.parent / "configs" / "server" / "jax.yaml"
+    cfg = load_config(ServerConfig, path, [f"engine.model_path={tmp_path}", "port=50052"])
+    assert (cfg.engine.kind, cfg.port, cfg.engine.model_path) == ("jax", 50052, str(tmp_path))
+    assert cfg.engine.options == {"num_slots": 64, "max_seq_len": 2048}
+    sglang = load_config(ServerConfig, path, [f"engine.model_path={tmp_path}",
+                                              "engine.kind=sglang", "engine.options={tp_size: 2}"])
+    assert sglang.engine.options == {"tp_size": 2}
+    with pytest.raises(ConfigError, match="engine.model_path: required"):
+        load_config(ServerConfig, path)

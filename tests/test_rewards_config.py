@@ -87,3 +87,7 @@ def test_get_reward_never_imports_a_path():
     with pytest.raises(RewardNotFoundError, match="must be registered in config"):
         get_reward("os:system")
     assert get_reward("code").__name__ == "code_reward"
+    # A path written with a dot where its colon goes says how to write it.
+    with pytest.raises(RewardNotFoundError, match=r"a path names the function after a colon: "
+                                                  r"'my_project.rewards:score'"):
+        get_reward("my_project.rewards.score")

@@ -137,7 +137,8 @@ async def run_rl(cfg: ExperimentConfig, trainer, tokenizer, train_set: PromptDat
         if sketching and (cfg.compile_first_batches or not in_helper):
             waiting.enter_context(trainer.idle())
         ledger.record("start", version=version)
-        task = progress.start_phase("starting rollout servers", None)
+        task = progress.start_phase("connecting to the rollout servers" if cfg.rollout.addresses
+                                    else "starting rollout servers", None)
         async with rollout_servers(cfg, published, version) as (pool, servers):
             progress.end_phase(task)
             if servers is None:

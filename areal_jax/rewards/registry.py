@@ -65,8 +65,11 @@ def get_reward(name: str) -> RewardFn:
     if name in _BUILTINS:
         return import_path(_BUILTINS[name])
     if isinstance(name, str) and (":" in name or "." in name):
+        module, _, function = name.rpartition(".")
+        hint = (f" (a path names the function after a colon: '{module}:{function}')"
+                if ":" not in name and module else "")
         raise RewardNotFoundError(
-            f"reward {name!r} looks like a dotted path; dotted paths must be registered in "
+            f"reward {name!r} looks like a dotted path{hint}; paths must be registered in "
             "config (custom rewards, see docs/rewards.md), they are never imported by name"
         )
     raise RewardNotFoundError(

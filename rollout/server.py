@@ -134,13 +134,19 @@ def _reward_pool(config: RewardConfig) -> tuple[RewardScorer, Collection[str]]:
     return pool, pool.reward_names
 
 
-def _load_tokenizer(path: str) -> Tokenizer:
+def _load_tokenizer(engine) -> Tokenizer:
+    """The engine's tokenizer (``engine.tokenizer_path``, which defaults to ``model_path``)."""
     from transformers import AutoTokenizer
 
+    path = engine.tokenizer_path
+    key = "engine.tokenizer_path" if path != engine.model_path else "engine.model_path"
+    if not Path(path).is_dir():
+        raise ConfigError(f"{key}: {path} is not a directory (a local Hugging Face model or "
+                          "tokenizer directory; nothing is downloaded)")
     try:
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
-        raise ConfigError(f"engine.tokenizer_path: cannot load a tokenizer from {path}: {e}") from e
+        raise ConfigError(f"{key}: cannot load a tokenizer from {path}: {e}") from e
 
 
 async def start_server(
@@ -157,7 +163,7 @@ async def start_server(
     token = config.resolve_auth_token()
     credentials = _read_tls(config) if config.tls_cert_path else None
     workflow = load_workflow(
-        config.workflow, tokenizer or _load_tokenizer(config.engine.tokenizer_path)
+        config.workflow, tokenizer or _load_tokenizer(config.engine)
     )
     engine = engine or create_engine(config.engine)
     closers: list = []

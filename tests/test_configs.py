@@ -259,3 +259,13 @@ def test_the_shipped_server_config_loads_as_the_docs_start_it(tmp_path):
     assert sglang.engine.options == {"tp_size": 2}
     with pytest.raises(ConfigError, match="engine.model_path: required"):
         load_config(ServerConfig, path)
+
+
+def test_serve_names_the_model_path_that_is_not_there(tmp_path, capsys):
+    from areal_jax.cli import main
+
+    path = Path(__file__).parent.parent / "configs" / "server" / "jax.yaml"
+    assert main(["serve", "--config", str(path), f"engine.model_path={tmp_path / 'nope'}",
+                 "port=0"]) == 2
+    err = capsys.readouterr().err
+    assert f"engine.model_path: {tmp_path / 'nope'} is not a directory" in err

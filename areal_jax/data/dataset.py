@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -120,20 +121,25 @@ def _check_text(text: str, where: str) -> None:
                            f"{e.start})") from None
 
 
-def _control_tokens(tokenizer) -> list[str]:
-    """The text of every special token of ``tokenizer`` (``<|im_end|>``, ...)."""
+def _control_tokens(tokenizer) -> re.Pattern | None:
+    """A pattern matching the text of any special token of ``tokenizer`` (``<|im_end|>``,
+    ...), or None when it has none."""
     added = getattr(tokenizer, "added_tokens_decoder", {}).values()
-    return sorted({*getattr(tokenizer, "all_special_tokens", ()),
-                   *(t.content for t in added if t.special)} - {""})
+    tokens = {*getattr(tokenizer, "all_special_tokens", ()),
+              *(t.content for t in added if t.special)} - {""}
+    if not tokens:
+        return None
+    return re.compile("|".join(re.escape(t) for t in sorted(tokens, key=len, reverse=True)))
 
 
-def _check_no_control_tokens(question: str, control: list[str], where: str) -> None:
+def _check_no_control_tokens(question: str, control: re.Pattern | None, where: str) -> None:
     """A question holding the text of a special token (``<|im_end|>``) would be tokenized as
     that control token inside the chat template: a turn closed, another opened by the data."""
-    for token in control:
-        if token in question:
-            raise DatasetError(f"{where}: contains the tokenizer's special token {token!r}, "
-                               "which would act as a control token in the prompt")
+    found = control.search(question) if control is not None else None
+    if found:
+        raise DatasetError(f"{where}: contains the tokenizer's special token "
+                           f"{found.group()!r}, which would act as a control token in the "
+                           "prompt")
 
 
 def _item_id(value, where: str) -> str:

@@ -259,13 +259,8 @@ class ExperimentConfig:
                 f"trainer.ppo_n_minibatches ({self.trainer.ppo_n_minibatches}) is more than the "
                 f"{trajectories} trajectories of a batch (schedule.batch_size x "
                 "sampling.group_size)")
-        if self.sft.steps > 0:
-            sft = from_dict(TrainerConfig, self.trainer_fields(self.sft.trainer), "sft.trainer")
-            if sft.ppo_n_minibatches > self.sft.batch_size:
-                raise ConfigError(
-                    f"sft.trainer.ppo_n_minibatches ({sft.ppo_n_minibatches}, from trainer "
-                    f"unless set there) is more than the sft.batch_size ({self.sft.batch_size}) "
-                    "examples of an SFT step")
+        if self.sft.steps > 0:  # the SFT trainer's settings, checked now rather than after prep
+            from_dict(TrainerConfig, self.trainer_fields(self.sft.trainer), "sft.trainer")
         if self.checkpoint_every < 0:
             raise ConfigError(f"checkpoint_every: must be >= 0 (0: never), got "
                               f"{self.checkpoint_every}")

@@ -35,7 +35,6 @@ PANELS: list[tuple[str, tuple[str, ...]]] = [
 PANEL_SIZE_IN = (5.0, 3.5)
 DPI = 100
 MAX_COLUMNS = 3
-IMAGE_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
 
 
 class PlotError(ValueError):
@@ -74,11 +73,13 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from matplotlib.backend_bases import FigureCanvasBase
+
     run_dir = Path(run_dir)
     out = Path(out) if out is not None else run_dir / "curves.png"
-    if out.suffix.lower() not in IMAGE_SUFFIXES or out.is_dir():
-        raise PlotError(f"--out {out}: not an image file name (ending in "
-                        f"{', '.join(IMAGE_SUFFIXES)})")
+    formats = sorted(FigureCanvasBase.get_supported_filetypes())
+    if out.suffix.lower().lstrip(".") not in formats or out.is_dir():
+        raise PlotError(f"--out {out}: not an image file name (ending in .{', .'.join(formats)})")
     series = read_series(run_dir / METRICS_FILE)
     if (run_dir / EVAL_CURVE_FILE).is_file():
         curve = read_series(run_dir / EVAL_CURVE_FILE).get("eval/accuracy")

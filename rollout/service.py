@@ -243,7 +243,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                 "generation_s": gen_clock.total,
                 "reward_s": reward_clock.total,
             }
-            msg = group_to_proto(group, timing, scorer.failures)
+            msg = group_to_proto(group, timing, scorer.failures, scorer.calls)
         except Exception as e:  # noqa: BLE001 - reported to the client, the stream goes on
             msg = self._failure(task.request_id, _first_leaf(e))
         finally:

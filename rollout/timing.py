@@ -94,16 +94,18 @@ class TimedEngine:
 
 
 class TimedScorer:
-    """A scorer view for one group: times scoring on ``clock`` and keeps, in ``failures``,
-    what went wrong in each call that failed and scored 0 (where the scorer tells, with
-    ``score_with_error`` as ``RewardPool`` does)."""
+    """A scorer view for one group: times scoring on ``clock``, counts its ``calls`` and keeps,
+    in ``failures``, what went wrong in each call that failed and scored 0 (where the scorer
+    tells, with ``score_with_error`` as ``RewardPool`` does)."""
 
     def __init__(self, scorer: RewardScorer, clock: ActivityClock):
         self._scorer = scorer
         self._clock = clock
+        self.calls = 0
         self.failures: list[str] = []
 
     async def score(self, reward_name: str, completion: str, metadata: dict) -> float:
+        self.calls += 1
         checked = getattr(self._scorer, "score_with_error", None)
         with self._clock.track():
             if checked is None:

@@ -50,9 +50,8 @@ def test_trainer_temperature_must_match_sampling():
     ("sampling.temperature=.nan", "sampling.temperature: must be finite and >= 0, got nan"),
     ("trainer.advantage.estimator=rloo sampling.group_size=1", "rloo needs sampling.group_size"),
     ("process_group.process_id=1", "process_group: set, but distributed is false"),
-    # the quickstart's batch: 8 prompts x 8 answers; the first step (or SFT step) would fail
+    # the quickstart's batch: 8 prompts x 8 answers; the first step would fail
     ("trainer.ppo_n_minibatches=65", r"trainer.ppo_n_minibatches \(65\) is more than the 64 "),
-    ("sft.trainer.ppo_n_minibatches=33", r"sft.trainer.ppo_n_minibatches \(33, from trainer"),
     ("sft.trainer.lr=-1", r"sft.trainer: lr must be > 0, got -1"),
     ("trainer.lr=0", r"trainer: lr must be > 0, got 0"),
     ("sft.trainer.lrr=1", r"unknown config key sft.trainer.lrr"),

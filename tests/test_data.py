@@ -191,6 +191,13 @@ def test_missing_file_duplicate_ids_and_unknown_format(tmp_path, tokenizer):
         from_dict(DatasetConfig, {"path": "a.jsonl", "max_prompt_tokens": 0})
 
 
+def test_raw_prompts_may_carry_their_own_templates_tokens(tmp_path, tokenizer):
+    templated = "<|im_start|>user\n2+3?<|im_end|>\n<|im_start|>assistant\n"
+    path = _write_jsonl(tmp_path / "raw.jsonl", [{"question": templated, "answer": "5"}])
+    item = PromptDataset(DatasetConfig(path=str(path), use_chat_template=False), tokenizer)[0]
+    assert item.prompt_ids.count(tokenizer.convert_tokens_to_ids("<|im_end|>")) == 1
+
+
 def test_ids_and_metadata_must_be_able_to_travel_with_a_request(tmp_path, tokenizer):
     def load(rows, **kw):
         return PromptDataset(DatasetConfig(path=str(_write_jsonl(tmp_path / "d.jsonl", rows)),

@@ -78,6 +78,9 @@ def test_export_replaces_an_earlier_export_atomically_and_nothing_else(tmp_path)
     (tmp_path / "file").write_text("x")
     with pytest.raises(ExportTargetError, match="is not a directory"):
         export_hf(model, tmp_path / "file")
+    (tmp_path / "link").symlink_to(tmp_path / "out")
+    with pytest.raises(ExportTargetError, match="is a symbolic link; .* give the link's target"):
+        export_hf(model, tmp_path / "link")
 
 
 def test_list_of_eos_ids_is_kept_hashable_and_round_trips():

@@ -62,17 +62,36 @@ def test_invalid_requests_stop_the_run_with_the_servers_error(tmp_path):
     assert trainer.batches == []
 
 
-def test_a_reward_failing_on_every_answer_stops_the_run(tmp_path, caplog):
+def test_a_reward_failing_in_every_call_stops_the_run(tmp_path, caplog):
     # Each failed call scores 0: a run would train on nothing but zeros, with the errors only
     # in the servers' logs. Three batches in a row of failures stop it, naming the error.
     trainer = RecordingTrainer(exports_dir(tmp_path))
-    with pytest.raises(RewardFailingError, match=r"reward 'exact' failed on every answer of 3 "
+    with pytest.raises(RewardFailingError, match=r"reward 'exact' failed in every call of 3 "
                                                  r"batches in a row.*KeyError: 'no_such_key'"):
         run_on_servers(tmp_path, [ArithmeticEngine()], config(tmp_path), trainer, items(100),
                        10, scorer=FailingScorer)
     assert len(trainer.batches) == 2  # the third is not trained
-    warnings = [r for r in caplog.records if "failed on" in r.getMessage()]
+    warnings = [r for r in caplog.records if "failed in" in r.getMessage()]
     assert len(warnings) == 1 and "KeyError" in warnings[0].getMessage()  # once per message
+
+
+def test_a_workflow_whose_extra_reward_calls_fail_is_not_stopped():
+    # A workflow scoring a draft and a final answer, the draft's call failing: every answer
+    # still has a reward. Failures are counted against calls, not answers.
+    from areal_jax.controller.reward_watch import RewardWatch
+    from areal_jax.trajectory import TrajectoryGroup
+
+    def batch(calls, failures):
+        meta = {"reward_calls": calls, "reward_failures": failures, "reward_error": "draft: boom"}
+        return [TrajectoryGroup(f"g{i}", [None] * 2, dict(meta)) for i in range(3)]
+
+    watch = RewardWatch("r")
+    for _ in range(5):
+        assert watch.observe(batch(calls=4, failures=2))["reward/failed_fraction"] == 0.5
+    for _ in range(2):
+        watch.observe(batch(calls=4, failures=4))
+    with pytest.raises(RewardFailingError, match="failed in every call of 3 batches"):
+        watch.observe(batch(calls=4, failures=4))
 
 
 def test_reward_failures_are_counted_per_batch(tmp_path):
@@ -88,7 +107,7 @@ def test_reward_failures_are_counted_per_batch(tmp_path):
         failing = sum(len(g.trajectories) for g in groups
                       if odd(answer[g.group_id.split(":", 1)[1]]))
         assert metrics["reward/failed_calls"] == failing
-        assert metrics["reward/failed_fraction"] == failing / 6
+        assert metrics["reward/failed_fraction"] == failing / 6  # one call per answer
         seen.add(failing)
     assert len(seen) > 1  # batches with more and fewer failures: the count is per batch
 

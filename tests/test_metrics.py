@@ -154,6 +154,7 @@ def test_plot_errors_are_clear(tmp_path, capsys):
         plot_run(tmp_path)
     _synthetic_run(tmp_path / "ok", ["loss"])
     (tmp_path / "a_file").write_text("where a directory is needed")
+    assert cli_main(["plot", str(tmp_path / "ok"), "--out", str(tmp_path / "c.webp")]) == 0
     for out, message in ((tmp_path, "not an image file name"),  # a directory
                          (tmp_path / "x.xyz", "not an image file name"),
                          (tmp_path / "a_file" / "x.png", "cannot be written")):

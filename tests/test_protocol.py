@@ -86,8 +86,9 @@ def test_group_round_trips_through_its_message():
     back = group_from_proto(decoded)
     assert back.group_id == "req-1"
     assert back.metadata == {"timing": timing}
-    failed = group_from_proto(group_to_proto(_group(), timing, ["first: " + "x" * 2000, "2nd"]))
-    assert failed.metadata["reward_failures"] == 2
+    failed = group_from_proto(group_to_proto(_group(), timing, ["first: " + "x" * 2000, "2nd"],
+                                             reward_calls=4))
+    assert (failed.metadata["reward_calls"], failed.metadata["reward_failures"]) == (4, 2)
     assert failed.metadata["reward_error"] == ("first: " + "x" * 2000)[:1000]
     for want, got in zip(_group().trajectories, back.trajectories, strict=True):
         np.testing.assert_array_equal(got.prompt_ids, want.prompt_ids)

@@ -184,7 +184,8 @@ def test_requests_may_name_only_the_configured_rewards(tmp_path, tok_dir):
     assert by_id["custom"].reward_failures == 0 and not by_id["custom"].reward_error
     # A reward that raises scores 0, and the group says so: two failed calls, the first's error.
     assert [t.reward for t in by_id["broken"].trajectories] == [0.0, 0.0]
-    assert by_id["broken"].reward_failures == 2
+    assert (by_id["broken"].reward_calls, by_id["broken"].reward_failures) == (2, 2)
+    assert by_id["custom"].reward_calls == 2
     assert by_id["broken"].reward_error.startswith("reward broken failed: KeyError")
     assert "no_such_key" in by_id["broken"].reward_error
     for request_id in ("exec", "system", "dotted", "unknown"):

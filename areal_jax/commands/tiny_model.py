@@ -12,7 +12,7 @@ HELP = "Build a tiny byte-level BPE tokenizer and a random model (HF format), no
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from areal_jax.models.tiny import TinyModelSpec
 
-    parser.add_argument("out_dir", help="directory to write (replaced if it exists)")
+    parser.add_argument("out_dir", help="directory to write: new, empty, or an earlier tiny model (replaced)")
     for field in dataclasses.fields(TinyModelSpec):
         flag = "--" + field.name.replace("_", "-")
         if field.type in ("bool", bool):

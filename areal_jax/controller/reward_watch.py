@@ -1,6 +1,6 @@
 """Reward calls that fail (raise, time out, crash their worker) score 0 on the rollout servers;
-here they are counted per batch, shown on the console, and a run whose reward fails on every
-answer is stopped instead of training on its zeros."""
+here they are counted per batch, shown on the console, and a run whose reward fails in every
+call is stopped instead of training on its zeros."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ from areal_jax.trajectory import TrajectoryGroup
 
 log = logging.getLogger(__name__)
 
-FAILING_BATCHES_TO_STOP = 3  # batches in a row whose every answer's reward failed
+FAILING_BATCHES_TO_STOP = 3  # batches in a row whose every reward call failed
 MAX_DISTINCT_WARNINGS = 5  # distinct failure messages shown; the metrics count the rest
 
 
 class RewardFailingError(RuntimeError):
-    """The reward failed on every answer of several batches in a row."""
+    """The reward failed in every call of several batches in a row."""
 
 
 class RewardWatch:
@@ -32,21 +32,21 @@ class RewardWatch:
     def observe(self, groups: Sequence[TrajectoryGroup]) -> dict[str, float]:
         """Metrics of one batch's reward failures; warns on each new failure message and
         raises ``RewardFailingError`` once ``failing_batches_to_stop`` batches in a row had
-        as many failed calls as answers."""
+        every reward call fail."""
         failed = sum(g.metadata.get("reward_failures", 0) for g in groups)
-        answers = sum(len(g.trajectories) for g in groups)
+        calls = sum(g.metadata.get("reward_calls", 0) for g in groups)
         errors = [g.metadata["reward_error"] for g in groups if g.metadata.get("reward_error")]
         for error in errors:
             if error not in self._shown and len(self._shown) < MAX_DISTINCT_WARNINGS:
                 self._shown.add(error)
-                log.warning("reward %r failed on %d of %d answers of this batch (scored 0): "
-                            "%s", self.reward, failed, answers, error)
-        self._failing_batches = self._failing_batches + 1 if failed >= answers > 0 else 0
+                log.warning("reward %r failed in %d of %d calls of this batch (scored 0): %s",
+                            self.reward, failed, calls, error)
+        self._failing_batches = self._failing_batches + 1 if failed >= calls > 0 else 0
         if self._failing_batches >= self.failing_batches_to_stop:
             raise RewardFailingError(
-                f"reward {self.reward!r} failed on every answer of {self._failing_batches} "
+                f"reward {self.reward!r} failed in every call of {self._failing_batches} "
                 f"batches in a row, so training would only learn from zeros; the first "
                 f"failure: {errors[0] if errors else '?'} (each failure is in the rollout "
                 "servers' logs, <run_dir>/logs/rollout_server_*.log for local servers)")
         return {"reward/failed_calls": float(failed),
-                "reward/failed_fraction": failed / answers if answers else 0.0}
+                "reward/failed_fraction": failed / calls if calls else 0.0}

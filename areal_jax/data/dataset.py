@@ -39,7 +39,8 @@ class PromptDataset(Sequence[PromptItem]):
         rows = read_rows(path, config.resolved_format())
         ids, questions, metadata = [], [], []
         seen: dict[str, str] = {}
-        control = _control_tokens(tokenizer)
+        # a prompt of raw text (use_chat_template: false) may carry its own template's tokens
+        control = _control_tokens(tokenizer) if config.use_chat_template else None
         for index, (where, row) in enumerate(rows):
             question = _field(row, config.prompt_field, path, where)
             if not isinstance(question, str) or not question.strip():

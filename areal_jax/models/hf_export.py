@@ -53,7 +53,10 @@ def check_export_target(out_dir: str | Path) -> None:
     out_dir = Path(out_dir)
     if not out_dir.exists() and not out_dir.is_symlink():
         return
-    if not out_dir.is_dir() or out_dir.is_symlink():
+    if out_dir.is_symlink():
+        raise ExportTargetError(f"{out_dir} is a symbolic link; an export replaces its output "
+                                "directory: give the link's target, or a new path")
+    if not out_dir.is_dir():
         raise ExportTargetError(f"{out_dir} exists and is not a directory; an export writes a "
                                 "directory: choose a new path")
     foreign = sorted(p.name for p in out_dir.iterdir()

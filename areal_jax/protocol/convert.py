@@ -41,10 +41,11 @@ MAX_REWARD_ERROR_CHARS = 1000
 
 def group_to_proto(
     group: TrajectoryGroup, timing: dict[str, float] | None = None,
-    reward_failures: Sequence[str] = (),
+    reward_failures: Sequence[str] = (), reward_calls: int = 0,
 ) -> pb.TrajectoryGroup:
     """Message for a finished group; every trajectory must share the group's prompt.
-    ``reward_failures``: what went wrong in each reward call that failed (it scored 0)."""
+    ``reward_failures``: what went wrong in each reward call that failed (it scored 0), of the
+    ``reward_calls`` the group's workflow made."""
     if not group.trajectories:
         raise ValueError(f"group {group.group_id!r} has no trajectories")
     prompt = group.trajectories[0].prompt_ids
@@ -68,6 +69,7 @@ def group_to_proto(
         )
     if timing:
         msg.timing.CopyFrom(pb.Timing(**{k: float(timing.get(k, 0.0)) for k in TIMING_KEYS}))
+    msg.reward_calls = max(reward_calls, len(reward_failures))
     if reward_failures:
         msg.reward_failures = len(reward_failures)
         msg.reward_error = reward_failures[0][:MAX_REWARD_ERROR_CHARS]
@@ -76,8 +78,8 @@ def group_to_proto(
 
 def group_from_proto(msg: pb.TrajectoryGroup) -> TrajectoryGroup:
     """Trajectory group of a successful response; its timing lands in ``metadata["timing"]``,
-    its failed reward calls, if any, in ``metadata["reward_failures"]`` (and the first's
-    message in ``metadata["reward_error"]``).
+    its reward calls in ``metadata["reward_calls"]``, the failed ones, if any, in
+    ``metadata["reward_failures"]`` (and the first's message in ``metadata["reward_error"]``).
 
     Raises ValueError for a response that carries an error (check ``msg.HasField("error")``).
     """
@@ -99,6 +101,8 @@ def group_from_proto(msg: pb.TrajectoryGroup) -> TrajectoryGroup:
     ]
     timing = {k: getattr(msg.timing, k) for k in TIMING_KEYS}
     metadata = {"timing": timing}
+    if msg.reward_calls:
+        metadata["reward_calls"] = msg.reward_calls
     if msg.reward_failures:
         metadata.update(reward_failures=msg.reward_failures, reward_error=msg.reward_error)
     return TrajectoryGroup(msg.request_id, trajectories, metadata)

@@ -98,7 +98,7 @@ class RequestError(_message.Message):
     def __init__(self, code: _Optional[int] = ..., field: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class TrajectoryGroup(_message.Message):
-    __slots__ = ("request_id", "prompt_ids", "trajectories", "timing", "error", "reward_failures", "reward_error")
+    __slots__ = ("request_id", "prompt_ids", "trajectories", "timing", "error", "reward_failures", "reward_error", "reward_calls")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     TRAJECTORIES_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +106,7 @@ class TrajectoryGroup(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     REWARD_FAILURES_FIELD_NUMBER: _ClassVar[int]
     REWARD_ERROR_FIELD_NUMBER: _ClassVar[int]
+    REWARD_CALLS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     trajectories: _containers.RepeatedCompositeFieldContainer[Trajectory]
@@ -113,7 +114,8 @@ class TrajectoryGroup(_message.Message):
     error: RequestError
     reward_failures: int
     reward_error: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., trajectories: _Optional[_Iterable[_Union[Trajectory, _Mapping]]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., error: _Optional[_Union[RequestError, _Mapping]] = ..., reward_failures: _Optional[int] = ..., reward_error: _Optional[str] = ...) -> None: ...
+    reward_calls: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., trajectories: _Optional[_Iterable[_Union[Trajectory, _Mapping]]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., error: _Optional[_Union[RequestError, _Mapping]] = ..., reward_failures: _Optional[int] = ..., reward_error: _Optional[str] = ..., reward_calls: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt_ids", "sampling_params")

@@ -147,8 +147,13 @@ def _read(files: WeightFiles, name: str) -> np.ndarray:
 
 
 @functools.partial(jax.jit, static_argnames="dtype")
-def _cast(x: jax.Array, dtype: np.dtype) -> jax.Array:
-    return x.astype(dtype)
+def _cast(x: jax.Array, dtype: np.dtype) -> tuple[jax.Array, jax.Array | None]:
+    """``x`` in ``dtype`` and, for a narrowing cast, whether every value is still finite there
+    (values finite in a file can be beyond a narrower dtype's range: fp32 near its max into
+    bf16); None for a widening one."""
+    y = x.astype(dtype)
+    narrowing = jnp.finfo(dtype).max < jnp.finfo(x.dtype).max
+    return y, (jnp.isfinite(y).all() if narrowing else None)
 
 
 def _place(files: WeightFiles, m: TensorMap, names: list[str], full_shape: tuple[int, ...],
@@ -187,9 +192,8 @@ def _place(files: WeightFiles, m: TensorMap, names: list[str], full_shape: tuple
     placed = jax.make_array_from_callback(full_shape, sharding, shard)
     if placed.dtype == dtype:
         return placed
-    cast = _cast(placed, dtype)
-    # Finite in the file, yet beyond the narrower dtype's range (fp32 near its max into bf16).
-    if jnp.finfo(dtype).max < jnp.finfo(placed.dtype).max and not bool(jnp.isfinite(cast).all()):
+    cast, finite = _cast(placed, dtype)
+    if finite is not None and not bool(finite):
         which = names[0] if len(names) == 1 else f"{names[0]} (or another layer's)"
         raise CheckpointError(f"tensor {which} has values beyond the range of {dtype.name}")
     return cast

@@ -143,10 +143,34 @@ def test_a_server_context_the_model_or_the_answers_do_not_fit_fails_before_sft(t
             ({}, {"max_new_tokens": 250}, rf"{key} \(unset: 256\) is below the longest training "
                                           r"prompt \(\d+ tokens\) \+ sampling.max_new_tokens "
                                           r"\(250\)"),
-            ({"max_seq_len": 64}, {"max_new_tokens": 60}, rf"{key} \(64\) is below")):
-        cfg = _config(tmp_path, tiny=tiny, sampling=sampling, sft={"steps": 5},
+            ({"max_seq_len": 64}, {"max_new_tokens": 60}, rf"{key} \(64\) is below"),
+            # The held-out prompts with their own answer length: every evaluation request
+            # would be rejected, and the accuracy measured on none of them.
+            ({"max_seq_len": 128}, {"max_new_tokens": 100},
+             rf"{key} \(128\) is below the longest held-out prompt \(\d+ tokens\) \+ "
+             r"eval.max_new_tokens \(126\)")):
+        held_out = {"dataset": {"path": str(tmp_path / "train.jsonl"), "reward": "math",
+                                "metadata_fields": {"answer": "answer"}},
+                    "max_new_tokens": 126}
+        cfg = _config(tmp_path, tiny=tiny, sampling=sampling, sft={"steps": 5}, eval=held_out,
                       rollout={"server": {"engine": {"options": options}}})
         assert main(["train", "--config", _write(tmp_path, cfg)]) == 2
         err = capsys.readouterr().err
         assert re.search(message, err), err
         assert not (tmp_path / "run" / "sft_model").exists()
+    # eval checks the held-out prompts against the servers it would start the same way.
+    assert main(["eval", "--config", _write(tmp_path, cfg), "--model",
+                 str(tmp_path / "run" / "base_model")]) == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_an_evaluation_with_failed_requests_says_how_many_are_not_counted(capsys):
+    from areal_jax.controller.rl_phase import _print_eval
+
+    result = {"eval/accuracy": 0.5, "eval/num_prompts": 6.0, "eval/response_length": 12.0}
+    _print_eval("after RL", {**result, "eval/failed": 0.0})
+    assert capsys.readouterr().out == ("after RL: accuracy 0.500 on 6 held-out prompts (mean "
+                                       "response 12.0 tokens)\n")
+    _print_eval("after RL", {**result, "eval/failed": 2.0})
+    assert "6 held-out prompts (mean response 12.0 tokens; 2 requests failed and are not " \
+           "counted)" in capsys.readouterr().out

@@ -53,6 +53,17 @@ async def evaluate(pool: RolloutPool, items: list[PromptItem], reward: str, *,
     }
 
 
+def held_out_items(cfg, tokenizer) -> list[PromptItem]:
+    """The first ``eval.max_prompts`` prompts of ``eval.dataset`` (none when it is unset)."""
+    from areal_jax.controller.prepare import dataset_config
+    from areal_jax.data.dataset import PromptDataset
+
+    if cfg.eval.dataset is None:
+        return []
+    items = PromptDataset(dataset_config(cfg.eval.dataset, cfg.run_dir), tokenizer)
+    return list(items)[: cfg.eval.max_prompts]
+
+
 async def evaluate_checkpoint(cfg, model_path) -> dict:
     """Held-out accuracy of the HF checkpoint ``model_path`` through local or given servers."""
     return (await evaluate_checkpoints(cfg, [model_path]))[0]
@@ -67,9 +78,8 @@ async def evaluate_checkpoints(cfg, model_paths) -> list[dict]:
     from transformers import AutoTokenizer
 
     from areal_jax.config import ConfigError
-    from areal_jax.controller.prepare import dataset_config, prepare_data
-    from areal_jax.controller.servers import rollout_servers
-    from areal_jax.data.dataset import PromptDataset
+    from areal_jax.controller.prepare import prepare_data
+    from areal_jax.controller.servers import check_local_engine_context, rollout_servers
 
     if cfg.eval.dataset is None:
         raise ConfigError("eval.dataset: required for evaluation")
@@ -78,8 +88,8 @@ async def evaluate_checkpoints(cfg, model_paths) -> list[dict]:
     prepare_data(cfg)
     paths = [Path(p) for p in model_paths]
     tokenizer = AutoTokenizer.from_pretrained(paths[0])
-    items = list(PromptDataset(dataset_config(cfg.eval.dataset, cfg.run_dir), tokenizer))
-    items = items[: cfg.eval.max_prompts]
+    items = held_out_items(cfg, tokenizer)
+    check_local_engine_context(cfg, paths[0], held_out=[len(i.prompt_ids) for i in items])
     results = []
     async with rollout_servers(cfg, paths[0], 0, with_trainer=False) as (pool, servers):
         version = 0

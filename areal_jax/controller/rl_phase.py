@@ -15,7 +15,6 @@ from areal_jax.config import ConfigError
 from areal_jax.controller.evaluation import evaluate
 from areal_jax.controller.ledger import RunLedger
 from areal_jax.controller.loop import RLLoop
-from areal_jax.controller.prepare import dataset_config
 from areal_jax.controller.progress import TrainingProgress
 from areal_jax.controller.servers import rollout_servers, servers_spare_the_trainer
 from areal_jax.controller.servers import supervise_local, sync_servers
@@ -32,9 +31,11 @@ BEFORE_RL_FILE = "eval_before_rl.json"
 
 
 def _print_eval(label: str, result: dict) -> None:
+    failed = int(result.get("eval/failed", 0))
+    unanswered = f"; {failed} requests failed and are not counted" if failed else ""
     print(f"{label}: accuracy {result['eval/accuracy']:.3f} on "
           f"{int(result['eval/num_prompts'])} held-out prompts "
-          f"(mean response {result['eval/response_length']:.1f} tokens)", flush=True)
+          f"(mean response {result['eval/response_length']:.1f} tokens{unanswered})", flush=True)
 
 
 async def _accuracy_before_rl(run_dir: Path, version: int, run_eval, metrics_log) -> dict:
@@ -102,18 +103,14 @@ async def _run_until_done(loop_run, servers, exports_dir: Path) -> None:
 
 
 async def run_rl(cfg: ExperimentConfig, trainer, tokenizer, train_set: PromptDataset,
-                 progress: TrainingProgress, extra: dict | None) -> dict:
-    """Train on ``train_set`` to ``schedule.total_steps`` versions; returns the before/after
-    evaluations.
+                 eval_items: list, progress: TrainingProgress, extra: dict | None) -> dict:
+    """Train on ``train_set`` to ``schedule.total_steps`` versions, evaluating on
+    ``eval_items``; returns the before/after evaluations.
 
     ``trainer`` is the leader's handle (a ``TrainerGroup`` across processes); ``extra`` is the
     loop state restored from a checkpoint, or None on a fresh start.
     """
     run_dir = Path(cfg.run_dir)
-    eval_items = []
-    if cfg.eval.dataset is not None:
-        eval_set = PromptDataset(dataset_config(cfg.eval.dataset, cfg.run_dir), tokenizer)
-        eval_items = list(eval_set)[: cfg.eval.max_prompts]
     log.info("training prompts: %d (%d dropped as too long)", len(train_set), train_set.num_dropped)
     prompt_lengths = [len(item.prompt_ids) for item in train_set]
 

@@ -23,6 +23,7 @@ from areal_jax.controller.local_servers import MEMORY_FRACTION_VARIABLE, device_
 from areal_jax.controller.local_servers import with_deterministic_ops
 from areal_jax.controller.prepare import check_fingerprint, prepare_base_model, prepare_data
 from areal_jax.controller.prepare import base_model_path, dataset_config
+from areal_jax.controller.evaluation import held_out_items
 from areal_jax.controller.progress import TrainingProgress
 from areal_jax.controller.rl_phase import check_trajectories_fit, run_rl
 from areal_jax.controller.servers import check_local_engine_context, servers_compiling
@@ -104,7 +105,9 @@ def train(cfg: ExperimentConfig) -> dict:
         train_set = PromptDataset(dataset_config(cfg.dataset, cfg.run_dir), tokenizer)
         prompt_lengths = [len(item.prompt_ids) for item in train_set]
         check_trajectories_fit(cfg, prompt_lengths)  # before SFT
-        check_local_engine_context(cfg, base, max(prompt_lengths))
+        eval_items = held_out_items(cfg, tokenizer)
+        check_local_engine_context(cfg, base, training=prompt_lengths,
+                                   held_out=[len(item.prompt_ids) for item in eval_items])
         start = base
         if cfg.sft.steps:
             with servers_compiling(cfg, base, leader and not sft_model_kept(cfg)):
@@ -127,7 +130,8 @@ def train(cfg: ExperimentConfig) -> dict:
             if extra is not None:
                 print(f"resumed from checkpoint at version {trainer.version}", flush=True)
             t0 = time.monotonic()
-            results = asyncio.run(run_rl(cfg, group, tokenizer, train_set, progress, extra))
+            results = asyncio.run(run_rl(cfg, group, tokenizer, train_set, eval_items, progress,
+                                          extra))
         finally:
             group.close()  # releases the other processes, closes the trainer
     results["wall_s"] = time.monotonic() - t0

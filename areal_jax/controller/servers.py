@@ -55,11 +55,13 @@ def server_config(cfg: ExperimentConfig, model_path: Path, version: int) -> dict
     return server
 
 
-def check_local_engine_context(cfg: ExperimentConfig, model_path: Path,
-                               longest_prompt: int) -> None:
+def check_local_engine_context(cfg: ExperimentConfig, model_path: Path, *,
+                               training: list[int] = (), held_out: list[int] = ()) -> None:
     """Refuse, before anything runs, a local JAX-engine context (``max_seq_len``) beyond the
     model's positions (each server would exit at its start) or too short for the longest
-    training prompt and ``sampling.max_new_tokens`` (each such request would be rejected)."""
+    training prompt and ``sampling.max_new_tokens``, or the longest held-out prompt and
+    ``eval.max_new_tokens`` (each such request would be rejected). ``training`` and
+    ``held_out`` are the prompts' token counts."""
     engine = cfg.rollout.server.get("engine", {})
     if cfg.rollout.addresses or engine.get("kind", "jax") != "jax":
         return
@@ -73,14 +75,19 @@ def check_local_engine_context(cfg: ExperimentConfig, model_path: Path,
         raise ConfigError(f"{key}: {max_len} exceeds the model's max_position_embeddings "
                           f"{positions} ({model_path / 'config.json'})")
     context = max_len or min(positions, DEFAULT_MAX_SEQ_LEN)
-    need = longest_prompt + cfg.sampling.max_new_tokens
-    if cfg.schedule.total_steps and need > context:
+    answers = [("training", training if cfg.schedule.total_steps else (), "sampling",
+                cfg.sampling.max_new_tokens),
+               ("held-out", held_out, "eval", cfg.eval.max_new_tokens)]
+    for kind, lengths, section, max_new in answers:
+        longest = max(lengths, default=None)
+        if longest is None or longest + max_new <= context:
+            continue
         unset = "" if max_len else "unset: "
         raise ConfigError(
-            f"{key} ({unset}{context}) is below the longest training prompt ({longest_prompt} "
-            f"tokens) + sampling.max_new_tokens ({cfg.sampling.max_new_tokens}) = {need}: the "
-            f"servers would reject those requests; raise it (the model holds {positions}) or "
-            "lower sampling.max_new_tokens")
+            f"{key} ({unset}{context}) is below the longest {kind} prompt ({longest} tokens) + "
+            f"{section}.max_new_tokens ({max_new}) = {longest + max_new}: the servers would "
+            f"reject those requests; raise it (the model holds {positions}) or lower "
+            f"{section}.max_new_tokens")
 
 
 def make_pool(cfg: ExperimentConfig, addresses: list[str]) -> RolloutPool:

@@ -243,13 +243,28 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                 "generation_s": gen_clock.total,
                 "reward_s": reward_clock.total,
             }
-            msg = group_to_proto(group, timing, scorer.failures, scorer.calls)
+            msg = self._fits_one_message(group_to_proto(group, timing, scorer.failures,
+                                                        scorer.calls))
         except Exception as e:  # noqa: BLE001 - reported to the client, the stream goes on
             msg = self._failure(task.request_id, _first_leaf(e))
         finally:
             self._admission.release(started)
             in_flight.discard(task.request_id)
         out.put_nowait(msg)
+
+    def _fits_one_message(self, msg: pb.TrajectoryGroup) -> pb.TrajectoryGroup:
+        """``msg``, or, when it exceeds ``max_message_mb`` (gRPC would end the whole stream
+        with every other group on it), an ``OUT_OF_RANGE`` error group in its place."""
+        size, limit = msg.ByteSize(), self._config.max_message_mb << 20
+        if size <= limit:
+            return msg
+        log.warning("request %s: a reply of %d bytes exceeds max_message_mb (%d MiB)",
+                    msg.request_id, size, self._config.max_message_mb)
+        return _error_group(
+            msg.request_id, grpc.StatusCode.OUT_OF_RANGE,
+            f"the group's reply ({size} bytes) exceeds the server's max_message_mb "
+            f"({self._config.max_message_mb} MiB): lower group_size or max_new_tokens, or raise "
+            "max_message_mb on the server and its clients", "group_size")
 
     def _failure(self, request_id: str, exc: BaseException) -> pb.TrajectoryGroup:
         if self.closing:  # whatever went wrong, the request did not complete: end's code says why

@@ -25,7 +25,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from areal_jax import cli
-from areal_jax.config import ConfigError
+from areal_jax.config import ConfigError, from_dict
+from areal_jax.controller.servers import make_pool
+from areal_jax.experiment import ExperimentConfig
 from areal_jax.controller.rollout_pool import RolloutPool
 from areal_jax.protocol import SERVICE_NAME, group_from_proto, push_weight_requests
 from areal_jax.protocol import rollout_pb2 as pb
@@ -227,6 +229,30 @@ def test_a_plug_in_workflow_breaking_its_contract_fails_only_its_request(tmp_pat
     assert response.error.code == grpc.StatusCode.INTERNAL.value[0]
     assert "group_id 'someone-else'" in response.error.message
     assert (status.running_requests, status.queued_requests) == (0, 0)
+
+
+def test_a_reply_over_the_message_limit_fails_only_its_group(tmp_path, tok_dir):
+    # gRPC ended the whole stream (RESOURCE_EXHAUSTED) when one group's reply was too large,
+    # and every other group on it with it.
+    async def scenario():
+        engine = ArithmeticEngine(max_context_len=8192)
+        async with serving(tmp_path, tok_dir, engine=engine, max_message_mb=1) as h:
+            big = rollout_request("big", "what", "x", group_size=64, max_new_tokens=4000)
+            return await rollout(h.stub, [rollout_request("small"), big,
+                                          rollout_request("small2")])
+
+    by_id = {r.request_id: r for r in asyncio.run(scenario())}
+    assert set(by_id) == {"small", "big", "small2"}
+    err = by_id["big"].error
+    assert (err.code, err.field) == (grpc.StatusCode.OUT_OF_RANGE.value[0], "group_size")
+    assert "exceeds the server's max_message_mb (1 MiB)" in err.message
+    assert not by_id["small"].HasField("error") and not by_id["small2"].HasField("error")
+    # A run's controller takes replies as large as its local servers may send.
+    cfg = from_dict(ExperimentConfig, {
+        "run_dir": str(tmp_path / "run"), "model_path": "tiny",
+        "dataset": {"path": "d.jsonl", "reward": "math"},
+        "rollout": {"server": {"max_message_mb": 200}}})
+    assert make_pool(cfg, ["127.0.0.1:1"]).options.max_message_mb == 200
 
 
 def test_duplicate_request_id_in_flight_is_rejected(tmp_path, tok_dir):

@@ -341,6 +341,9 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, f"path: {e}") from e
         except EngineError as e:
             raise Rejected(grpc.StatusCode.UNAVAILABLE, f"engine: {e}") from e
+        except Exception as e:  # noqa: BLE001 - an engine's own defect: reported, not UNKNOWN
+            log.exception("loading %s as version %d failed", path, version)
+            raise Rejected(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e!s:.300}") from e
         load_s = time.monotonic() - start
         log.info("now serving version %d (loaded %s in %.1f s)", version, path, load_s)
         return pb.UpdateWeightsResponse(version=self._engine.version, load_s=load_s)

@@ -1,6 +1,7 @@
 """Hugging Face import/export: round trips, exact dtypes, sharded files, clear errors."""
 
 import json
+import re
 
 import ml_dtypes
 import numpy as np
@@ -131,6 +132,46 @@ def test_unknown_model_type_and_missing_field_are_named():
         ModelConfig.from_hf_dict({**base, "hidden_act": "gelu"})
     with pytest.raises(ModelConfigError, match="multiple of num_key_value_heads"):
         ModelConfig.from_hf_dict({**base, "num_key_value_heads": 3, "num_attention_heads": 4})
+
+
+def test_config_values_of_the_wrong_type_or_range_are_named(tmp_path):
+    # Each of these loaded and gave non-finite logits, a silently truncated layer count, an
+    # EOS that never ends a generation, or a raw ZeroDivisionError / AttributeError.
+    base = {"model_type": "llama", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+            "num_hidden_layers": 1, "num_attention_heads": 2, "max_position_embeddings": 256}
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    for change, message in (
+            ({"rms_norm_eps": float("nan")}, "rms_norm_eps must be finite, got nan"),
+            ({"rms_norm_eps": -1.0}, "rms_norm_eps must be > 0, got -1.0"),
+            ({"rope_theta": -5}, "rope_theta must be > 1, got -5"),
+            ({"rope_parameters": {"rope_type": "linear", "factor": 0}},
+             "rope_parameters.factor must be > 0, got 0"),
+            ({"rope_scaling": {**llama3, "high_freq_factor": 1.0}},
+             "low_freq_factor and high_freq_factor must differ"),
+            ({"rope_scaling": {"rope_type": "yarn", "original_max_position_embeddings": 0}},
+             "rope_scaling.original_max_position_embeddings must be a positive integer, got 0"),
+            ({"rope_scaling": {"rope_type": "yarn", "original_max_position_embeddings": 64,
+                               "truncate": "no"}}, "rope_scaling.truncate must be true or false"),
+            ({"num_hidden_layers": 2.7}, "num_hidden_layers must be a positive integer, got 2.7"),
+            ({"num_key_value_heads": 0}, "num_key_value_heads must be a positive integer"),
+            ({"hidden_size": "8"}, "hidden_size must be a number, got '8'"),
+            ({"max_position_embeddings": 10**400}, "max_position_embeddings must be finite"),
+            ({"eos_token_id": "2"}, "eos_token_id must hold non-negative integer ids below "
+                                    "vocab_size 10, got '2'"),
+            ({"eos_token_id": [2, 10]}, "eos_token_id must hold"),
+            ({"pad_token_id": -1}, "pad_token_id must hold non-negative integer ids, got -1")):
+        with pytest.raises(ModelConfigError, match=re.escape(message)):
+            ModelConfig.from_hf_dict({**base, **change})
+    # An integral float is an integer; an EOS list stays a tuple.
+    cfg = ModelConfig.from_hf_dict({**base, "num_hidden_layers": 2.0, "eos_token_id": [1, 9]})
+    assert (cfg.num_layers, cfg.eos_token_ids) == (2, (1, 9))
+    for text, message in (("[1, 2]", "must hold a JSON object, got list"),
+                          ("[" * 100_000 + "]" * 100_000, "is not valid JSON"),
+                          (b"\xff{}", "is not valid JSON")):
+        (tmp_path / "config.json").write_bytes(text if isinstance(text, bytes) else text.encode())
+        with pytest.raises(ModelConfigError, match=message):
+            ModelConfig.from_pretrained(tmp_path)
 
 
 def test_missing_truncated_and_incomplete_weights_fail_clearly(tmp_path):

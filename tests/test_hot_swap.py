@@ -193,9 +193,9 @@ def _truncated(src, dst):
     return dst
 
 
-def _bad_config(src, dst):
+def _bad_config(src, dst, text="{not json"):
     shutil.copytree(src, dst)
-    (dst / "config.json").write_text("{not json")
+    (dst / "config.json").write_text(text)
     return dst
 
 
@@ -210,6 +210,9 @@ def test_failed_loads_keep_serving_the_old_weights(models, tmp_path):
                    "model_type is 'qwen3'"),
         "missing": (str(tmp_path / "nowhere"), "no config.json"),
         "config": (str(_bad_config(new_dir, tmp_path / "badcfg")), "not valid JSON"),
+        # A raw AttributeError, not a failed load: the server answered UNKNOWN.
+        "list": (str(_bad_config(new_dir, tmp_path / "listcfg", "[1, 2]")),
+                 "must hold a JSON object"),
     }
     # A config that matches but weights of the wrong shape.
     wide = save_hf_model(hf_model("qwen2", seed=5, intermediate_size=64), tmp_path / "wide")

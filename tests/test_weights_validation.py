@@ -10,6 +10,7 @@ import pytest
 
 from _hf_models import edit_weights, hf_greedy, hf_logits, hf_model, save_hf_model
 from areal_jax.models import CheckpointError, load_hf_model
+from areal_jax.models.safetensors_io import SafetensorsFile
 from rollout.config import EngineConfig
 from rollout.engine import SamplingParams, WeightLoadError
 from rollout.engines import create_engine
@@ -104,6 +105,23 @@ def test_index_naming_a_tensor_its_file_lacks_is_refused(src, tmp_path):
     with pytest.raises(CheckpointError, match="the index lists tensor extra.weight in "
                                               "model.safetensors, which lacks it"):
         load_hf_model(path)
+
+
+def test_an_index_hiding_tensors_of_its_files_is_refused(src, tmp_path):
+    # With an index, only the tensors it lists were checked: unused ones left out of it loaded.
+    path = _variant(src, tmp_path / "hidden", BAD["unused"][0])
+    names = [n for n in SafetensorsFile(path / "model.safetensors").keys()
+             if "o_proj.bias" not in n and "layers.9." not in n]
+    (path / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {n: "model.safetensors" for n in names}}))
+    with pytest.raises(CheckpointError, match="model.safetensors holds tensors the index does "
+                       "not list there: model.layers.0.self_attn.o_proj.bias, "
+                       "model.layers.9.mlp.up_proj.weight"):
+        load_hf_model(path)
+    for bad in (b"\xff\xfe", b"[" * 100_000):  # not UTF-8; nested too deep
+        (path / "model.safetensors.index.json").write_bytes(bad)
+        with pytest.raises(CheckpointError, match="cannot read weights in"):
+            load_hf_model(path)
 
 
 def _with_header(path, edit, data_edit=lambda data: data):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -53,9 +54,12 @@ class RopeScaling:
         if missing:
             raise ModelConfigError(f"{field} of rope_type {rope_type} is missing {missing[0]!r}")
         keys = _ROPE_REQUIRED[rope_type] + _ROPE_OPTIONAL.get(rope_type, ())
-        params = {k: rope[k] for k in keys if rope.get(k) is not None}
+        params = {k: _rope_param(rope, k, f"{field}.") for k in keys if rope.get(k) is not None}
         if rope_type == "yarn" and "factor" not in params:  # as transformers infers it
             params["factor"] = max_position_embeddings / params["original_max_position_embeddings"]
+        if rope_type == "llama3" and params["low_freq_factor"] == params["high_freq_factor"]:
+            raise ModelConfigError(f"{field}.low_freq_factor and high_freq_factor must differ, "
+                                   f"both are {params['low_freq_factor']}")
         return cls(rope_type, tuple(sorted(params.items())))
 
 
@@ -134,7 +138,11 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any]) -> "ModelConfig":
-        """Build from the dict of a Hugging Face ``config.json``; unsupported fields raise."""
+        """Build from the dict of a Hugging Face ``config.json``; unsupported fields, and values
+        of the wrong type or range (a non-integral size, a non-finite or non-positive epsilon,
+        an EOS id outside the vocabulary), raise ``ModelConfigError`` naming the field."""
+        if not isinstance(hf, dict):
+            raise ModelConfigError(f"config.json must hold a JSON object, got {type(hf).__name__}")
         model_type = hf.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ModelConfigError(
@@ -154,21 +162,22 @@ class ModelConfig:
         if model_type == "llama" and hf.get("pretraining_tp", 1) != 1:
             raise ModelConfigError("pretraining_tp != 1 is not supported")
 
-        max_positions = int(hf.get("max_position_embeddings", 4096))
+        max_positions = _integer(hf, "max_position_embeddings", 4096)
         rope_theta, rope_scaling = _rope(hf, max_positions)
-        num_heads = int(hf["num_attention_heads"])
-        head_dim = hf.get("head_dim") or int(hf["hidden_size"]) // num_heads
+        num_heads = _integer(hf, "num_attention_heads")
+        hidden_size = _integer(hf, "hidden_size")
+        vocab_size = _integer(hf, "vocab_size")
         qkv_bias = model_type == "qwen2" or bool(hf.get("attention_bias", False))
         return cls(
             model_type=model_type,
-            vocab_size=int(hf["vocab_size"]),
-            hidden_size=int(hf["hidden_size"]),
-            intermediate_size=int(hf["intermediate_size"]),
-            num_layers=int(hf["num_hidden_layers"]),
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            intermediate_size=_integer(hf, "intermediate_size"),
+            num_layers=_integer(hf, "num_hidden_layers"),
             num_heads=num_heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
-            head_dim=int(head_dim),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            num_kv_heads=_integer(hf, "num_key_value_heads", num_heads),
+            head_dim=_integer(hf, "head_dim", max(hidden_size // num_heads, 1)),
+            rms_norm_eps=_positive(hf, "rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=max_positions,
@@ -176,9 +185,9 @@ class ModelConfig:
             qkv_bias=qkv_bias,
             o_bias=model_type != "qwen2" and qkv_bias,
             qk_norm=model_type == "qwen3",
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_id=_token_ids(hf.get("eos_token_id")),
-            pad_token_id=hf.get("pad_token_id"),
+            bos_token_id=_token_ids(hf, "bos_token_id", vocab_size),
+            eos_token_id=_token_ids(hf, "eos_token_id", vocab_size),
+            pad_token_id=_token_ids(hf, "pad_token_id", None),
         )
 
     @classmethod
@@ -188,10 +197,13 @@ class ModelConfig:
         if not file.is_file():
             raise ModelConfigError(f"no config.json in {path}")
         try:
-            hf = json.loads(file.read_text())
-        except json.JSONDecodeError as e:
-            raise ModelConfigError(f"{file} is not valid JSON: {e}") from e
-        return cls.from_hf_dict(hf)
+            hf = json.loads(file.read_text(encoding="utf-8"))
+        except (ValueError, RecursionError) as e:  # not JSON, not UTF-8, nested too deep
+            raise ModelConfigError(f"{file} is not valid JSON: {e!s:.200}") from e
+        try:
+            return cls.from_hf_dict(hf)
+        except ModelConfigError as e:
+            raise ModelConfigError(f"{file}: {e}") from None
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The ``config.json`` contents transformers needs to rebuild this architecture."""
@@ -240,7 +252,10 @@ def _rope(hf: dict[str, Any], max_positions: int) -> tuple[float, RopeScaling | 
     if not isinstance(hf.get(field) or {}, dict):
         raise ModelConfigError(f"{field} must be a dict, got {hf[field]!r}")
     rope = dict(hf.get(field) or {})
-    rope_theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope_theta = _number(rope if "rope_theta" in rope else hf, "rope_theta", 10000.0,
+                         f"{field}." if "rope_theta" in rope else "")
+    if rope_theta <= 1:  # every frequency would be 1, and yarn's range divides by log(theta)
+        raise ModelConfigError(f"rope_theta must be > 1, got {rope_theta}")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ModelConfigError(
@@ -252,6 +267,63 @@ def _rope(hf: dict[str, Any], max_positions: int) -> tuple[float, RopeScaling | 
     return rope_theta, RopeScaling.from_hf(rope, rope_type, field, max_positions)
 
 
-def _token_ids(value):
-    """An id, or a list of ids as a tuple (the config stays hashable: it is part of jit keys)."""
-    return tuple(int(v) for v in value) if isinstance(value, (list, tuple)) else value
+def _number(hf: dict[str, Any], key: str, default: float | None = None,
+            where: str = "") -> float:
+    """``hf[key]`` (``default`` where absent or null) as a finite float."""
+    value = hf.get(key)
+    value = default if value is None else value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ModelConfigError(f"{where}{key} must be a number, got {value!r:.80}")
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an integer beyond any float
+        finite = False
+    if not finite:
+        raise ModelConfigError(f"{where}{key} must be finite, got {value!s:.80}")
+    return value
+
+
+def _integer(hf: dict[str, Any], key: str, default: int | None = None, where: str = "") -> int:
+    """``hf[key]`` as a positive integer (an integral float such as 4096.0 is accepted)."""
+    value = _number(hf, key, default, where)
+    if value != int(value) or value < 1:
+        raise ModelConfigError(f"{where}{key} must be a positive integer, got {value}")
+    return int(value)
+
+
+def _positive(hf: dict[str, Any], key: str, default: float | None = None, where: str = "") -> float:
+    value = _number(hf, key, default, where)
+    if value <= 0:
+        raise ModelConfigError(f"{where}{key} must be > 0, got {value}")
+    return float(value)
+
+
+def _rope_param(rope: dict[str, Any], key: str, where: str):
+    """A rope scaling field: a flag, a position count, or a finite number (positive for the
+    factors)."""
+    if key == "truncate":
+        if not isinstance(rope[key], bool):
+            raise ModelConfigError(f"{where}{key} must be true or false, got {rope[key]!r:.80}")
+        return rope[key]
+    if key == "original_max_position_embeddings":
+        return _integer(rope, key, where=where)
+    if key in ("mscale", "mscale_all_dim"):
+        return _number(rope, key, where=where)
+    return _positive(rope, key, where=where)
+
+
+def _token_ids(hf: dict[str, Any], key: str, vocab_size: int | None):
+    """An id, or a list of ids as a tuple (the config stays hashable: it is part of jit keys);
+    each a non-negative integer, below ``vocab_size`` where given (an EOS id the model can
+    never emit would never end a generation)."""
+    value = hf.get(key)
+    if value is None:
+        return None
+    ids = list(value) if isinstance(value, (list, tuple)) else [value]
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, int) or i < 0 or (
+                vocab_size is not None and i >= vocab_size):
+            bound = f" below vocab_size {vocab_size}" if vocab_size is not None else ""
+            raise ModelConfigError(f"{key} must hold non-negative integer ids{bound}, got "
+                                   f"{value!r:.80}")
+    return tuple(ids) if isinstance(value, (list, tuple)) else value

@@ -63,13 +63,22 @@ class WeightFiles:
                 raise CheckpointError(
                     f"no model.safetensors or model.safetensors.index.json in {path}"
                 )
-        except (SafetensorsError, KeyError, TypeError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"cannot read weights in {path}: {e}") from e
+        except CheckpointError:
+            raise
+        except (SafetensorsError, KeyError, TypeError, ValueError, RecursionError) as e:
+            # ValueError: an index that is not JSON or not UTF-8
+            raise CheckpointError(f"cannot read weights in {path}: {e!s:.300}") from e
         for name, f in self._where.items():
             if name not in f.keys():
                 raise CheckpointError(
                     f"the index lists tensor {name} in {f.path.name}, which lacks it"
                 )
+        for f in set(self._where.values()):  # a tensor the index hides would go unchecked
+            hidden = sorted(n for n in f.keys() if self._where.get(n) is not f)
+            if hidden:
+                raise CheckpointError(
+                    f"{f.path.name} holds tensors the index does not list there: "
+                    f"{', '.join(hidden[:5])}" + (" ..." if len(hidden) > 5 else ""))
 
     def names(self) -> list[str]:
         return list(self._where)

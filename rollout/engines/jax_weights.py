@@ -34,8 +34,11 @@ def read_config(path: str) -> ModelConfig:
     """The checkpoint's architecture; ``WeightLoadError`` if it is missing or unsupported."""
     try:
         return ModelConfig.from_pretrained(path)
-    except (OSError, ValueError, TypeError) as e:  # ModelConfigError is a ValueError
+    except (OSError, ValueError) as e:  # ModelConfigError is a ValueError
         raise WeightLoadError(f"checkpoint {path}: {e}") from e
+    except Exception as e:  # noqa: BLE001 - whatever a file makes the reader trip on is a
+        # failed load, not a crash of the update
+        raise WeightLoadError(f"checkpoint {path}: {type(e).__name__}: {e!s:.300}") from e
 
 
 def load_params(

@@ -7,7 +7,9 @@ key; ``load_config`` reads YAML and applies overrides such as ``trainer.lr=1e-5`
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import math
 import types
 import typing
 from pathlib import Path
@@ -79,14 +81,20 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return int(value)
         raise ConfigError(f"{key}: expected an integer, got {value!r}")
     if tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"{key}: expected a number, got {value!r}")
+            number = value
+        elif isinstance(value, str):
+            with contextlib.suppress(ValueError):
+                number = float(value)
+        if number is None:
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        try:  # NaN or infinity (1e400 reads as one) passes every range check after it
+            if math.isfinite(number):
+                return float(number)
+        except OverflowError:  # an integer beyond any float
+            pass
+        raise ConfigError(f"{key}: expected a finite number, got {value!s:.80}")
     if tp is str:
         if isinstance(value, str):
             return value
@@ -103,7 +111,7 @@ def from_dict(cls: type[T], data: dict[str, Any] | None, prefix: str = "") -> T:
     data = dict(data or {})
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    unknown = sorted(set(data) - set(fields))
+    unknown = sorted(set(data) - set(fields), key=str)  # YAML keys may be numbers
     if unknown:
         where = f"{prefix}." if prefix else ""
         raise ConfigError(

@@ -41,6 +41,13 @@ def test_yaml_and_overrides(tmp_path):
     ({}, [], "missing required config key name"),
     ({"name": "x"}, ["steps"], "not of the form key=value"),
     ({"name": "x", "steps": 3}, ["steps.sub=1"], "steps is not a mapping"),
+    # Non-finite numbers passed every range check after them (a NaN or infinite learning rate
+    # or clip turned the weights into NaN in one step).
+    ({"name": "x"}, ["optim.lr=.inf"], "optim.lr: expected a finite number, got inf"),
+    ({"name": "x"}, ["optim.lr=nan"], "optim.lr: expected a finite number, got nan"),
+    ({"name": "x"}, ["optim.lr=1e400"], "optim.lr: expected a finite number, got 1e400"),
+    ({"name": "x", "optim": {"lr": 10**400}}, [], "optim.lr: expected a finite number, got 1000"),
+    ({"name": "x"}, ["optim.betas=[.nan, 0.9]"], r"optim.betas\[0\]: expected a finite number"),
 ])
 def test_errors_name_the_key(tmp_path, data, overrides, message):
     import yaml
@@ -58,3 +65,6 @@ def test_missing_file_and_non_mapping(tmp_path):
     with pytest.raises(ConfigError, match="mapping at the top level"):
         load_config(Experiment, tmp_path / "l.yaml")
     assert from_dict(Experiment, {"name": "n", "seed": None}).seed is None
+    # Unknown keys of mixed types (YAML reads `1:` as a number) are named, not a TypeError.
+    with pytest.raises(ConfigError, match="unknown config key 1; valid keys here"):
+        from_dict(Experiment, {"name": "n", 1: "a", "zz": "b"})

@@ -154,6 +154,14 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(
     trainer.train_on_batch(toy_groups(seed=1, n_groups=2, group_size=4))
     trainer.save({"data_position": 2})
     assert trainer.restore() == {"data_position": 2} and trainer.version == 2
+    # The same step damaged again: its first copy aside stays, and the restore still falls
+    # back (the rename onto `2.damaged` failed, and the intact step was never restored).
+    truncate_checkpoint(tmp_path / "checkpoints" / "2")
+    assert trainer.restore() == {"data_position": 10} and trainer.version == 1
+    assert (tmp_path / "checkpoints" / "2.damaged.1").is_dir()
+    trainer.train_on_batch(toy_groups(seed=1, n_groups=2, group_size=4))
+    trainer.save({"data_position": 2})
+    assert trainer.restore() == {"data_position": 2}  # (waits for the asynchronous save)
 
     for step in ("1", "2"):
         truncate_checkpoint(tmp_path / "checkpoints" / step)

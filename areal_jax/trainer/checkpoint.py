@@ -108,14 +108,26 @@ class Checkpointer:
         return None
 
     def _set_aside(self, steps: list[int]) -> None:
-        """Rename damaged checkpoints newer than the restored one to ``<step>.damaged``: left in
-        place they stay the manager's latest steps, and it would skip every save below them."""
+        """Rename damaged checkpoints newer than the restored one to ``<step>.damaged`` (then
+        ``.damaged.1``, ... when the same step was damaged before): left in place they stay the
+        manager's latest steps, and it would skip every save below them."""
+        error = None
         if jax.process_index() == 0:
-            for step in steps:
-                (self.directory / str(step)).rename(self.directory / f"{step}.damaged")
-                log.warning("moved damaged checkpoint %d aside to %s", step,
-                            self.directory / f"{step}.damaged")
-        all_processes(True)  # every process sees the renames before it rereads the steps
+            try:
+                for step in steps:
+                    aside = self.directory / f"{step}.damaged"
+                    n = 0
+                    while aside.exists():
+                        n += 1
+                        aside = self.directory / f"{step}.damaged.{n}"
+                    (self.directory / str(step)).rename(aside)
+                    log.warning("moved damaged checkpoint %d aside to %s", step, aside)
+            except OSError as e:
+                error = e
+        # Every process sees the renames before it rereads the steps, or fails with process 0.
+        if not all_processes(error is None):
+            raise CheckpointCorruptError(f"cannot move damaged checkpoints {steps} aside in "
+                                  f"{self.directory}: {error or 'failed on process 0'}")
         self._manager.reload()
 
     def steps(self) -> list[int]:

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from _hf_models import hf_greedy, hf_model, save_hf_model
+from _rollout_fakes import until
 from areal_jax.config import ConfigError
 from areal_jax.models import ModelConfig, load_hf_model
 from areal_jax.rl.logprobs import token_logprobs
@@ -344,6 +345,38 @@ def test_pause_holds_tokens_until_resume(model_dir):
     waited, ids = run(main())
     assert waited
     assert len(ids) == 16
+
+
+def test_paused_reports_the_workers_state_and_paused_engines_drop_given_up_requests(model_dir):
+    # A resume whose caller gave up before the worker took it never takes effect; the engine
+    # said "not paused" while it held every request. And requests cancelled while paused were
+    # kept (each with a vocabulary-sized row) until the resume.
+    async def main():
+        engine = await started(model_dir)
+        worker = engine._worker
+        with worker._cond:  # both commands queue before the worker can take either
+            pause = asyncio.ensure_future(engine.pause())
+            resume = asyncio.ensure_future(engine.resume())
+            await asyncio.sleep(0.01)
+            resume.cancel()
+            await asyncio.sleep(0.01)
+        await pause
+        paused_after_cancelled_resume = engine.paused
+        given_up = [asyncio.ensure_future(engine.generate_full(p, GREEDY, f"g{i}"))
+                    for i, p in enumerate(PROMPTS * 4)]
+        await until(lambda: engine.stats()["queued_requests"] == len(given_up))
+        for task in given_up:
+            task.cancel()
+        await until(lambda: engine.stats()["queued_requests"] == 0)
+        still_paused = engine.paused
+        await engine.resume()
+        served = await engine.generate_full(PROMPTS[0], GREEDY, "after")
+        await engine.shutdown()
+        return paused_after_cancelled_resume, still_paused, engine.paused, served
+
+    paused_after_cancelled_resume, still_paused, after_shutdown, served = run(main())
+    assert paused_after_cancelled_resume and still_paused
+    assert len(served.output_ids) == 16 and not after_shutdown
 
 
 def test_shutdown_aborts_in_flight_requests(model_dir):

@@ -152,7 +152,6 @@ class JaxEngine(GenerationEngine):
         self._eos = [t for t in cfg.eos_token_ids if 0 <= t < cfg.vocab_size]
         self._worker: DecodeWorker | None = None
         self._update_lock = asyncio.Lock()
-        self._paused = False
         self._closed = False
         self._meter = ThroughputMeter(window_s=30.0)
 
@@ -170,7 +169,9 @@ class JaxEngine(GenerationEngine):
 
     @property
     def paused(self) -> bool:
-        return self._paused
+        """The worker's own state: a pause or resume whose caller gave up before the worker
+        took it never took effect."""
+        return self._worker is not None and self._worker.paused
 
     @property
     def failure(self) -> EngineError | None:
@@ -254,11 +255,9 @@ class JaxEngine(GenerationEngine):
             await asyncio.wrap_future(worker.swap(params, version))
 
     async def pause(self) -> None:
-        self._paused = True
         await asyncio.wrap_future(self._started().pause())
 
     async def resume(self) -> None:
-        self._paused = False
         await asyncio.wrap_future(self._started().resume())
 
     async def shutdown(self) -> None:

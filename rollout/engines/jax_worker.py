@@ -141,6 +141,10 @@ class DecodeWorker:
     def queued(self) -> int:
         return len(self._pending)
 
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
     def precompile(self, threads: int | None = None) -> int:
         """Compile every program serving can call (prefill per bucket and row width, decode per
         attention window and batch bucket), ``threads`` at a time (default: one per CPU this
@@ -252,8 +256,9 @@ class DecodeWorker:
             self._end()
 
     def _has_work(self) -> bool:
-        if self._paused:
-            return False
+        if self._paused:  # only cancellations to drop: a paused engine makes no device call
+            return any(s.cancelled for s in self._pending) or any(
+                self._slots.seqs[slot].cancelled for slot in self._slots.occupied())
         if self._slots.running or self._swap is not None or any(s.cancelled for s in self._pending):
             return True
         return bool(self._pending) and bool(self._slots.free())
@@ -279,9 +284,9 @@ class DecodeWorker:
         return not self._closing
 
     def _round(self) -> None:
+        self._drop_cancelled()  # also while paused: requests given up on hold nothing
         if self._paused:
             return
-        self._drop_cancelled()
         self._maybe_swap()
         if self._swap is None:
             self._admit()

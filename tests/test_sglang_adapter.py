@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import urllib.parse
 import os
 import signal
 import sys
@@ -49,8 +50,10 @@ def attached(model_dir: Path, double: SGLangDouble) -> SGLangEngine:
 
 
 def produced(double: SGLangDouble, request_id: str) -> int:
-    """Tokens the double generated for the first submission of ``request_id``."""
-    return double.produced.get(api.request_rid(request_id, 0), 0)
+    """Tokens the double generated for the first submissions of ``request_id``'s calls."""
+    quoted = urllib.parse.quote(request_id, safe="")
+    return sum(n for rid, n in double.produced.items()
+               if rid.startswith(f"{quoted}#") and rid.endswith(".0$"))
 
 
 async def _generate(engine, prompt, params, rid="r1"):
@@ -94,7 +97,7 @@ def test_generate_returns_tokens_logprobs_and_versions(model_dir, double):
         },
         "return_logprob": True,
         "logprob_start_len": -1,
-        "rid": "r1#0$",
+        "rid": "r1#0.0$",
     }
 
 
@@ -171,7 +174,7 @@ def test_update_interrupts_and_resubmits_with_per_token_versions(model_dir, doub
     resubmitted = double.posts("/generate")[1]
     assert resubmitted["input_ids"] == PROMPT + result.output_ids[:k]
     assert resubmitted["sampling_params"]["max_new_tokens"] == 30 - k
-    assert resubmitted["rid"] == "r1#1$"
+    assert resubmitted["rid"] == "r1#0.1$"
     assert engine.stats()["resubmissions"] == 1
 
 
@@ -243,7 +246,7 @@ def test_cancelling_a_request_aborts_it_in_sglang(model_dir, double):
             await engine.shutdown()
 
     made = asyncio.run(scenario())
-    assert double.posts("/abort_request") == [{"rid": "c1#0$", "abort_all": False}]
+    assert double.posts("/abort_request") == [{"rid": "c1#0.0$", "abort_all": False}]
     assert made < 100  # SGLang stopped generating for it
 
 
@@ -453,16 +456,19 @@ def test_aborting_one_request_spares_those_whose_id_it_prefixes(model_dir, doubl
             params = SamplingParams(max_new_tokens=40)
             short = asyncio.create_task(_generate(engine, PROMPT, params, "x/1"))
             long = asyncio.create_task(_generate(engine, PROMPT, params, "x/10"))
+            # Another client's request with the same id (ids are unique per stream only): it
+            # had the same rid, and the cancel aborted it too.
+            twin = asyncio.create_task(_generate(engine, PROMPT, params, "x/1"))
             await until(lambda: min(produced(double, "x/1"), produced(double, "x/10")) >= 3)
             short.cancel()
-            return await long
+            return await long, await twin
         finally:
             await engine.shutdown()
 
-    result = asyncio.run(scenario())
-    assert double.posts("/abort_request") == [{"rid": "x%2F1#0$", "abort_all": False}]
-    assert result.finish_reason == "length"
-    assert result.output_ids == expected_tokens(PROMPT, 40)
+    long, twin = asyncio.run(scenario())
+    assert double.posts("/abort_request") == [{"rid": "x%2F1#0.0$", "abort_all": False}]
+    assert long.finish_reason == "length" and twin.finish_reason == "length"
+    assert long.output_ids == twin.output_ids == expected_tokens(PROMPT, 40)
 
 
 def test_a_forced_update_to_an_older_version_tags_later_tokens_with_it(model_dir, tmp_path):
@@ -483,7 +489,7 @@ def test_a_forced_update_to_an_older_version_tags_later_tokens_with_it(model_dir
 
 
 def test_request_ids_never_prefix_one_another():
-    rids = [api.request_rid(i, a) for i in ["a", "a/1", "a/10", "a#1", "a$", "a%"]
-            for a in (0, 1, 10)]
+    rids = [api.request_rid(i, c, a) for i in ["a", "a/1", "a/10", "a#1", "a$", "a%"]
+            for c in (0, 1, 10) for a in (0, 1, 10)]
     assert len(set(rids)) == len(rids)
     assert not any(x != y and y.startswith(x) for x in rids for y in rids)

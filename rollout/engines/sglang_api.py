@@ -151,13 +151,16 @@ def parse_generate_response(body: Any) -> GenerateOutput:
     )
 
 
-def request_rid(request_id: str, attempt: int) -> str:
-    """SGLang ``rid`` of one submission of a request: ``<quoted id>#<attempt>$``.
+def request_rid(request_id: str, call: int, attempt: int) -> str:
+    """SGLang ``rid`` of one submission of a request: ``<quoted id>#<call>.<attempt>$``.
 
-    SGLang aborts every request whose rid starts with the rid it is given, so no rid may prefix
-    another: ``$`` ends each one and appears nowhere else (the request id is percent-quoted).
+    ``call`` numbers the adapter's generate calls: clients may reuse a request id (two streams,
+    or a group's sample ``q/0`` and a single request ``q/0``), and one's abort must not end the
+    other. SGLang aborts every request whose rid starts with the rid it is given, so no rid may
+    prefix another: ``$`` ends each one and appears nowhere else (the request id is
+    percent-quoted).
     """
-    return f"{urllib.parse.quote(request_id, safe='')}#{attempt}$"
+    return f"{urllib.parse.quote(request_id, safe='')}#{call}.{attempt}$"
 
 
 PAUSE_PAYLOAD = {"mode": "abort"}  # running requests return at once with finish_reason abort

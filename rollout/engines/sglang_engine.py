@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import json
 import logging
 import os
@@ -143,6 +144,7 @@ class SGLangEngine(GenerationEngine):
         self._idle.set()
         self._resubmissions = 0
         self._background: set[asyncio.Task] = set()
+        self._calls = itertools.count()  # numbers each generate call's rids
 
     @property
     def version(self) -> int:
@@ -235,6 +237,7 @@ class SGLangEngine(GenerationEngine):
         self, prompt_ids: list[int], params: SamplingParams, request_id: str
     ) -> AsyncIterator[GenerationChunk]:
         context, remaining, attempt = list(prompt_ids), params.max_new_tokens, 0
+        call = next(self._calls)
         stops = set(params.stop_token_ids) | self._eos_ids
         if params.seed is None:
             # SGLang honours seeds only with deterministic inference, and there it gives every
@@ -248,7 +251,7 @@ class SGLangEngine(GenerationEngine):
             if self.failure is not None:
                 raise self.failure
             epoch, version = self._pause_epoch, self._version
-            rid = api.request_rid(request_id, attempt)
+            rid = api.request_rid(request_id, call, attempt)
             try:
                 out = await self._post_generate(context, params, remaining, rid)
             except EngineError as e:

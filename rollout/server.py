@@ -95,6 +95,11 @@ async def _start_grpc(config: ServerConfig, servicer: RolloutServicer, token, cr
         options=[
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit),
+            # Clients ping to find a server that stopped answering (the pool's keepalive_s):
+            # allow pings as often as every second, on idle connections too, without strikes.
+            ("grpc.http2.min_ping_interval_without_data_ms", 1000),
+            ("grpc.http2.max_ping_strikes", 0),
+            ("grpc.keepalive_permit_without_calls", 1),
         ],
     )
     add_rollout_service(servicer, server)

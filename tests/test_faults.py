@@ -1,6 +1,7 @@
 """Fault injection with real processes and real gRPC: a rollout server SIGKILLed mid-run, an
 engine failing behind a live server, a server stopped gracefully with queued work, the trainer
-SIGKILLed and resumed against the servers that outlived it, a server hanging on a weight update.
+SIGKILLed and resumed against the servers that outlived it, a server hanging on a weight update,
+a server process frozen mid-run.
 In each, training reaches its last version and the run's ledger shows nothing lost and nothing
 trained twice."""
 
@@ -109,6 +110,23 @@ def test_a_server_hanging_on_update(tmp_path):
         assert time.monotonic() - start < 60
         assert a.poll() is None  # still up, hung: it was left out, not waited for
     finally:
+        _reap(a, b)
+
+
+def test_a_frozen_server_leaves_the_pool(tmp_path):
+    # A stopped process (or a dead host, a partition) keeps its connections open: nothing
+    # noticed, its groups were held, and the next publish waited out update_timeout_s.
+    (a, addr_a), (b, addr_b) = _server(tmp_path, "--step-s", "0.1"), _server(tmp_path)
+    try:
+        start = time.monotonic()
+        loop, _ = _run(tmp_path, [addr_a, addr_b], 8,
+                       during=_after_first_batch(None, lambda: a.send_signal(signal.SIGSTOP)),
+                       options=PoolOptions(keepalive_s=1.0, rejoin_interval_s=0.2,
+                                           update_timeout_s=60))
+        assert loop.live_at_end == [addr_b] and loop.pool.resubmitted > 0
+        assert time.monotonic() - start < 40
+    finally:
+        a.send_signal(signal.SIGCONT)
         _reap(a, b)
 
 

@@ -9,13 +9,16 @@ import time
 import numpy as np
 import pytest
 from _loop_kit import RecordingTrainer, assert_nothing_lost, config, exports_dir, items, run_loop
-from _loop_kit import run_on_servers, start_servers, trained_ids
+from _loop_kit import addresses, run_on_servers, start_servers, trained_ids
 from _rollout_fakes import ArithmeticEngine, FailingScorer, encode, write_checkpoint
 
 from areal_jax.controller.loop import RolloutRejectedError
 from areal_jax.controller.reward_watch import RewardFailingError
+from areal_jax.controller.requests import rollout_request
 from areal_jax.controller.rollout_pool import PoolOptions, RequestFailedError, RolloutPool
+from areal_jax.controller.rollout_pool import WeightsRejectedError
 from areal_jax.controller.servers import sync_servers
+from rollout.engine import WeightLoadError
 
 
 def test_generation_never_waits_for_the_trainer(tmp_path):
@@ -211,6 +214,88 @@ def test_a_request_that_takes_down_every_server_it_reaches_stops_the_run(tmp_pat
     poison = encode(prompts[3].prompt_text)
     sends = sum(prompt == poison for e in engines for _, prompt, _ in e.requests)
     assert 3 <= sends <= 3 * 2, sends  # three sends of a group of two samples
+
+
+def test_a_request_that_breaks_every_stream_it_reaches_fails_after_its_attempts(tmp_path):
+    # A request over the servers' message limit (within the pool's) ended the stream it went
+    # on, with no reply to charge: it moved from server to server for ever, each time taking
+    # every other group on that server with it, and the run stalled with no error.
+    async def main():
+        servers = await start_servers(tmp_path, [ArithmeticEngine(), ArithmeticEngine()],
+                                      max_message_mb=1)
+        pool = RolloutPool(addresses(servers), options=PoolOptions(
+            max_message_mb=4, max_attempts=3, rejoin_interval_s=0.1))
+        await pool.start()
+        pool.record_weights(exports_dir(tmp_path) / "base", 0)
+        good, bad, huge = items(3)
+        bad.metadata["blob"] = "x" * (2 << 20)
+        huge.metadata["blob"] = "x" * (5 << 20)
+        try:
+            poison = pool.submit(rollout_request(bad, "0:bad", "exact", 2, 6, 1.0, seed=0))
+            with pytest.raises(RequestFailedError, match=r"failed 3 times .*stream failed"):
+                await asyncio.wait_for(poison, 30)
+            while len(pool.live_servers) < 2:
+                await asyncio.sleep(0.05)
+            ok = await asyncio.wait_for(
+                pool.submit(rollout_request(good, "1:good", "exact", 2, 6, 1.0, seed=0)), 30)
+            # Over the pool's own limit: refused before it is sent, as the request's error.
+            refused = await pool.submit(rollout_request(huge, "2:huge", "exact", 2, 6, 1.0))
+            return ok, refused
+        finally:
+            await pool.close()
+            for server in servers:
+                await server.stop(grace=0)
+
+    ok, refused = asyncio.run(main())
+    assert not ok.HasField("error") and len(ok.trajectories) == 2
+    assert (refused.error.code, refused.error.field) == (3, "request")  # INVALID_ARGUMENT
+    assert "over max_message_mb (4 MiB)" in refused.error.message
+
+
+class _RefusesOneLoad(ArithmeticEngine):
+    """Refuses its first load of version 2 (a short read, say); takes every other."""
+
+    refused = False
+
+    async def update_weights(self, path: str, version: int) -> None:
+        if version == 2 and not self.refused:
+            self.refused = True
+            raise WeightLoadError("short read of model.safetensors")
+        await super().update_weights(path, version)
+
+
+def test_a_server_refusing_an_update_the_others_took_leaves_and_rejoins(tmp_path):
+    # One server's refusal ended the run (WeightsRejectedError) though the other had loaded
+    # the version; only an update every server refuses is the export's fault.
+    prompts = items(200)
+    trainer = RecordingTrainer(exports_dir(tmp_path), train_s=0.05)
+    flaky = _RefusesOneLoad(step_s=0.01)
+
+    async def rejoined(loop, pool, servers):
+        while not (flaky.refused and len(pool.live_servers) == 2):
+            await asyncio.sleep(0.01)
+
+    loop = run_on_servers(tmp_path, [ArithmeticEngine(step_s=0.01), flaky], config(tmp_path),
+                          trainer, prompts, 8, during=rejoined,
+                          options=PoolOptions(rejoin_interval_s=0.1))
+    assert trainer.version == 8 and flaky.refused and flaky.version >= 2
+    assert_nothing_lost(tmp_path / "ledger.jsonl", prompts)
+
+    # Every server refusing is the export's fault: the error is raised.
+    async def all_refuse():
+        servers = await start_servers(tmp_path / "all", [_RefusesOneLoad(), _RefusesOneLoad()])
+        pool = RolloutPool(addresses(servers), options=PoolOptions(rejoin_interval_s=0.1))
+        await pool.start()
+        try:
+            with pytest.raises(WeightsRejectedError, match="short read of model.safetensors"):
+                await pool.update_weights(
+                    write_checkpoint(exports_dir(tmp_path / "all") / "v2", "v2"), 2)
+        finally:
+            await pool.close()
+            for server in servers:
+                await server.stop(grace=0)
+
+    asyncio.run(all_refuse())
 
 
 class _HangingUpdates(ArithmeticEngine):

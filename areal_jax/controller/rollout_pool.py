@@ -5,9 +5,13 @@ a guarantee that no accepted request is lost.
   deadline), or that comes back with an error the server — not the request — is to blame for
   (UNAVAILABLE, ABORTED, INTERNAL, ...), is sent again to another live server. Only
   INVALID_ARGUMENT (and other request-specific codes) come back to the caller as the request's
-  own error. A request that fails ``max_attempts`` times (counting the replies that report
-  its server going away, but not a broken stream or the other requests it takes down) fails
-  with ``RequestFailedError`` instead of looping.
+  own error, as does a request larger than ``max_message_mb`` (it would break the stream it
+  went on). A request that fails ``max_attempts`` times (counting the replies that report its
+  server going away and the streams that broke while it was on them: a request that takes
+  down every server it reaches must not cycle forever) fails with ``RequestFailedError``
+  instead of looping.
+* Transport pings every ``keepalive_s`` find a server that stopped answering (a frozen process,
+  a dead host, a partition) while its stream stays open: it is taken out of the pool.
 * With no live server, requests wait; a supervisor task tries dead servers every
   ``rejoin_interval_s`` and brings one that answers SERVING again back to the current weights
   (a forced update) before it gets work. Each server's try runs on its own, and publishing
@@ -16,7 +20,10 @@ a guarantee that no accepted request is lost.
   ``NoLiveServerError``.
 * Every control call (update, push, pause, resume, status) has a deadline; UNAVAILABLE is
   retried ``rpc_retries`` times with backoff; a server still failing (or past its deadline) is
-  taken out of the pool, its groups go elsewhere, and it may rejoin later.
+  taken out of the pool, its groups go elsewhere, and it may rejoin later. A server that
+  refuses a weight update the others took leaves the pool the same way (and rejoins with a
+  forced load, tried less and less often while it keeps refusing); only an update every
+  server refuses is an error (``WeightsRejectedError``): the export itself is bad.
 """
 
 from __future__ import annotations
@@ -67,6 +74,8 @@ class PoolOptions:
     no_server_timeout_s: float = 300.0
     max_attempts: int = 8  # sends of one request before it fails for good
     max_message_mb: int = 64
+    keepalive_s: float = 20.0  # ping interval, and how long a ping may go unanswered
+    max_rejoin_backoff_s: float = 600.0  # longest wait between rejoins of a refusing server
 
 
 @dataclasses.dataclass
@@ -89,6 +98,8 @@ class _Server:
     version: int | None = None
     busy: BusyClock = dataclasses.field(default_factory=BusyClock)
     rejoin_error: str | None = None  # why its last rejoin failed once it answered SERVING
+    rejoin_failures: int = 0  # rejoins in a row that failed once it answered SERVING
+    next_rejoin: float = 0.0  # monotonic time of its next rejoin try
 
 
 class RolloutPool:
@@ -103,8 +114,14 @@ class RolloutPool:
         self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else None
         self._tls = tls_root_cert
         mb = self.options.max_message_mb << 20
+        ping_ms = int(self.options.keepalive_s * 1000)
         self._channel_options = [("grpc.max_send_message_length", mb),
-                                 ("grpc.max_receive_message_length", mb)]
+                                 ("grpc.max_receive_message_length", mb),
+                                 ("grpc.keepalive_time_ms", ping_ms),
+                                 ("grpc.keepalive_timeout_ms", ping_ms),
+                                 ("grpc.http2.ping_timeout_ms", ping_ms),  # what gRPC 1.8x uses
+                                 ("grpc.keepalive_permit_without_calls", 1),
+                                 ("grpc.http2.max_pings_without_data", 0)]
         self._servers = [_Server(a) for a in addresses]
         self._futures: dict[str, asyncio.Future] = {}
         self._attempts: dict[str, int] = {}
@@ -159,8 +176,9 @@ class RolloutPool:
         while (request := await outbox.get()) is not None:
             yield request
 
-    def _mark_dead(self, server: _Server, reason: str) -> None:
-        """Take ``server`` out of the pool; its groups are sent to other servers."""
+    def _mark_dead(self, server: _Server, reason: str, charge: bool = False) -> None:
+        """Take ``server`` out of the pool; its groups are sent to other servers (``charge``:
+        each is counted one failed send, as when its stream broke under it)."""
         if not server.alive:
             return
         server.alive = False
@@ -178,9 +196,12 @@ class RolloutPool:
             self._closing.append(asyncio.create_task(server.channel.close()))
         server.channel = server.stub = server.call = None
         for request in orphans:
-            if request.request_id in self._futures:
-                self.resubmitted += 1
-                self._route(request, avoid=server)
+            if request.request_id not in self._futures:
+                continue
+            if charge and self._failed_for_good(request.request_id, server, reason):
+                continue
+            self.resubmitted += 1
+            self._route(request, avoid=server)
 
     # ---- routing -------------------------------------------------------------------------
     @property
@@ -204,6 +225,14 @@ class RolloutPool:
         if request.request_id in self._futures:
             raise ValueError(f"request_id {request.request_id!r} is already in flight")
         future = asyncio.get_running_loop().create_future()
+        size, limit = request.ByteSize(), self.options.max_message_mb << 20
+        if size > limit:  # it would end its server's stream, and every group on it
+            error = pb.RequestError(
+                code=_S.INVALID_ARGUMENT.value[0], field="request",
+                message=f"the request is {size} bytes, over max_message_mb "
+                        f"({self.options.max_message_mb} MiB)")
+            future.set_result(pb.TrajectoryGroup(request_id=request.request_id, error=error))
+            return future
         self._futures[request.request_id] = future
         self._attempts[request.request_id] = 0
         self._route(request)
@@ -239,9 +268,10 @@ class RolloutPool:
         except asyncio.CancelledError:
             return
         except grpc.aio.AioRpcError as e:
-            self._mark_dead(server, f"stream failed: {e.code().name}: {e.details()}")
+            self._mark_dead(server, f"stream failed: {e.code().name}: {e.details()}",
+                            charge=True)
             return
-        self._mark_dead(server, "the server closed its stream")
+        self._mark_dead(server, "the server closed its stream", charge=True)
 
     def _on_group(self, server: _Server, group: pb.TrajectoryGroup) -> None:
         request = server.in_flight.pop(group.request_id, None)
@@ -290,8 +320,10 @@ class RolloutPool:
         opts = self.options
         while True:
             await asyncio.sleep(opts.rejoin_interval_s)
+            now = time.monotonic()
             for server in self._servers:  # one try per server at a time; a slow one holds no other
-                if not server.alive and server.address not in self._rejoining:
+                if (not server.alive and server.address not in self._rejoining
+                        and now >= server.next_rejoin):
                     task = asyncio.create_task(self._try_rejoin(server))
                     self._rejoining[server.address] = task
                     task.add_done_callback(lambda _, a=server.address: self._rejoining.pop(a))
@@ -346,14 +378,18 @@ class RolloutPool:
             elif error != server.rejoin_error:
                 log.warning("rollout server %s answers SERVING but cannot rejoin: %s",
                             server.address, error)
-            if serving_health:
+            if serving_health:  # it takes weights each try: wait longer after each failure
                 server.rejoin_error = error
+                server.rejoin_failures += 1
+                server.next_rejoin = time.monotonic() + min(
+                    self.options.rejoin_interval_s * 2 ** server.rejoin_failures,
+                    self.options.max_rejoin_backoff_s)
             await channel.close()
             return
         except asyncio.CancelledError:  # the pool is closing
             await channel.close()
             raise
-        server.rejoin_error = None
+        server.rejoin_error, server.rejoin_failures = None, 0
         log.warning("rollout server %s rejoined the pool at version %s", server.address,
                     server.version)
 
@@ -407,15 +443,29 @@ class RolloutPool:
             try:
                 return await self._send_weights(stub, w, force, timeout)
             except grpc.aio.AioRpcError as e:
-                if e.code() != _S.FAILED_PRECONDITION:
-                    raise
-                raise WeightsRejectedError(
-                    f"a rollout server refused version {version} at {path}: {e.details()}"
-                ) from e
+                if e.code() in (_S.UNAVAILABLE, _S.DEADLINE_EXCEEDED, _S.CANCELLED):
+                    raise  # the server, not the weights: _control takes it out
+                raise WeightsRejectedError(f"a rollout server refused version {version} at "
+                                           f"{path}: {e.code().name}: {e.details()}") from e
 
         async with self._weights_lock:
-            done = await self._each("update weights", one, self.options.update_timeout_s)
-            for server, _ in done:
+            servers = [s for s in self._servers if s.alive]
+            results = await asyncio.gather(
+                *(self._control(s, "update weights", one, self.options.update_timeout_s)
+                  for s in servers), return_exceptions=True)
+            for result in results:
+                if isinstance(result, BaseException) and not isinstance(
+                        result, WeightsRejectedError):
+                    raise result
+            took = [s for s, r in zip(servers, results) if r is not None
+                    and not isinstance(r, BaseException)]
+            refused = [(s, r) for s, r in zip(servers, results)
+                       if isinstance(r, WeightsRejectedError)]
+            if refused and not took:
+                raise refused[0][1]  # every server refused: the export itself is bad
+            for server, error in refused:  # it rejoins with a forced load of these weights
+                self._mark_dead(server, str(error))
+            for server in took:
                 server.version = version
             self._weights = w
 

@@ -33,7 +33,8 @@ class WeightIntake:
     """Writes pushed checkpoints under ``root``; keeps only the last one that was loaded.
 
     A stream that sends nothing for ``idle_timeout_s`` ends with ``PushStalledError``: the
-    server takes one update at a time, and a stalled client must not hold the others back.
+    server takes one update at a time, and a stalled client must not hold the others back
+    (an empty chunk, which would keep a stalled stream alive, is refused).
     """
 
     def __init__(self, root: Path, idle_timeout_s: float = 60.0):
@@ -121,6 +122,8 @@ class WeightIntake:
                 if req.WhichOneof("item") != "chunk":
                     raise InvalidParamError("header", "sent more than once")
                 chunk = req.chunk
+                if not chunk.data:  # no progress: empty chunks would hold the update lock
+                    raise InvalidParamError("chunk.data", "empty")
                 if chunk.name not in sizes:
                     raise InvalidParamError("chunk.name", f"{chunk.name!r} is not in the header")
                 if chunk.offset != written[chunk.name]:

@@ -585,6 +585,10 @@ def _bad_pushes(src):
         ("chunk.offset", skipped),
         ("header", [header_first, header_first]),
         ("header.version", [pb.PushWeightsRequest(header=pb.WeightsHeader(version=2**31))]),
+        # Empty chunks kept a stalled push alive past push_idle_timeout_s, holding the update
+        # lock: every update queued behind it waited.
+        ("chunk.data", [header_first, pb.PushWeightsRequest(
+            chunk=pb.FileChunk(name=header_first.header.files[0].name, offset=0))]),
     ]
 
 

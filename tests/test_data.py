@@ -165,6 +165,8 @@ def test_long_prompts_are_dropped_and_counted(tmp_path, tokenizer, caplog):
          r"line 1: field 'question': contains the tokenizer's special token '<\|im_"),
         ('{"question": "a", "answer": ' + "[" * 100_000 + "]" * 100_000 + "}\n",
          r"line 1: JSON nested too deeply"),
+        ('{"question": "a", "answer": ' + "9" * 5000 + "}\n",
+         r"line 1: Exceeds the limit \(4300 digits\)"),
     ],
 )
 def test_bad_rows_are_reported_with_line_and_field(tmp_path, tokenizer, content, message):

@@ -162,6 +162,11 @@ FORGED = {
     "header-not-object": (lambda h: b"[1, 2]", "the header is not a JSON object"),
     "huge-header": (None, "has a header of 1099511627776 bytes, more than"),
     "trailing-bytes": (lambda h: None, "has 7 bytes after its last tensor"),
+    # Byte counts from shapes in int64 overflowed (a raw OverflowError) or wrapped to 0.
+    "shape-beyond-int64": (_entry("shape", [2**64]), "has a byte range of 128 bytes, its dtype "
+                           "and shape need 73786976294838206464"),
+    "shape-wrapping-to-0": (_entry("shape", [2**32, 2**32]), "has a byte range of 128 bytes, "
+                            "its dtype and shape need 73786976294838206464"),
 }
 
 

@@ -41,6 +41,8 @@ def _read_jsonl(path: Path) -> list[tuple[str, dict]]:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DatasetError(f"{path} line {number}: invalid JSON ({e.msg})") from None
+            except ValueError as e:  # an integer of more digits than Python converts
+                raise DatasetError(f"{path} line {number}: {e}") from None
             except RecursionError:
                 raise DatasetError(f"{path} line {number}: JSON nested too deeply") from None
             if not isinstance(row, dict):

@@ -10,6 +10,7 @@ fails with a message naming the file and tensor, never reads bytes outside its o
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from pathlib import Path
@@ -99,7 +100,7 @@ class SafetensorsFile:
         if not isinstance(offsets, list) or len(offsets) != 2 or not all(map(_count, offsets)):
             raise bad(f"has data_offsets that are not two non-negative integers: {offsets!r:.80}")
         begin, end = offsets
-        expected = int(np.prod(shape, dtype=np.int64)) * DTYPES[entry["dtype"]].itemsize
+        expected = math.prod(shape) * DTYPES[entry["dtype"]].itemsize  # exact: no int64 wrap
         if end - begin != expected:
             raise bad(f"has a byte range of {end - begin} bytes, its dtype and shape need "
                       f"{expected}")

@@ -275,9 +275,8 @@ def test_a_server_refusing_an_update_the_others_took_leaves_and_rejoins(tmp_path
         while not (flaky.refused and len(pool.live_servers) == 2):
             await asyncio.sleep(0.01)
 
-    loop = run_on_servers(tmp_path, [ArithmeticEngine(step_s=0.01), flaky], config(tmp_path),
-                          trainer, prompts, 8, during=rejoined,
-                          options=PoolOptions(rejoin_interval_s=0.1))
+    run_on_servers(tmp_path, [ArithmeticEngine(step_s=0.01), flaky], config(tmp_path), trainer,
+                   prompts, 8, during=rejoined, options=PoolOptions(rejoin_interval_s=0.1))
     assert trainer.version == 8 and flaky.refused and flaky.version >= 2
     assert_nothing_lost(tmp_path / "ledger.jsonl", prompts)
 

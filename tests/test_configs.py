@@ -41,7 +41,7 @@ def test_trainer_temperature_must_match_sampling():
 @pytest.mark.parametrize("override, message", [
     ("eval.max_new_tokens=0", "eval.max_new_tokens: must be >= 1, got 0"),
     ("eval.temperature=-1", "eval.temperature: must be finite and >= 0, got -1"),
-    ("eval.temperature=.inf", "eval.temperature: must be finite and >= 0, got inf"),
+    ("eval.temperature=.inf", "eval.temperature: expected a finite number, got inf"),
     ("eval.max_prompts=-5", "eval.max_prompts: must be >= 1, got -5"),
     ("eval.every_steps=-3", "eval.every_steps: must be >= 0"),
     ("checkpoint_every=-1", "checkpoint_every: must be >= 0"),

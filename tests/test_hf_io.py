@@ -160,12 +160,13 @@ def test_config_values_of_the_wrong_type_or_range_are_named(tmp_path):
             ({"eos_token_id": "2"}, "eos_token_id must hold non-negative integer ids below "
                                     "vocab_size 10, got '2'"),
             ({"eos_token_id": [2, 10]}, "eos_token_id must hold"),
-            ({"pad_token_id": -1}, "pad_token_id must hold non-negative integer ids, got -1")):
+            ({"pad_token_id": -2}, "pad_token_id must hold non-negative integer ids, got -2")):
         with pytest.raises(ModelConfigError, match=re.escape(message)):
             ModelConfig.from_hf_dict({**base, **change})
     # An integral float is an integer; an EOS list stays a tuple.
-    cfg = ModelConfig.from_hf_dict({**base, "num_hidden_layers": 2.0, "eos_token_id": [1, 9]})
-    assert (cfg.num_layers, cfg.eos_token_ids) == (2, (1, 9))
+    cfg = ModelConfig.from_hf_dict({**base, "num_hidden_layers": 2.0, "eos_token_id": [1, 9],
+                                    "pad_token_id": -1})  # -1: none, in older Llama configs
+    assert (cfg.num_layers, cfg.eos_token_ids, cfg.pad_token_id) == (2, (1, 9), None)
     for text, message in (("[1, 2]", "must hold a JSON object, got list"),
                           ("[" * 100_000 + "]" * 100_000, "is not valid JSON"),
                           (b"\xff{}", "is not valid JSON")):

@@ -297,6 +297,76 @@ def test_a_server_refusing_an_update_the_others_took_leaves_and_rejoins(tmp_path
     asyncio.run(all_refuse())
 
 
+class _AlwaysRefuses(ArithmeticEngine):
+    """Refuses every checkpoint but the one it started with (a path outside its allowed roots,
+    say); counts the tries."""
+
+    tries = 0
+
+    async def update_weights(self, path: str, version: int) -> None:
+        self.tries += 1
+        raise WeightLoadError("not under weights_allowed_roots")
+
+
+def test_a_server_that_keeps_refusing_its_weights_is_given_up_on(tmp_path, caplog):
+    # It was tried again for ever (each try sending the whole checkpoint), at most every 10 min.
+    async def main():
+        refuser = _AlwaysRefuses()
+        servers = await start_servers(tmp_path, [ArithmeticEngine(), refuser])
+        pool = RolloutPool(addresses(servers), options=PoolOptions(
+            max_attempts=3, rejoin_interval_s=0.02, max_rejoin_backoff_s=0.1))
+        await pool.start()
+        pool.record_weights(exports_dir(tmp_path) / "base", 0)
+        try:
+            await pool.update_weights(write_checkpoint(exports_dir(tmp_path) / "v1", "v1"), 1)
+            live = pool.live_servers
+            deadline = time.monotonic() + 20
+            while "stays out of the pool" not in caplog.text and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            tries = refuser.tries
+            await asyncio.sleep(0.5)  # some 25 supervisor rounds
+            return live, tries, refuser.tries
+        finally:
+            await pool.close()
+            for server in servers:
+                await server.stop(grace=0)
+
+    live, tries, later = asyncio.run(main())
+    assert len(live) == 1 and "failed to take the weights 3 times in a row" in caplog.text
+    assert tries == later == 4  # the update, then three rejoins
+
+
+def test_a_server_refusing_keepalive_pings_leaves_without_charging_its_groups(
+        tmp_path, caplog, monkeypatch):
+    # A server on gRPC's default ping policy (an older server, a proxy) ends the connection
+    # with "too many pings": its groups must not be charged a failed send each time.
+    import grpc
+
+    server_of = grpc.aio.server
+    monkeypatch.setattr(grpc.aio, "server", lambda *a, options=(), **k: server_of(
+        *a, options=[o for o in options if "ping" not in o[0]], **k))
+
+    async def main():
+        servers = await start_servers(tmp_path, [ArithmeticEngine(step_s=2.0)])
+        pool = RolloutPool(addresses(servers), options=PoolOptions(
+            keepalive_s=0.2, max_attempts=1, rejoin_interval_s=60))
+        await pool.start()
+        pool.record_weights(exports_dir(tmp_path) / "base", 0)
+        try:
+            future = pool.submit(rollout_request(items(1)[0], "0:slow", "exact", 1, 4, 1.0))
+            deadline = time.monotonic() + 20
+            while "refuses the trainer's keepalive pings" not in caplog.text:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+            return future.done()
+        finally:
+            await pool.close()
+            for server in servers:
+                await server.stop(grace=0)
+
+    assert asyncio.run(main()) is False  # charged once, it would have failed (max_attempts 1)
+
+
 class _HangingUpdates(ArithmeticEngine):
     async def update_weights(self, path: str, version: int) -> None:
         await asyncio.sleep(3600)

@@ -21,9 +21,10 @@ a guarantee that no accepted request is lost.
 * Every control call (update, push, pause, resume, status) has a deadline; UNAVAILABLE is
   retried ``rpc_retries`` times with backoff; a server still failing (or past its deadline) is
   taken out of the pool, its groups go elsewhere, and it may rejoin later. A server that
-  refuses a weight update the others took leaves the pool the same way (and rejoins with a
-  forced load, tried less and less often while it keeps refusing); only an update every
-  server refuses is an error (``WeightsRejectedError``): the export itself is bad.
+  refuses a weight update another server took leaves the pool the same way and rejoins with a
+  forced load, tried less and less often while it keeps refusing, and not at all after
+  ``max_attempts`` refusals in a row (an error in the log says so); an update no live server
+  took is an error (``WeightsRejectedError``): the export itself is bad.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import time
 from pathlib import Path
 
@@ -268,8 +270,13 @@ class RolloutPool:
         except asyncio.CancelledError:
             return
         except grpc.aio.AioRpcError as e:
-            self._mark_dead(server, f"stream failed: {e.code().name}: {e.details()}",
-                            charge=True)
+            reason = f"stream failed: {e.code().name}: {e.details()}"
+            pings_refused = "too many pings" in (e.details() or "").lower()
+            if pings_refused:  # the server's fault, not its groups'
+                log.error("rollout server %s refuses the trainer's keepalive pings (a server "
+                          "older than the trainer, or a proxy between them): upgrade it, or "
+                          "set rollout.keepalive_s to 300 or more", server.address)
+            self._mark_dead(server, reason, charge=not pings_refused)
             return
         self._mark_dead(server, "the server closed its stream", charge=True)
 
@@ -384,6 +391,11 @@ class RolloutPool:
                 server.next_rejoin = time.monotonic() + min(
                     self.options.rejoin_interval_s * 2 ** server.rejoin_failures,
                     self.options.max_rejoin_backoff_s)
+                if server.rejoin_failures >= self.options.max_attempts:
+                    server.next_rejoin = math.inf
+                    log.error("rollout server %s failed to take the weights %d times in a row; "
+                              "it stays out of the pool for the rest of the run: %s",
+                              server.address, server.rejoin_failures, error)
             await channel.close()
             return
         except asyncio.CancelledError:  # the pool is closing
@@ -417,10 +429,13 @@ class RolloutPool:
                 raise
         return None
 
-    async def _each(self, name: str, call, timeout: float) -> list:
-        """``call`` on every live server; servers that fail it leave the pool."""
+    async def _each(self, name: str, call, timeout: float,
+                    return_exceptions: bool = False) -> list:
+        """``(server, result)`` of ``call`` on every live server; servers that fail it leave
+        the pool (``return_exceptions``: other errors are results, as ``asyncio.gather``)."""
         servers = [s for s in self._servers if s.alive]
-        results = await asyncio.gather(*(self._control(s, name, call, timeout) for s in servers))
+        results = await asyncio.gather(*(self._control(s, name, call, timeout) for s in servers),
+                                       return_exceptions=return_exceptions)
         return [(s, r) for s, r in zip(servers, results) if r is not None]
 
     async def _send_weights(self, stub, w: _Weights, force: bool, timeout: float | None = None):
@@ -449,20 +464,18 @@ class RolloutPool:
                                            f"{path}: {e.code().name}: {e.details()}") from e
 
         async with self._weights_lock:
-            servers = [s for s in self._servers if s.alive]
-            results = await asyncio.gather(
-                *(self._control(s, "update weights", one, self.options.update_timeout_s)
-                  for s in servers), return_exceptions=True)
-            for result in results:
+            done = await self._each("update weights", one, self.options.update_timeout_s,
+                                    return_exceptions=True)
+            for _, result in done:
                 if isinstance(result, BaseException) and not isinstance(
                         result, WeightsRejectedError):
                     raise result
-            took = [s for s, r in zip(servers, results) if r is not None
-                    and not isinstance(r, BaseException)]
-            refused = [(s, r) for s, r in zip(servers, results)
-                       if isinstance(r, WeightsRejectedError)]
+            took = [s for s, r in done if not isinstance(r, BaseException)]
+            refused = [(s, r) for s, r in done if isinstance(r, WeightsRejectedError)]
             if refused and not took:
-                raise refused[0][1]  # every server refused: the export itself is bad
+                # No live server took it (the others, if any, left on timeouts): the export
+                # itself is bad, or every server's setup is; either way nothing can serve it.
+                raise refused[0][1]
             for server, error in refused:  # it rejoins with a forced load of these weights
                 self._mark_dead(server, str(error))
             for server in took:

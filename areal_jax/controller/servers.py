@@ -22,6 +22,7 @@ from areal_jax.controller.local_servers import with_deterministic_ops
 from areal_jax.controller.rollout_pool import PoolOptions, RolloutPool
 from areal_jax.experiment import ExperimentConfig
 from areal_jax.trainer.publish import list_exports
+from rollout.config import ServerConfig
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +99,8 @@ def make_pool(cfg: ExperimentConfig, addresses: list[str]) -> RolloutPool:
                           rpc_retries=r.rpc_retries, rejoin_interval_s=r.rejoin_interval_s,
                           no_server_timeout_s=r.no_server_timeout_s,
                           max_attempts=r.max_request_attempts, keepalive_s=r.keepalive_s,
-                          max_message_mb=r.server.get("max_message_mb", PoolOptions.max_message_mb))
+                          max_message_mb=r.server.get("max_message_mb",
+                                                      ServerConfig.max_message_mb))
     return RolloutPool(addresses, auth_token=token, tls_root_cert=tls, options=options)
 
 

@@ -187,7 +187,9 @@ class ModelConfig:
             qk_norm=model_type == "qwen3",
             bos_token_id=_token_ids(hf, "bos_token_id", vocab_size),
             eos_token_id=_token_ids(hf, "eos_token_id", vocab_size),
-            pad_token_id=_token_ids(hf, "pad_token_id", None),
+            # Unused in the computation; -1 means none in some older Llama conversions.
+            pad_token_id=None if hf.get("pad_token_id") == -1 else _token_ids(hf, "pad_token_id",
+                                                                              None),
         )
 
     @classmethod
@@ -269,7 +271,7 @@ def _rope(hf: dict[str, Any], max_positions: int) -> tuple[float, RopeScaling | 
 
 def _number(hf: dict[str, Any], key: str, default: float | None = None,
             where: str = "") -> float:
-    """``hf[key]`` (``default`` where absent or null) as a finite float."""
+    """``hf[key]`` (``default`` where absent or null), a finite int or float."""
     value = hf.get(key)
     value = default if value is None else value
     if isinstance(value, bool) or not isinstance(value, (int, float)):

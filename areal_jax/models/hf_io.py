@@ -74,7 +74,8 @@ class WeightFiles:
                     f"the index lists tensor {name} in {f.path.name}, which lacks it"
                 )
         for f in set(self._where.values()):  # a tensor the index hides would go unchecked
-            hidden = sorted(n for n in f.keys() if self._where.get(n) is not f)
+            hidden = sorted(n for n in f.keys() if self._where.get(n) is not f
+                            and not n.endswith(_HARMLESS_SUFFIXES))
             if hidden:
                 raise CheckpointError(
                     f"{f.path.name} holds tensors the index does not list there: "

@@ -1,6 +1,7 @@
 """What `areal-jax train` checks before it starts a long run: the free-form server config, the
 rewards, and that a run directory is not reused with other data or settings."""
 
+import json
 import re
 
 import pytest
@@ -88,6 +89,50 @@ def test_changing_the_data_of_a_run_directory_is_detected(tmp_path):
     longer = from_dict(ExperimentConfig, _config(tmp_path, schedule={"total_steps": 500}))
     (tmp_path / "train.jsonl").write_text('{"question": "1+1?", "answer": "2"}\n')
     check_fingerprint(longer)
+
+
+def test_a_run_directory_moved_or_named_another_way_is_the_same_run(tmp_path, monkeypatch):
+    # The fingerprint hashed the data path with {run_dir} filled in: a moved run directory,
+    # or the same one named by a relative path, was refused as "another data configuration".
+    import shutil
+
+    from areal_jax.controller.prepare import _filled_path_data_digest, run_fingerprint
+
+    def at(run_dir):
+        cfg = _config(tmp_path, run_dir=str(run_dir))
+        cfg["dataset"]["path"] = "{run_dir}/train.jsonl"
+        return from_dict(ExperimentConfig, cfg)
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "train.jsonl").write_text('{"question": "1+1?", "answer": "2"}\n')
+    check_fingerprint(at(tmp_path / "a"))
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    check_fingerprint(at(tmp_path / "b"))
+    monkeypatch.chdir(tmp_path)
+    check_fingerprint(at("a"))
+    # A directory recorded the earlier way is still accepted, and recorded the new way.
+    path = tmp_path / "a" / "fingerprint.json"
+    path.write_text(json.dumps({**run_fingerprint(at(tmp_path / "a")),
+                                "data": _filled_path_data_digest(at(tmp_path / "a"))}))
+    check_fingerprint(at(tmp_path / "a"))
+    assert json.loads(path.read_text()) == run_fingerprint(at(tmp_path / "a"))
+    (tmp_path / "a" / "train.jsonl").write_text('{"question": "1+2?", "answer": "3"}\n')
+    with pytest.raises(ConfigError, match="another data configuration"):
+        check_fingerprint(at(tmp_path / "a"))
+
+
+def test_sft_and_a_refused_train_respect_the_run_directorys_fingerprint(tmp_path, capsys):
+    # `sft` never checked it: `train` then reused an SFT model built with other settings. And a
+    # refused `train` had already overwritten the run's config.json.
+    cfg = _config(tmp_path, sft={"steps": 3})
+    (tmp_path / "run").mkdir()
+    check_fingerprint(from_dict(ExperimentConfig, cfg))
+    (tmp_path / "run" / "config.json").write_text("as recorded")
+    for command in ("sft", "train"):
+        assert main([command, "--config", _write(tmp_path, cfg), "sft.steps=200"]) == 2
+        assert "was started with another sft configuration" in capsys.readouterr().err
+    assert not (tmp_path / "run" / "sft_model").exists()
+    assert (tmp_path / "run" / "config.json").read_text() == "as recorded"
 
 
 def test_files_a_run_trusts_later_are_written_whole_and_a_torn_one_is_named(tmp_path,

@@ -19,7 +19,7 @@ def run(args: argparse.Namespace) -> int:
     from areal_jax.compilation import enable_compilation_cache
     from areal_jax.config import load_config
     from areal_jax.controller.progress import TrainingProgress
-    from areal_jax.controller.prepare import prepare_base_model, prepare_data
+    from areal_jax.controller.prepare import check_fingerprint, prepare_base_model, prepare_data
     from areal_jax.controller.run import claim_devices
     from areal_jax.controller.sft_phase import run_sft
     from areal_jax.experiment import ExperimentConfig
@@ -34,6 +34,7 @@ def run(args: argparse.Namespace) -> int:
     enable_compilation_cache(cfg.compilation_cache_dir)
     prepare_data(cfg)
     base = prepare_base_model(cfg)
+    check_fingerprint(cfg)  # the SFT model `train` would reuse must be this config's
     with TrainingProgress() as progress:
         out = run_sft(cfg, base, AutoTokenizer.from_pretrained(base), progress)
     print(f"wrote {out}")

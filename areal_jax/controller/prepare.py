@@ -91,22 +91,32 @@ def _hash_path(path: Path, digest) -> None:
                 digest.update(block)
 
 
+def _digest(value, data_path: Path | None = None) -> str:
+    digest = hashlib.sha256(json.dumps(value, sort_keys=True).encode())
+    if data_path is not None:
+        _hash_path(data_path, digest)
+    return digest.hexdigest()[:16]
+
+
 def run_fingerprint(cfg: ExperimentConfig) -> dict[str, str]:
     """What the SFT model and the checkpoints of a run depend on, one hash per part: the
-    model, the data (config and file contents), the reward and the SFT settings."""
-    parts = {
-        "model": {"model_path": cfg.model_path, "tiny": to_dict(cfg.tiny)},
-        "data": {"dataset": to_dict(dataset_config(cfg.dataset, cfg.run_dir)),
-                 "synthetic": to_dict(cfg.synthetic) if cfg.synthetic else None},
-        "sft": to_dict(cfg.sft),
+    model, the data (config and file contents), the reward and the SFT settings. Paths are
+    hashed as written (``{run_dir}`` unfilled), so a run directory moved or named by another
+    path is the same run; the data files' contents are hashed wherever they are."""
+    data_path = Path(dataset_config(cfg.dataset, cfg.run_dir).path)
+    synthetic = to_dict(cfg.synthetic) if cfg.synthetic else None
+    return {
+        "model": _digest({"model_path": cfg.model_path, "tiny": to_dict(cfg.tiny)}),
+        "data": _digest({"dataset": to_dict(cfg.dataset), "synthetic": synthetic}, data_path),
+        "sft": _digest(to_dict(cfg.sft)),
     }
-    out = {}
-    for name, value in parts.items():
-        digest = hashlib.sha256(json.dumps(value, sort_keys=True).encode())
-        if name == "data":
-            _hash_path(Path(dataset_config(cfg.dataset, cfg.run_dir).path), digest)
-        out[name] = digest.hexdigest()[:16]
-    return out
+
+
+def _filled_path_data_digest(cfg: ExperimentConfig) -> str:
+    """The data part as run directories recorded it before paths were hashed as written."""
+    filled = dataset_config(cfg.dataset, cfg.run_dir)
+    synthetic = to_dict(cfg.synthetic) if cfg.synthetic else None
+    return _digest({"dataset": to_dict(filled), "synthetic": synthetic}, Path(filled.path))
 
 
 def check_fingerprint(cfg: ExperimentConfig) -> None:
@@ -120,6 +130,9 @@ def check_fingerprint(cfg: ExperimentConfig) -> None:
         return
     recorded = read_json(path)
     changed = [k for k in current if recorded.get(k) != current[k]]
+    if changed == ["data"] and recorded.get("data") == _filled_path_data_digest(cfg):
+        write_atomic(path, json.dumps(current, indent=2))  # an older record of the same data
+        return
     if changed:
         raise ConfigError(
             f"run_dir {cfg.run_dir} was started with another {' and '.join(changed)} "

@@ -31,6 +31,7 @@ from areal_jax.controller.sft_phase import run_sft, sft_model_kept
 from areal_jax.controller.trainers import make_trainer
 from areal_jax.data.dataset import PromptDataset
 from areal_jax.experiment import ExperimentConfig
+from areal_jax.files import write_atomic
 
 
 def claim_devices(cfg: ExperimentConfig, with_servers: bool = True) -> Callable[[], None]:
@@ -94,10 +95,10 @@ def train(cfg: ExperimentConfig) -> dict:
     run_dir = Path(cfg.run_dir)
     if leader:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
         prepare_data(cfg)
         prepare_base_model(cfg)
-        check_fingerprint(cfg)
+        check_fingerprint(cfg)  # a refused config leaves the run's config.json as it was
+        write_atomic(run_dir / "config.json", json.dumps(to_dict(cfg), indent=2))
     barrier("run directory prepared")
     with TrainingProgress(enabled=leader) as progress:
         base = base_model_path(cfg)

@@ -367,6 +367,42 @@ def test_a_server_refusing_keepalive_pings_leaves_without_charging_its_groups(
     assert asyncio.run(main()) is False  # charged once, it would have failed (max_attempts 1)
 
 
+def test_versions_kept_for_the_curve_are_written_even_when_superseded(tmp_path):
+    # With a delivery slower than a step, the publisher published only the newest waiting
+    # snapshot: versions that trainer.export_keep_every keeps were never written.
+    from areal_jax.controller.publisher import Publisher
+
+    written, delivered = [], []
+
+    class Snap:
+        def __init__(self, version):
+            self.version, self.kept = version, version % 2 == 0
+
+        def write(self):
+            written.append(self.version)
+            return tmp_path / f"v{self.version}"
+
+    class SlowPool:
+        async def update_weights(self, path, version, push=False):
+            await asyncio.sleep(0.2)
+            delivered.append(version)
+
+    async def main():
+        publisher = Publisher(SlowPool(), published=0)
+        for version in range(1, 9):
+            publisher.submit(Snap(version))
+            await asyncio.sleep(0.03)
+        await publisher.flush()
+        await publisher.close()
+        return publisher
+
+    publisher = asyncio.run(main())
+    assert publisher.skipped > 0 and publisher.published == 8
+    assert {2, 4, 6, 8} <= set(written) and written == sorted(written)
+    assert delivered == sorted(delivered) and delivered[-1] == 8
+    assert set(delivered) < set(written)  # the superseded kept ones written, not delivered
+
+
 class _HangingUpdates(ArithmeticEngine):
     async def update_weights(self, path: str, version: int) -> None:
         await asyncio.sleep(3600)

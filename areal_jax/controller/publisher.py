@@ -4,7 +4,8 @@ After a train step the trainer takes a host snapshot of its parameters (cheap: a
 copy); writing the files and delivering them to every rollout server then runs here, in a
 background task, while the trainer already trains the next version. Versions are published in
 order, one at a time; when the trainer gets ahead, only the newest waiting snapshot is
-published (servers need the newest weights, not every version). The staleness gate counts from
+published (servers need the newest weights, not every version), though a superseded snapshot
+that is ``kept`` (for an accuracy curve after the run) is still written. The staleness gate counts from
 ``published`` (the version the servers confirmed), so a publish that lags makes the gate
 tighter, never looser.
 """
@@ -24,7 +25,8 @@ class Publisher:
     """Serialises ``snapshot.write()`` + ``pool.update_weights`` for each submitted snapshot.
 
     ``snapshot`` is any object with ``version`` and ``write() -> Path`` (a blocking call, run
-    on a worker thread). ``on_published(version, timings)`` runs after every server has it.
+    on a worker thread), and optionally ``kept`` (written even when superseded).
+    ``on_published(version, timings)`` runs after every server has it.
     """
 
     def __init__(self, pool, published: int, push: bool = False,
@@ -36,6 +38,7 @@ class Publisher:
         self.skipped = 0  # versions superseded before they were written
         self.last_timings: dict[str, float] = {}
         self._pending = None
+        self._superseded_kept: list = []  # written, not delivered, before the next publish
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -47,6 +50,8 @@ class Publisher:
         self.raise_error()
         if self._pending is not None:
             self.skipped += 1
+            if getattr(self._pending, "kept", False):
+                self._superseded_kept.append(self._pending)
         self._pending = snapshot
         self._idle.clear()
         self._wake.set()
@@ -78,6 +83,8 @@ class Publisher:
             if snapshot is None:
                 continue
             try:
+                while self._superseded_kept:  # older than ``snapshot``: in version order
+                    await asyncio.to_thread(self._superseded_kept.pop(0).write)
                 t0 = time.monotonic()
                 path: Path = await asyncio.to_thread(snapshot.write)
                 t1 = time.monotonic()

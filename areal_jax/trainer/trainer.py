@@ -69,6 +69,12 @@ class PublishSnapshot:
     keep_every: int
     tokenizer_dir: str | None
 
+    @property
+    def kept(self) -> bool:
+        """Whether the export outlives pruning (a multiple of ``keep_every``): it is written
+        even when a newer version supersedes it before it is delivered."""
+        return self.keep_every > 0 and self.version % self.keep_every == 0
+
     def write(self) -> Path:
         """Write ``<exports_dir>/v{version:06d}`` and prune old versions; host work only, so it
         may run on a background thread while the next step trains."""

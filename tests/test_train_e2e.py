@@ -16,11 +16,17 @@ from areal_jax.cli import main
 from areal_jax.config import from_dict
 
 
-def _config(tmp_path, total_steps):
+def _config(tmp_path, total_steps, **eval_settings):
     cfg = tiny_experiment(tmp_path, total_steps)
     cfg["trainer"]["export_keep_every"] = 2  # versions 0, 2, 4 outlive the pruning
     cfg["compile_servers_during_sft"] = True  # the server's programs compile beside SFT
+    cfg["eval"].update(eval_settings)
     return write_experiment(tmp_path / "exp.yaml", cfg)
+
+
+def _evaluations(run_dir):
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["step"] for r in rows if "eval/accuracy" in r]
 
 
 def _steps(run_dir):
@@ -47,8 +53,10 @@ def test_train_resume_and_export(tmp_path, capsys):
     assert all(r["reward/mean"] is not None for r in trained)
     assert (run_dir / "sft_model" / "model.safetensors").is_file()
 
-    # The same command with a larger budget resumes at version 3 and trains 2 more versions.
-    cfg = _config(tmp_path, total_steps=5)
+    # The same command with a larger budget resumes at version 3 and trains 2 more versions
+    # (evaluating every 5: the loop's evaluation of version 5 is the one after RL, not a
+    # second one).
+    cfg = _config(tmp_path, total_steps=5, every_steps=5)
     assert main(["train", "--config", str(cfg)]) == 0
     out = capsys.readouterr().out
     assert "resumed from checkpoint at version 3" in out
@@ -57,6 +65,14 @@ def test_train_resume_and_export(tmp_path, capsys):
     # The accuracy before RL is the one measured before RL, not the resumed version's.
     resumed = json.loads((run_dir / "results.json").read_text())
     assert resumed["before"] == results["before"]
+    assert _evaluations(run_dir) == [0, 3, 5]
+    # The finished run run again, with other eval settings: evaluated, not logged twice, and
+    # the recorded accuracy before RL is said not to be comparable.
+    assert main(["train", "--config", str(_config(tmp_path, total_steps=5, max_prompts=4))]) == 0
+    out = capsys.readouterr().out
+    assert "measured with other eval settings" in out and "on 4 held-out prompts" in out
+    assert _evaluations(run_dir) == [0, 3, 5]
+    cfg = _config(tmp_path, total_steps=5)
     # Across both runs, every prompt the data gave is trained exactly once or still pending.
     from areal_jax.data.config import DatasetConfig
     from areal_jax.data.dataset import PromptDataset

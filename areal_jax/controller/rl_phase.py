@@ -11,7 +11,7 @@ import json
 import logging
 from pathlib import Path
 
-from areal_jax.config import ConfigError
+from areal_jax.config import ConfigError, to_dict
 from areal_jax.controller.evaluation import evaluate
 from areal_jax.controller.ledger import RunLedger
 from areal_jax.controller.loop import RLLoop
@@ -22,7 +22,7 @@ from areal_jax.controller.sketches import first_batch_sketches
 from areal_jax.data.dataset import PromptDataset
 from areal_jax.experiment import ExperimentConfig
 from areal_jax.files import read_json, write_atomic
-from areal_jax.metrics import MetricsLogger
+from areal_jax.metrics import METRICS_FILE, MetricsLogger, read_records
 from areal_jax.trainer.publish import discard_exports_after
 
 log = logging.getLogger(__name__)
@@ -38,19 +38,43 @@ def _print_eval(label: str, result: dict) -> None:
           f"(mean response {result['eval/response_length']:.1f} tokens{unanswered})", flush=True)
 
 
-async def _accuracy_before_rl(run_dir: Path, version: int, run_eval, metrics_log) -> dict:
-    """Held-out accuracy before RL: measured once, and read back when the run resumes."""
-    path = run_dir / BEFORE_RL_FILE
+def _eval_settings(cfg: ExperimentConfig) -> dict:
+    """What an accuracy depends on besides the model."""
+    e = cfg.eval
+    return {"dataset": to_dict(e.dataset), "max_prompts": e.max_prompts,
+            "temperature": e.temperature, "max_new_tokens": e.max_new_tokens}
+
+
+async def _accuracy_before_rl(cfg: ExperimentConfig, version: int, run_eval,
+                              metrics_log) -> dict:
+    """Held-out accuracy before RL: measured once, and read back when the run resumes (the
+    model it measured is no longer served then: a change of the eval settings since is
+    reported, not measured again)."""
+    path = Path(cfg.run_dir) / BEFORE_RL_FILE
+    settings = _eval_settings(cfg)
     if path.is_file():
         before = read_json(path)
+        recorded = before.pop("settings", None)
         _print_eval(f"held-out accuracy at version {before['version']:.0f} (before RL, recorded)",
                     before)
+        if recorded != settings:
+            print(f"warning: the accuracy before RL was measured with other eval settings "
+                  f"({recorded}) than this run's ({settings}): the two are not comparable",
+                  flush=True)
         return before
     before = {**await run_eval(version), "version": float(version)}
-    write_atomic(path, json.dumps(before))
+    write_atomic(path, json.dumps({**before, "settings": settings}))
     metrics_log.log(version, before)
     _print_eval(f"held-out accuracy at version {version} (before RL)", before)
     return before
+
+
+def _evaluation_logged(run_dir: Path, step: int) -> bool:
+    """Whether the run's metrics already hold an evaluation at ``step`` (a finished run,
+    resumed, keeps its records up to its last version)."""
+    path = run_dir / METRICS_FILE
+    return path.is_file() and any(r is not None and r["step"] == step and "eval/accuracy" in r
+                                  for _, _, r in read_records(path))
 
 
 def check_trajectories_fit(cfg: ExperimentConfig, prompt_lengths) -> None:
@@ -143,18 +167,21 @@ async def run_rl(cfg: ExperimentConfig, trainer, tokenizer, train_set: PromptDat
             else:
                 pool.record_weights(published, version, push)
 
+            evaluated: dict[int, dict] = {}  # by version, the loop's evaluations included
+
             async def run_eval(step: int, token_counts: list[int] | None = None) -> dict:
                 if not eval_items:
                     return {}
-                return await evaluate(pool, eval_items, cfg.eval.dataset.reward,
-                                      max_new_tokens=cfg.eval.max_new_tokens,
-                                      temperature=cfg.eval.temperature,
-                                      token_counts=token_counts)
+                evaluated[step] = await evaluate(pool, eval_items, cfg.eval.dataset.reward,
+                                                 max_new_tokens=cfg.eval.max_new_tokens,
+                                                 temperature=cfg.eval.temperature,
+                                                 token_counts=token_counts)
+                return evaluated[step]
 
             if eval_items:
                 token_counts: list[int] = []
                 results["before"] = await _accuracy_before_rl(
-                    run_dir, version, functools.partial(run_eval, token_counts=token_counts),
+                    cfg, version, functools.partial(run_eval, token_counts=token_counts),
                     metrics_log)
                 token_counts = [n for n in token_counts if n >= 2]  # answers, not bare prompts
                 if sketching and token_counts:  # the policy's own lengths: a better forecast
@@ -176,8 +203,13 @@ async def run_rl(cfg: ExperimentConfig, trainer, tokenizer, train_set: PromptDat
             await _run_until_done(loop.run(total, trainer.save), servers, published.parent)
             progress.end_phase(task)
             if eval_items:
-                results["after"] = await run_eval(trainer.version)
-                metrics_log.log(trainer.version, results["after"])
-                _print_eval(f"held-out accuracy at version {trainer.version} (after RL)",
+                final = trainer.version
+                if final in evaluated and final != version:  # the loop's own, at its last step
+                    results["after"] = evaluated[final]
+                else:
+                    results["after"] = await run_eval(final)
+                    if not _evaluation_logged(run_dir, final):  # a finished run run again
+                        metrics_log.log(final, results["after"])
+                _print_eval(f"held-out accuracy at version {final} (after RL)",
                             results["after"])
     return results

@@ -179,6 +179,27 @@ def test_a_step_waits_for_a_starved_helper_no_longer_than_its_longest_job():
     ahead.close()
 
 
+def test_closing_waits_for_a_stuck_helper_no_longer_than_its_longest_job():
+    # close() joined the worker without limit: a helper starved of CPU or stopped held the end
+    # of SFT, and of the run, for as long as its job (for ever when stopped).
+    release = threading.Event()
+
+    def helper(key):
+        if key == "stuck":
+            release.wait(60)
+        return 0.05
+
+    ahead = AheadCompiler(settle_s=0, helper=helper)
+    ahead.submit("quick", lambda: None)
+    assert ahead.wait_done(10)
+    ahead.submit("stuck", lambda: None)
+    time.sleep(0.1)  # the helper is on it
+    began = time.monotonic()
+    ahead.close()
+    assert time.monotonic() - began < 5
+    release.set()
+
+
 def test_compile_ahead_in_is_checked():
     from areal_jax.config import ConfigError
     from areal_jax.trainer import TrainerConfig

@@ -191,14 +191,19 @@ class AheadCompiler:
             return self._cv.wait_for(lambda: not self._queue and self._running is None, timeout)
 
     def close(self) -> None:
-        """Drop queued jobs and wait for the running one (a compile cannot be interrupted)."""
+        """Drop queued jobs and wait for the running one: a compile on the thread cannot be
+        interrupted; one in the helper is waited for at most ``_patience_s()`` (the helper may
+        be starved of CPU, or stopped), then left to the helper (the thread is a daemon)."""
         with self._cv:
             self._closed = True
             self._queue.clear()
             self._cv.notify_all()
-            thread = self._thread
+            thread, patience = self._thread, self._patience_s()
         if thread is not None:
-            thread.join()
+            thread.join(patience)
+            if thread.is_alive():
+                log.warning("closed without waiting longer than %.0f s for the compile "
+                            "helper's job", patience)
 
     def _patience_s(self) -> float | None:
         """How long a claim waits for a running job: without limit on the thread; for the

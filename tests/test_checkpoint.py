@@ -137,10 +137,16 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(
     pristine, at_one = two_checkpoints
     shutil.copytree(pristine / "checkpoints", tmp_path / "checkpoints")
     damage(tmp_path / "checkpoints" / "2")
+    # A save a killed (or disk-full) run never finished: kept by a read-only restore of a
+    # named step (an export beside a live run), removed when a run resumes.
+    unfinished = tmp_path / "checkpoints" / "3.orbax-checkpoint-tmp"
+    shutil.copytree(tmp_path / "checkpoints" / "1", unfinished)
 
     trainer = Trainer(_config(tmp_path), mesh=make_mesh(MeshConfig(fsdp=8)), model=tiny_model(4))
+    assert trainer.restore(1) == {"data_position": 1} and unfinished.is_dir()
     with caplog.at_level(logging.WARNING, logger="areal_jax.trainer.checkpoint"):
         assert trainer.restore() == {"data_position": 1}
+    assert not unfinished.exists()
     assert trainer.version == 1
     assert_params_close(host_params(trainer), at_one, atol=0)
     assert re.search(rf"skipping damaged checkpoint 2: checkpoint 2 in .*{reason}", caplog.text)

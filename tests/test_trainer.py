@@ -291,8 +291,10 @@ def test_a_resumed_run_discards_the_exports_of_versions_past_its_checkpoint(tmp_
 
     for v in (2, 4, 6, 7):
         (tmp_path / f"v{v:06d}").mkdir()
+    (tmp_path / ".v000008.tmp-k1ll3d").mkdir()  # an export a killed run was writing
     assert discard_exports_after(tmp_path, 4) == [tmp_path / "v000006", tmp_path / "v000007"]
     assert [v for v, _ in list_exports(tmp_path)] == [2, 4]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v000002", "v000004"]
     assert discard_exports_after(tmp_path / "none", 0) == []
 
 

@@ -18,6 +18,7 @@ from areal_jax.data.dataset import PromptDataset
 from areal_jax.experiment import ExperimentConfig
 from areal_jax.metrics import MetricsLogger
 from areal_jax.models import export_hf_tensors
+from areal_jax.models.hf_export import remove_unfinished_exports
 
 
 def sft_examples(cfg: ExperimentConfig, tokenizer) -> list[tuple[list[int], list[int]]]:
@@ -67,6 +68,7 @@ def run_sft(cfg: ExperimentConfig, base: Path, tokenizer, progress: TrainingProg
         progress.end_phase(task)
         snapshot = trainer.snapshot_for_publish()  # collective: every process takes part
         if leader:  # synced to disk: kept by every later run, it is never written again
+            remove_unfinished_exports(out.parent, out.name)  # of a killed earlier run
             export_hf_tensors(snapshot.tensors, snapshot.model_cfg, out,
                               tokenizer_dir=snapshot.tokenizer_dir, durable=True)
         barrier("sft_model written")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +90,7 @@ class Checkpointer:
             if step not in steps:
                 raise ValueError(f"no checkpoint for step {step} in {self.directory}")
             return self._restore_step(abstract_state, step)
+        self._remove_unfinished_saves()
         damaged = []
         for s in steps:
             try:
@@ -106,6 +108,17 @@ class Checkpointer:
                 f"the newest: {damaged[0]}"
             ) from damaged[0]
         return None
+
+    def _remove_unfinished_saves(self) -> None:
+        """Delete the temporary directories of saves a killed (or disk-full) run never
+        finished. Only when a run resumes: a read-only restore of a named step (an export
+        beside a live run) must not touch a save in progress."""
+        if jax.process_index() == 0:
+            for path in self.directory.glob("*.orbax-checkpoint-tmp*"):
+                if path.is_dir():
+                    shutil.rmtree(path, ignore_errors=True)
+                    log.warning("removed the unfinished checkpoint save %s", path)
+        all_processes(True)
 
     def _set_aside(self, steps: list[int]) -> None:
         """Rename damaged checkpoints newer than the restored one to ``<step>.damaged`` (then

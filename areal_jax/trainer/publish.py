@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from areal_jax.models import ModelConfig, Transformer, export_hf_tensors, hf_state_dict
+from areal_jax.models.hf_export import remove_unfinished_exports
 
 _EXPORT_NAME = re.compile(r"v(\d{6,})")
 
@@ -79,9 +80,11 @@ def list_exports(exports_dir: str | Path) -> list[tuple[int, Path]]:
 def discard_exports_after(exports_dir: str | Path, version: int) -> list[Path]:
     """Delete the exports of versions above ``version``: a run resumed from the checkpoint at
     ``version`` discards what the interrupted run trained after it (a server restarted on the
-    newest export would otherwise serve weights of the discarded run); returns their paths."""
+    newest export would otherwise serve weights of the discarded run), and the unfinished
+    exports a killed run left; returns the paths of the versions deleted."""
     if not Path(exports_dir).is_dir():
         return []
+    remove_unfinished_exports(exports_dir)  # of versions a killed run was writing
     doomed = [p for v, p in list_exports(exports_dir) if v > version]
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)

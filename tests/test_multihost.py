@@ -8,6 +8,7 @@ The same file is the worker: ``python tests/test_multihost.py <process_id> <port
 import faulthandler
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -36,19 +37,25 @@ def _batches(n: int = 3):
     return [toy_groups(seed=s, n_groups=2, group_size=4) for s in range(n)]
 
 
-def _worker(process_id: int, port: int, run_dir: Path, out: Path) -> None:
+def _worker(process_id: int, port: int, run_dir: Path, out: Path, mode: str) -> None:
     from areal_jax.parallel import TrainerGroup, initialize_distributed, is_leader
 
     faulthandler.dump_traceback_later(200, exit=True)  # a hang shows where, in the test's log
     initialize_distributed(f"127.0.0.1:{port}", 2, process_id)
+    if mode == "sigterm":  # each process sends itself SIGTERM: it must end at once
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(60)
+        return
     mesh = make_mesh(MeshConfig(fsdp=8))  # both processes' devices
     group = TrainerGroup(Trainer(_config(run_dir), mesh=mesh, model=tiny_model(seed=21)))
+    if mode == "follower_fails":
+        _follower_fails(group, out)
+        return
+    if mode == "unshared":  # each process its own run_dir: a filesystem they do not share
+        _unshared(process_id, mesh, run_dir, out)
+        return
     if not is_leader():
-        try:
-            group.follow()
-        except ValueError as e:  # the batch every process refuses, below
-            (out / "follower.json").write_text(json.dumps({"version": group.version,
-                                                           "error": str(e)}))
+        group.follow()  # until the batch every process refuses, below: then it exits 1
         return
     result = {}
     try:
@@ -69,7 +76,9 @@ def _worker(process_id: int, port: int, run_dir: Path, out: Path) -> None:
     np.savez(out / "resumed.npz", **group.snapshot_for_publish().tensors)
     result["version"] = group.version
     # A batch that passes the leader's checks but fails on every process (a sequence longer
-    # than the token budget): all raise at once, and close sends nothing to the departed.
+    # than the token budget): the leader raises its own error, the follower ends (exit 1) after
+    # recording it, close sends nothing to the departed, and the leader exits 1 without
+    # waiting in jax.distributed's shutdown barrier.
     too_long = toy_groups(seed=3, n_groups=1, group_size=2, max_output=10)
     too_long[0].trajectories[0] = Trajectory(list(range(5)), list(range(80)), [0.0] * 80, [0] * 80)
     try:
@@ -78,6 +87,106 @@ def _worker(process_id: int, port: int, run_dir: Path, out: Path) -> None:
         result["failed_everywhere"] = str(e)
     group.close()
     (out / "leader.json").write_text(json.dumps(result))
+
+
+def _follower_fails(group, out: Path) -> None:
+    """The follower's second step raises (an out-of-memory, say) before the collectives the
+    leader's step is already in."""
+    from areal_jax.parallel import is_leader
+
+    if not is_leader():
+        step, calls = group.trainer.train_on_batch, []
+
+        def failing(groups):
+            calls.append(1)
+            if len(calls) == 2:
+                raise MemoryError("RESOURCE_EXHAUSTED: simulated out of memory")
+            return step(groups)
+
+        group.trainer.train_on_batch = failing
+        group.follow()
+        return
+    result = {"trained": 0}
+    try:
+        for batch in _batches():
+            group.train_on_batch(batch)
+            result["trained"] += 1
+    except RuntimeError as e:
+        result["error"] = str(e)
+    group.close()
+    (out / "leader.json").write_text(json.dumps(result))
+
+
+def _unshared(process_id: int, mesh, run_dir: Path, out: Path) -> None:
+    """Process 0 has a checkpoint in its run_dir, process 1 none in its own: both restore."""
+    from areal_jax.trainer.checkpoint import CheckpointCorruptError
+
+    own = run_dir if process_id == 0 else run_dir.with_name("run_of_process_1")
+    trainer = Trainer(_config(own), mesh=mesh, model=tiny_model(seed=21))
+    try:
+        trainer.restore()
+        outcome = "restored"
+    except CheckpointCorruptError as e:
+        outcome = str(e)
+    (out / f"unshared_{process_id}.json").write_text(json.dumps(outcome))
+
+
+def _run_group(tmp_path, mode: str, timeout: float = 300) -> tuple[list, list, float]:
+    run_dir, out = tmp_path / "run", tmp_path / "out"
+    out.mkdir(exist_ok=True)
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+           "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    port = _free_port()
+    start = time.monotonic()
+    procs = [
+        subprocess.Popen([sys.executable, __file__, str(i), str(port), str(run_dir), str(out),
+                          mode], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True)
+        for i in range(2)
+    ]  # fmt: skip
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=timeout)[0])
+    finally:
+        for p in procs:
+            p.kill()
+    return procs, logs, time.monotonic() - start
+
+
+def test_a_follower_failing_inside_a_step_ends_the_group_naming_its_error(tmp_path):
+    # The leader sat in the step's collectives and the follower in the agreement's, both alive:
+    # nothing ended the group (15 minutes in a reviewer's run).
+    # Now the follower records its error and exits; the leader's collective either fails (it
+    # raises naming the error) or waits for a peer that will not come (it ends, naming it).
+    procs, logs, took = _run_group(tmp_path, "follower_fails")
+    named = ("trainer-group command 'train' failed on process 1, command 'train': MemoryError: "
+             "RESOURCE_EXHAUSTED: simulated out of memory")
+    leader = tmp_path / "out" / "leader.json"
+    assert named in (json.loads(leader.read_text())["error"] if leader.is_file() else logs[0])
+    assert [p.returncode for p in procs] == [1, 1], logs
+    assert took < 60  # was: until jax.distributed's heartbeat timeout (100 s), then an abort
+
+
+def test_processes_that_see_different_checkpoints_refuse_to_restore(tmp_path):
+    # Each read its own listing: process 0 restored checkpoint 1 and waited in its collectives,
+    # process 1 restored nothing and went on (150 s and counting in a reviewer's run).
+    single = Trainer(_config(tmp_path / "run"), mesh=one_device_mesh(), model=tiny_model(seed=21))
+    single.save({"data_position": 1})
+    single.close()
+    procs, logs, _ = _run_group(tmp_path, "unshared", timeout=200)
+    for i in range(2):
+        outcome = json.loads((tmp_path / "out" / f"unshared_{i}.json").read_text())
+        assert "the trainer processes see different checkpoints" in outcome, logs[i][-2000:]
+        assert "run_dir must be on a filesystem every process shares" in outcome
+    assert "this one: [0]" in json.loads((tmp_path / "out" / "unshared_0.json").read_text())
+
+
+def test_sigterm_ends_a_process_of_the_group(tmp_path):
+    # jax.distributed's preemption service took SIGTERM over: the processes went on.
+    procs, logs, took = _run_group(tmp_path, "sigterm", timeout=120)
+    assert [p.returncode for p in procs] == [-signal.SIGTERM] * 2, logs
+    assert took < 50  # each would sleep 60 s after its SIGTERM
 
 
 def test_with_one_process_the_group_is_the_trainer(tmp_path):
@@ -182,24 +291,11 @@ def _free_port() -> int:
 
 def test_two_processes_train_like_one_and_restore_together(tmp_path):
     run_dir, out = tmp_path / "run", tmp_path / "out"
-    out.mkdir()
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-           "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
-    port = _free_port()
-    procs = [
-        subprocess.Popen([sys.executable, __file__, str(i), str(port), str(run_dir), str(out)],
-                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for i in range(2)
-    ]  # fmt: skip
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=300)[0])
-    finally:
-        for p in procs:
-            p.kill()
-    for i, p in enumerate(procs):
-        assert p.returncode == 0, f"process {i} failed:\n{logs[i][-3000:]}"
+    procs, logs, _ = _run_group(tmp_path, "train")
+    # The group broke on purpose at the end: the leader exits 1; the follower exits 1 after
+    # its own error, or is ended by JAX's coordination agent when the leader left first.
+    assert procs[0].returncode == 1, logs[0][-3000:]
+    assert procs[1].returncode in (1, -signal.SIGABRT), logs[1][-3000:]
 
     # The same steps on one process with the same 8-device mesh shape.
     single = Trainer(_config(tmp_path / "single"), mesh=make_mesh(MeshConfig(fsdp=8)),
@@ -229,12 +325,11 @@ def test_two_processes_train_like_one_and_restore_together(tmp_path):
     assert leader["again"]["loss"] == leader["metrics"][-1]["loss"]  # same state, same split
     assert Path(leader["published"]) == run_dir / "exports" / "v000003"
     assert (Path(leader["published"]) / "model.safetensors").is_file()
-    follower = json.loads((out / "follower.json").read_text())
-    assert leader["version"] == follower["version"] == 4
-    # Each process raised its own error for the batch all refused, and nobody waited for the
-    # heartbeat timeouts (the processes ended within the communicate() limit above).
-    for error in (leader["failed_everywhere"], follower["error"]):
-        assert "85 tokens, more than the micro-batch token budget 64" in error, error
+    assert leader["version"] == 4
+    # Each process failed with its own error for the batch all refused, and nobody waited for
+    # the heartbeat timeouts (the processes ended within the communicate() limit above).
+    assert "85 tokens, more than the micro-batch token budget 64" in leader["failed_everywhere"]
+
     _assert_close(np.load(out / "resumed.npz"), single.snapshot_for_publish().tensors)
 
 
@@ -251,4 +346,5 @@ def _assert_close(got, want) -> None:
 
 
 if __name__ == "__main__":
-    _worker(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4]))
+    _worker(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4]),
+            sys.argv[5])

@@ -7,9 +7,16 @@ calls them in the same order (with one process they are local no-ops).
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import os
+import sys
+
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
+
+_FAILURES = "areal_jax/failures/"  # coordination-service keys: why a process gave up
 
 
 def initialize_distributed(
@@ -24,6 +31,9 @@ def initialize_distributed(
     give a SLURM or Open MPI process only the device of its local rank (one GPU of eight).
     """
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # JAX's preemption service would take SIGTERM over (a `kill`, `scancel` or `docker stop`
+    # did nothing until the scheduler's SIGKILL); the run handles it like a single process.
+    jax.config.update("jax_enable_preemption_service", False)
     jax.distributed.initialize(
         coordinator_address=coordinator, num_processes=num_processes, process_id=process_id,
         local_device_ids=[],  # not None: no device restriction (None means the local rank's)
@@ -62,3 +72,51 @@ def host_array(x: jax.Array) -> np.ndarray:
     if not x.is_fully_addressable and not x.is_fully_replicated:
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
     return np.asarray(jax.device_get(x))
+
+
+def same_on_all(values) -> bool:
+    """True when the integers ``values`` are the same on every process."""
+    if jax.process_count() == 1:
+        return True
+    rows = multihost_utils.process_allgather(np.asarray(values, np.int64))
+    return bool(np.all(rows == rows[0]))
+
+
+def _coordination_client():
+    from jax._src import distributed
+
+    return distributed.global_state.client
+
+
+def report_failure(message: str) -> None:
+    """Record why this process fails, for the others to name (best effort: the coordination
+    service lives in process 0)."""
+    client = _coordination_client()
+    if client is not None:
+        with contextlib.suppress(Exception):
+            client.key_value_set(f"{_FAILURES}{jax.process_index()}", message[:4000])
+
+
+def peer_failures() -> list[str]:
+    """What other processes reported with ``report_failure`` (none when unreachable)."""
+    client = _coordination_client()
+    if client is None:
+        return []
+    try:
+        return [value for _, value in client.key_value_dir_get(_FAILURES)]
+    except Exception:  # noqa: BLE001 - a diagnostic: its absence is not an error
+        return []
+
+
+def skip_shutdown_barrier() -> None:
+    """Make this process, at its exit, skip ``jax.distributed``'s shutdown barrier: after the
+    group broke, the other processes may never reach it (one waiting in a collective this
+    process left), and the barrier would hold the exit for its timeout, then abort. Registered
+    after JAX's own exit handler, this runs first and ends the process (exit code 1: the group
+    failed)."""
+    def leave() -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+    atexit.register(leave)

@@ -3,16 +3,22 @@
 The leader (process 0) calls a ``TrainerGroup`` exactly like a ``Trainer``; each call first
 sends the command and its inputs to the other processes, then runs it locally. The others sit
 in ``follow()``, running every command they receive, so all processes execute the same jitted
-steps on the same batch in the same order. After each command the processes agree whether it
-succeeded everywhere: a command that fails anywhere raises on every process at once (its own
-error, or one naming the command), and the group is over, instead of the others waiting in the
-next command's collectives for ``jax.distributed``'s heartbeat timeouts. With one process the
-group is a pass-through.
+steps on the same batch in the same order. After each command the processes agree that it
+succeeded everywhere. A command that fails on a follower, wherever in its collectives, makes
+that process record why (in ``jax.distributed``'s coordination service) and exit at once: the
+leader's next collective then fails instead of waiting for a peer that will never come, and it
+raises naming the follower's error. A command that fails on the leader ends the group there;
+the followers stop with the leader's process. Either way the group is over. With one process
+the group is a pass-through.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import sys
 import threading
+import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
@@ -21,8 +27,11 @@ import jax
 
 from areal_jax.parallel import wire
 from areal_jax.parallel.multihost import all_processes, broadcast_bytes, is_leader
+from areal_jax.parallel.multihost import peer_failures, report_failure, skip_shutdown_barrier
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
+FOLLOWER_FAILURE_GRACE_S = 10.0
 
 if TYPE_CHECKING:
     from areal_jax.trainer.trainer import PublishSnapshot, Trainer
@@ -105,48 +114,99 @@ class TrainerGroup:
         stopping), release the other processes from ``follow()`` (unless a failed command ended
         the group: they have left it), then finish checkpoint writes."""
         with self._commanding:
-            if not self._broken:
-                self._send("close", {})
-            self.trainer.close()
+            try:
+                if not self._broken:
+                    self._send("close", {})
+            finally:  # a follower that is gone fails the send: the writes still finish here
+                self.trainer.close()
 
     def follow(self) -> None:
         """On a process other than the leader: run the leader's commands until ``close``.
 
-        A command that fails here or on any other process raises here (see the module
-        docstring); bad batches are refused on the leader before they are sent.
+        A command that fails here ends this process (``os._exit(1)``) after recording why for
+        the leader, which raises naming it (see the module docstring); bad batches are refused
+        on the leader before they are sent.
         """
         if is_leader():
             raise RuntimeError("follow() runs on the processes other than 0; the leader commands")
         while True:
-            with self.trainer.idle():  # waiting for the leader: compile ahead meanwhile
-                header, arrays = wire.unpack_message(broadcast_bytes(None))
-            command = header.pop("command")
-            if command == "close":
-                self.trainer.close()
-                return
-            self._agree(command, lambda: self._run(command, header, arrays))
+            command = "receive"
+            try:
+                with self.trainer.idle():  # waiting for the leader: compile ahead meanwhile
+                    header, arrays = wire.unpack_message(broadcast_bytes(None))
+                command = header.pop("command")
+                if command == "close":
+                    self.trainer.close()
+                    return
+                self._run(command, header, arrays)
+            except BaseException as e:  # noqa: BLE001 - the process ends here, see below
+                self._give_up(command, e)
+            all_processes(True)  # the leader's agreement
+
+    def _give_up(self, command: str, error: BaseException) -> None:
+        """End this follower after ``command`` failed: in the middle of the command's
+        collectives it could only wait for ever (the leader in a collective this process will
+        not reach); its exit makes the leader's collective fail, and the leader names why."""
+        where = f"process {jax.process_index()}, command {command!r}"
+        message = f"{where}: {type(error).__name__}: {error}"
+        report_failure(message)
+        log.error("trainer group: %s failed; this process ends", where, exc_info=error)
+        traceback.print_exception(error, file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
 
     def _command(self, command: str, header: dict, arrays=(), *, run: Callable[[], T]) -> T:
         """Send ``command`` to the other processes, run it here, agree on the outcome."""
         with self._commanding:
             self._send(command, header, arrays)
-            return self._agree(command, run)
+            if not self._multi:
+                return self._agree(command, run)
+            done = threading.Event()
+            threading.Thread(target=self._watch_followers, args=(command, done),
+                             name="trainer-group-watch", daemon=True).start()
+            try:
+                return self._agree(command, run)
+            finally:
+                done.set()
+
+    @staticmethod
+    def _watch_followers(command: str, done: threading.Event) -> None:
+        """While ``command`` runs here: when a follower records a failure, give this side
+        ``FOLLOWER_FAILURE_GRACE_S`` to fail on its own (a collective whose peer left raises),
+        then end the process naming the error: a collective waiting for a peer that joins no
+        more would otherwise hold until ``jax.distributed``'s heartbeat timeout, then abort."""
+        while not done.wait(1.0):
+            failures = peer_failures()
+            if not failures or done.wait(FOLLOWER_FAILURE_GRACE_S):
+                continue
+            message = (f"trainer-group command {command!r} failed on {'; '.join(failures)}; "
+                       "its side on the leader cannot finish: the leader ends too")
+            log.error(message)
+            print(f"areal-jax: error: {message}", file=sys.stderr)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
 
     def _agree(self, command: str, run: Callable[[], T]) -> T:
-        """``run()`` here, then learn from every process whether it succeeded everywhere; if
-        not, raise (this process's error, or one naming the command) and mark the group over."""
-        error = None
+        """On the leader: ``run()``, then agree with every process that it succeeded; a
+        failure here, or a follower's (its exit fails our collectives), marks the group over
+        and raises, naming the follower's error where one was recorded."""
         try:
             result = run()
-        except Exception as e:  # noqa: BLE001 - raised below, after the agreement
-            error, result = e, None
-        if self._multi and not all_processes(error is None):
+            if self._multi:
+                all_processes(True)
+            return result
+        except Exception as e:
+            if not self._multi:
+                raise
             self._broken = True
-            error = error or RuntimeError(
-                f"trainer-group command {command!r} failed on another process; its log says why")
-        if error is not None:
-            raise error
-        return result
+            skip_shutdown_barrier()  # the followers are gone, or stuck until this process ends
+            failures = peer_failures()
+            if failures and isinstance(e, jax.errors.JaxRuntimeError):  # a peer left the group
+                raise RuntimeError(f"trainer-group command {command!r} failed on "
+                                   f"{'; '.join(failures)}") from e
+            raise
 
     def _send(self, command: str, header: dict, arrays=()) -> None:
         if self._broken:

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from areal_jax.parallel.multihost import all_processes
+from areal_jax.parallel.multihost import all_processes, same_on_all
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +86,10 @@ class Checkpointer:
         """
         self._manager.wait_until_finished()
         steps = sorted(self._manager.all_steps(), reverse=True)
+        if not same_on_all([len(steps), max(steps, default=-1), sum(steps)]):
+            raise CheckpointCorruptError(
+                f"the trainer processes see different checkpoints in {self.directory} (this "
+                f"one: {sorted(steps)}): run_dir must be on a filesystem every process shares")
         if step is not None:
             if step not in steps:
                 raise ValueError(f"no checkpoint for step {step} in {self.directory}")

@@ -365,6 +365,7 @@ def test_a_server_refusing_keepalive_pings_leaves_without_charging_its_groups(
                 await server.stop(grace=0)
 
     assert asyncio.run(main()) is False  # charged once, it would have failed (max_attempts 1)
+    assert "stays out of the pool for the rest of the run" in caplog.text  # not for ever
 
 
 def test_versions_kept_for_the_curve_are_written_even_when_superseded(tmp_path):
@@ -379,19 +380,20 @@ def test_versions_kept_for_the_curve_are_written_even_when_superseded(tmp_path):
             self.version, self.kept = version, version % 2 == 0
 
         def write(self):
+            time.sleep(0.2)  # submits arrive while it writes
             written.append(self.version)
             return tmp_path / f"v{self.version}"
 
     class SlowPool:
         async def update_weights(self, path, version, push=False):
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(0.05)
             delivered.append(version)
 
     async def main():
         publisher = Publisher(SlowPool(), published=0)
         for version in range(1, 9):
             publisher.submit(Snap(version))
-            await asyncio.sleep(0.03)
+            await asyncio.sleep(0.05)
         await publisher.flush()
         await publisher.close()
         return publisher

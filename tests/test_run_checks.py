@@ -219,3 +219,23 @@ def test_an_evaluation_with_failed_requests_says_how_many_are_not_counted(capsys
     _print_eval("after RL", {**result, "eval/failed": 2.0})
     assert "6 held-out prompts (mean response 12.0 tokens; 2 requests failed and are not " \
            "counted)" in capsys.readouterr().out
+
+
+def test_a_recorded_accuracy_before_rl_is_compared_by_its_eval_settings(tmp_path, capsys):
+    import asyncio
+
+    from areal_jax.controller.rl_phase import _accuracy_before_rl, _eval_settings
+
+    held_out = {"dataset": {"path": "t.jsonl", "reward": "math"}, "max_prompts": 16}
+    cfg = from_dict(ExperimentConfig, _config(tmp_path, eval=held_out))
+    (tmp_path / "run").mkdir()
+    recorded = {"eval/accuracy": 0.5, "eval/num_prompts": 16.0, "eval/response_length": 9.0,
+                "version": 0.0}
+    path = tmp_path / "run" / "eval_before_rl.json"
+    for settings, warned in ((None, False), (_eval_settings(cfg), False),
+                             ({**_eval_settings(cfg), "max_prompts": 32}, True)):
+        extra = {} if settings is None else {"settings": settings}  # None: an older record
+        path.write_text(json.dumps({**recorded, **extra}))
+        before = asyncio.run(_accuracy_before_rl(cfg, 3, None, None))
+        assert before == recorded
+        assert ("not comparable" in capsys.readouterr().out) is warned

@@ -83,8 +83,11 @@ class Publisher:
             if snapshot is None:
                 continue
             try:
-                while self._superseded_kept:  # older than ``snapshot``: in version order
-                    await asyncio.to_thread(self._superseded_kept.pop(0).write)
+                # Older than ``snapshot``, in version order (ones superseded meanwhile are
+                # newer: they wait for the next round).
+                kept, self._superseded_kept = self._superseded_kept, []
+                for older in kept:
+                    await asyncio.to_thread(older.write)
                 t0 = time.monotonic()
                 path: Path = await asyncio.to_thread(snapshot.write)
                 t1 = time.monotonic()

@@ -57,7 +57,7 @@ async def _accuracy_before_rl(cfg: ExperimentConfig, version: int, run_eval,
         recorded = before.pop("settings", None)
         _print_eval(f"held-out accuracy at version {before['version']:.0f} (before RL, recorded)",
                     before)
-        if recorded != settings:
+        if recorded is not None and recorded != settings:  # (None: recorded before settings)
             print(f"warning: the accuracy before RL was measured with other eval settings "
                   f"({recorded}) than this run's ({settings}): the two are not comparable",
                   flush=True)

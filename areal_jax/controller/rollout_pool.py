@@ -101,6 +101,7 @@ class _Server:
     busy: BusyClock = dataclasses.field(default_factory=BusyClock)
     rejoin_error: str | None = None  # why its last rejoin failed once it answered SERVING
     rejoin_failures: int = 0  # rejoins in a row that failed once it answered SERVING
+    pings_refused: int = 0  # connections it ended for the trainer's keepalive pings
     next_rejoin: float = 0.0  # monotonic time of its next rejoin try
 
 
@@ -273,9 +274,15 @@ class RolloutPool:
             reason = f"stream failed: {e.code().name}: {e.details()}"
             pings_refused = "too many pings" in (e.details() or "").lower()
             if pings_refused:  # the server's fault, not its groups'
+                server.pings_refused += 1
                 log.error("rollout server %s refuses the trainer's keepalive pings (a server "
                           "older than the trainer, or a proxy between them): upgrade it, or "
                           "set rollout.keepalive_s to 300 or more", server.address)
+                if server.pings_refused >= self.options.max_attempts:
+                    server.next_rejoin = math.inf
+                    log.error("rollout server %s ended %d connections for pings; it stays out "
+                              "of the pool for the rest of the run", server.address,
+                              server.pings_refused)
             self._mark_dead(server, reason, charge=not pings_refused)
             return
         self._mark_dead(server, "the server closed its stream", charge=True)

@@ -158,15 +158,18 @@ class TrainerGroup:
 
     def _command(self, command: str, header: dict, arrays=(), *, run: Callable[[], T]) -> T:
         """Send ``command`` to the other processes, run it here, agree on the outcome."""
+        def send_and_run() -> T:
+            self._send(command, header, arrays)  # a follower gone fails (or holds) it too
+            return run()
+
         with self._commanding:
-            self._send(command, header, arrays)
             if not self._multi:
-                return self._agree(command, run)
+                return self._agree(command, send_and_run)
             done = threading.Event()
             threading.Thread(target=self._watch_followers, args=(command, done),
                              name="trainer-group-watch", daemon=True).start()
             try:
-                return self._agree(command, run)
+                return self._agree(command, send_and_run)
             finally:
                 done.set()
 

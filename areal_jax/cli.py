@@ -40,7 +40,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from areal_jax.controller.loop import RolloutRejectedError
     from areal_jax.controller.reward_watch import RewardFailingError
     from areal_jax.controller.rollout_pool import NoLiveServerError, RequestFailedError
-    from areal_jax.controller.rollout_pool import WeightsRejectedError
+    from areal_jax.controller.rollout_pool import ServerRefusedError, WeightsRejectedError
     from areal_jax.data.loading import DatasetError
     from areal_jax.models.config import ModelConfigError
     from areal_jax.models.hf_export import ExportTargetError
@@ -53,7 +53,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
             RewardNotFoundError, CheckpointMismatchError, CheckpointCorruptError,
             ServerExitedError, ExportTargetError,
             RolloutRejectedError, RewardFailingError, NoLiveServerError, RequestFailedError,
-            WeightsRejectedError)  # fmt: skip
+            ServerRefusedError, WeightsRejectedError)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,6 +5,7 @@ trainer takes servers that are ahead back to its version."""
 
 import asyncio
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -504,6 +505,23 @@ def test_a_restored_trainer_takes_servers_ahead_back_to_its_version(tmp_path):
 
     asyncio.run(main())
     assert engine.loaded[0][1] == 3
+    # A fresh server also calls its starting checkpoint version 0: it must still get the
+    # trainer's version 0 (the SFT model), which a comparison of versions skipped.
+    fresh = ArithmeticEngine(version=0)
+
+    async def fresh_start():
+        servers = await start_servers(tmp_path / "fresh", [fresh])
+        pool = RolloutPool([f"127.0.0.1:{servers[0].port}"])
+        await pool.start()
+        try:
+            await sync_servers(pool, write_checkpoint(exports_dir(tmp_path / "fresh") / "sft",
+                                                      "sft"), 0, config(tmp_path))
+        finally:
+            await pool.close()
+            await servers[0].stop(grace=0)
+
+    asyncio.run(fresh_start())
+    assert [(Path(path).name, version) for path, version, _ in fresh.loaded] == [("sft", 0)]
     for version, groups in trainer.batches:
         for g in groups:
             for t in g.trajectories:
@@ -515,5 +533,42 @@ def test_a_server_that_never_answers_at_start_is_named():
     from areal_jax.controller.rollout_pool import NoLiveServerError
 
     address = f"127.0.0.1:{free_port()}"
-    with pytest.raises(NoLiveServerError, match=f"{address} did not answer within 1 s"):
+    with pytest.raises(NoLiveServerError, match=rf"no rollout server answered within 1 s "
+                       rf"\(tried {address}\): not started yet, unreachable, or TLS on one side"):
         asyncio.run(RolloutPool([address]).start(ready_timeout_s=1))
+
+
+def test_a_server_down_at_start_joins_later_and_a_wrong_token_is_named_at_once(
+        tmp_path, monkeypatch):
+    # One server down at the trainer's start failed the run after the ready timeout (300 s),
+    # the others unused; a wrong token waited out no_server_timeout_s (300 s), then said no
+    # server had been reachable.
+    from areal_jax.controller.local_servers import free_port
+    from areal_jax.controller.rollout_pool import ServerRefusedError
+
+    monkeypatch.setenv("AREAL_TEST_TOKEN", "right")
+
+    async def main():
+        (up,) = await start_servers(tmp_path, [ArithmeticEngine()],
+                                    auth_token_env="AREAL_TEST_TOKEN")
+        late_port = free_port()
+        addresses = [f"127.0.0.1:{up.port}", f"127.0.0.1:{late_port}"]
+        with pytest.raises(ServerRefusedError, match="refuses the trainer: UNAUTHENTICATED"):
+            await RolloutPool(addresses, auth_token="wrong").start(ready_timeout_s=1)
+        pool = RolloutPool(addresses, auth_token="right",
+                           options=PoolOptions(rejoin_interval_s=0.1))
+        began = time.monotonic()
+        await pool.start(ready_timeout_s=1)
+        started = (pool.live_servers, time.monotonic() - began)
+        pool.record_weights(exports_dir(tmp_path) / "base", 0)
+        (late,) = await start_servers(tmp_path / "late", [ArithmeticEngine()], port=late_port,
+                                      auth_token_env="AREAL_TEST_TOKEN")
+        while len(pool.live_servers) < 2:
+            await asyncio.sleep(0.05)
+        await pool.close()
+        for server in (up, late):
+            await server.stop(grace=0)
+        return addresses, started
+
+    addresses, (live, took) = asyncio.run(main())
+    assert live == addresses[:1] and took < 5

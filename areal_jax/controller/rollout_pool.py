@@ -57,6 +57,10 @@ class NoLiveServerError(RuntimeError):
     """No rollout server has been reachable for too long; nothing can be generated."""
 
 
+class ServerRefusedError(RuntimeError):
+    """A rollout server answers but refuses the trainer (a missing or wrong token)."""
+
+
 class RequestFailedError(RuntimeError):
     """One request failed on the servers too many times (not because a server died)."""
 
@@ -145,21 +149,50 @@ class RolloutPool:
         return grpc.aio.insecure_channel(address, options=self._channel_options)
 
     async def start(self, ready_timeout_s: float = 120.0) -> None:
-        """Connect to every server (waiting until each answers), open the streams and start
-        the supervisor that lets failed servers rejoin."""
-        for server in self._servers:
-            channel = self._new_channel(server.address)
-            try:
-                await asyncio.wait_for(channel.channel_ready(), ready_timeout_s)
-            except TimeoutError:
+        """Connect to every server (each has ``ready_timeout_s`` to answer, all at once), open
+        the streams and start the supervisor that lets failed servers rejoin. Servers that do
+        not answer in time join later, like failed ones; none answering is
+        ``NoLiveServerError``, and a server refusing the token is ``ServerRefusedError``."""
+        channels = [self._new_channel(s.address) for s in self._servers]
+        try:
+            ready = await asyncio.gather(*(self._answers(s, c, ready_timeout_s)
+                                           for s, c in zip(self._servers, channels)))
+        except BaseException:
+            await asyncio.gather(*(c.close() for c in channels), return_exceptions=True)
+            raise
+        if not any(ready):
+            await asyncio.gather(*(c.close() for c in channels), return_exceptions=True)
+            raise NoLiveServerError(
+                f"no rollout server answered within {ready_timeout_s:.0f} s (tried "
+                f"{', '.join(self._addresses())}): not started yet, unreachable, or TLS on one "
+                "side only (rollout.tls_root_cert on the trainer, tls_cert_path on the servers)")
+        for server, channel, answered in zip(self._servers, channels, ready):
+            if answered:
+                self._open(server, channel)
+            else:
                 await channel.close()
-                raise NoLiveServerError(f"rollout server {server.address} did not answer within "
-                                        f"{ready_timeout_s:.0f} s") from None
-            except BaseException:
-                await channel.close()
-                raise
-            self._open(server, channel)
+                log.warning("rollout server %s did not answer within %.0f s; going on without "
+                            "it (it joins once it answers)", server.address, ready_timeout_s)
         self._supervisor = asyncio.create_task(self._supervise())
+
+    async def _answers(self, server: _Server, channel: grpc.aio.Channel, timeout: float) -> bool:
+        """Whether ``server`` answers on ``channel`` within ``timeout``; ``ServerRefusedError``
+        when it answers but refuses the trainer's token."""
+        try:
+            await asyncio.wait_for(channel.channel_ready(), timeout)
+            await pb_grpc.RolloutServiceStub(channel).GetStatus(
+                pb.GetStatusRequest(), timeout=self.options.rpc_timeout_s,
+                metadata=self._metadata)
+        except TimeoutError:
+            return False
+        except grpc.aio.AioRpcError as e:
+            if e.code() in (_S.UNAUTHENTICATED, _S.PERMISSION_DENIED):
+                raise ServerRefusedError(
+                    f"rollout server {server.address} refuses the trainer: {e.code().name}: "
+                    f"{e.details()}; rollout.auth_token_env must name a variable holding the "
+                    "servers' token") from None
+            return False
+        return True
 
     def _open(self, server: _Server, channel: grpc.aio.Channel) -> None:
         """Open ``server``'s Rollout stream on ``channel`` and route work to it."""
@@ -344,9 +377,12 @@ class RolloutPool:
             if self._none_live_since is not None and not any(s.alive for s in self._servers):
                 waited = time.monotonic() - self._none_live_since
                 if waited >= opts.no_server_timeout_s and self._futures:
+                    why = "; ".join(f"{s.address}: {s.rejoin_error}" for s in self._servers
+                                    if s.rejoin_error)
                     error = NoLiveServerError(
-                        f"no rollout server has been reachable for {waited:.0f} s "
-                        f"(rollout.no_server_timeout_s); tried {', '.join(self._addresses())}")
+                        f"no rollout server has been in the pool for {waited:.0f} s "
+                        f"(rollout.no_server_timeout_s); tried {', '.join(self._addresses())}"
+                        + (f"; the last errors: {why}" if why else ""))
                     self._parked.clear()
                     for rid in list(self._futures):
                         self._resolve(rid, error=error)

@@ -259,10 +259,9 @@ async def supervise_local(servers: LocalServers, exports_dir: Path,
 
 
 async def sync_servers(pool: RolloutPool, path: Path, version: int, cfg: ExperimentConfig) -> None:
-    """Bring every server to the trainer's ``version``: forced, so servers that outlived an
-    earlier trainer (and serve versions it discarded) go back to the restored one."""
+    """Bring every server to the trainer's weights at ``version``, forced, whatever version
+    the servers report: servers that outlived an earlier trainer go back to the restored one,
+    and fresh servers, which call their starting checkpoint version 0 too, get the trainer's
+    version 0 (the SFT model, where SFT ran), not their own."""
     push = cfg.rollout.weights_transport == "push"
-    if any(s.version != version for s in await pool.status()):
-        await pool.update_weights(path, version, push=push, force=True)
-    else:
-        pool.record_weights(path, version, push)
+    await pool.update_weights(path, version, push=push, force=True)

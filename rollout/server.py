@@ -87,6 +87,27 @@ async def _close_all(closers: list) -> None:
             await result
 
 
+_PUSH_PREFIX = "areal-jax-push-"
+
+
+def _fresh_push_dir() -> str:
+    """A new default push directory, named by this process's id; those of servers that are
+    gone without removing theirs (killed: each holds a full checkpoint) are removed first."""
+    root = Path(tempfile.gettempdir())
+    for stale in root.glob(f"{_PUSH_PREFIX}*-*"):
+        pid = stale.name[len(_PUSH_PREFIX):].split("-", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(stale, ignore_errors=True)
+            log.info("removed %s, left by a server that is gone", stale)
+        except OSError:  # alive, another user's
+            pass
+    return tempfile.mkdtemp(prefix=f"{_PUSH_PREFIX}{os.getpid()}-")
+
+
 async def _start_grpc(config: ServerConfig, servicer: RolloutServicer, token, credentials):
     """Bind and start the gRPC server; return ``(server, port, health_servicer)``."""
     limit = config.max_message_mb * 1024 * 1024
@@ -178,7 +199,7 @@ async def start_server(
             closers.append(scorer.close)
         push_dir = config.push_dir
         if push_dir is None:
-            push_dir = tempfile.mkdtemp(prefix="areal-jax-push-")
+            push_dir = _fresh_push_dir()
             closers.append(lambda: shutil.rmtree(push_dir, ignore_errors=True))
         await engine.start()
         try:

@@ -6,7 +6,9 @@ import shutil
 import signal
 import subprocess
 import threading
+import sys
 import time
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -893,3 +895,21 @@ def test_activity_clock_counts_overlapping_work_once():
         with clock.track():
             time.sleep(0.02)
     assert 0.04 <= clock.total < 0.2
+
+
+def test_push_directories_of_servers_that_are_gone_are_removed(tmp_path, monkeypatch):
+    # A SIGKILLed server left its default push directory (a whole checkpoint) for ever, and
+    # its restart made another.
+    import tempfile
+
+    from rollout.server import _fresh_push_dir
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    (tmp_path / f"areal-jax-push-{gone.pid}-k1ll3d").mkdir()
+    (tmp_path / "areal-jax-push-1-alive").mkdir()  # pid 1 is alive
+    fresh = Path(_fresh_push_dir())
+    assert fresh.name.startswith(f"areal-jax-push-{os.getpid()}-")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["areal-jax-push-1-alive",
+                                                                   fresh.name])

@@ -913,3 +913,18 @@ def test_push_directories_of_servers_that_are_gone_are_removed(tmp_path, monkeyp
     assert fresh.name.startswith(f"areal-jax-push-{os.getpid()}-")
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["areal-jax-push-1-alive",
                                                                    fresh.name])
+
+
+def test_an_engine_that_does_not_start_is_one_line_from_serve(tmp_path, capsys):
+    # `serve` with engine.kind=sglang where SGLang cannot be launched ended in a traceback.
+    from _hf_models import hf_model, save_hf_model
+
+    model = save_hf_model(hf_model("qwen2", seed=1), tmp_path / "m")
+    config = tmp_path / "server.yaml"
+    config.write_text("port: 0\nengine: {kind: sglang}\n")
+    code = cli.main(["serve", "--config", str(config), f"engine.model_path={model}",
+                     "engine.options.python=/bin/false",
+                     f"engine.options.log_path={tmp_path / 'sglang.log'}"])
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err
+    assert "areal-jax serve: the sglang engine did not start:" in err and "exited" in err

@@ -29,6 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from areal_jax.compilation import enable_compilation_cache
     from rollout.config import ServerConfig
+    from rollout.engine import EngineError
     from rollout.server import serve
 
     logging.basicConfig(
@@ -44,6 +45,10 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"areal-jax serve: config error: {e}", file=sys.stderr)
         return 2
+    except EngineError as e:  # e.g. SGLang not installed where it is launched
+        print(f"areal-jax serve: the {config.engine.kind} engine did not start: {e}",
+              file=sys.stderr)
+        return 1
 
 
 def _compile_only(config, cache) -> int:

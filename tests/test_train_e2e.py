@@ -5,6 +5,7 @@ gRPC, asynchronous RL, evaluation, checkpoints; then the same command resumes, a
 import json
 import re
 import shutil
+from pathlib import Path
 
 import numpy as np
 import yaml
@@ -171,3 +172,40 @@ def test_sft_killed_before_its_model_was_written_runs_again(tmp_path):
     # The same config and seed on a CPU: the same weights, written whole.
     assert (run_dir / "sft_model" / "model.safetensors").read_bytes() == first
     assert not list(run_dir.glob("exports/v*"))  # written in place, not through an export
+
+
+def test_sigterm_stops_a_run_like_ctrl_c(tmp_path):
+    # SIGTERM (kill, scancel, docker stop) ended the trainer at once, without a word on how to
+    # go on and without finishing its checkpoint writes.
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    cfg = _config(tmp_path, total_steps=500)
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "areal_jax.cli", "train", "--config", str(cfg)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while len(_steps(run_dir) if (run_dir / "metrics.jsonl").is_file() else []) < 3:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err[-3000:]
+    assert "stopped; the same command resumes from the last checkpoint" in err
+    time.sleep(1)
+
+    def command_line(pid):
+        try:
+            return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        except OSError:  # ended meanwhile
+            return ""
+
+    left = [pid for pid in os.listdir("/proc") if pid.isdigit() and str(tmp_path) in
+            command_line(pid)]
+    assert not left  # its rollout server and helpers ended with it

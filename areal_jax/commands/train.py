@@ -15,6 +15,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import logging
+    import signal
+    import sys
 
     from areal_jax.commands._preflight import preflight
     from areal_jax.config import load_config
@@ -24,7 +26,15 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     cfg = load_config(ExperimentConfig, args.config, args.overrides)
     preflight(cfg)
-    results = train(cfg)
+    # SIGTERM (kill, scancel, docker stop) stops the run as Ctrl-C does: servers stopped,
+    # checkpoint writes finished, and a line saying how to go on.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        results = train(cfg)
+    except KeyboardInterrupt:
+        print(f"areal-jax train: stopped; the same command resumes from the last checkpoint "
+              f"in {cfg.run_dir}/checkpoints", file=sys.stderr, flush=True)
+        return 130
     before, after = results.get("before"), results.get("after")
     if before and after:
         print(f"RL changed held-out accuracy {before['eval/accuracy']:.3f} -> "

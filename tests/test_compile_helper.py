@@ -159,19 +159,26 @@ def test_a_helper_that_ends_hands_its_jobs_to_the_thread():
     ahead.close()
 
 
-def test_a_step_waits_for_a_starved_helper_no_longer_than_its_longest_job():
+def _helper_stuck_on(key: str) -> tuple[AheadCompiler, threading.Event]:
+    """A compiler whose helper ran one quick job (0.05 s, its longest so far) and is now
+    stuck on ``key`` until the returned event is set."""
     release = threading.Event()
 
-    def helper(key):
-        if key == "slow":
-            release.wait(30)
+    def helper(job_key):
+        if job_key == key:
+            release.wait(60)
         return 0.05
 
     ahead = AheadCompiler(settle_s=0, helper=helper)
     ahead.submit("quick", lambda: None)
     assert ahead.wait_done(10)
-    ahead.submit("slow", lambda: None)
+    ahead.submit(key, lambda: None)
     time.sleep(0.1)  # the helper is on it
+    return ahead, release
+
+
+def test_a_step_waits_for_a_starved_helper_no_longer_than_its_longest_job():
+    ahead, release = _helper_stuck_on("slow")
     began = time.monotonic()
     assert not ahead.claim("slow")  # the caller compiles it itself
     assert time.monotonic() - began < 2
@@ -182,18 +189,7 @@ def test_a_step_waits_for_a_starved_helper_no_longer_than_its_longest_job():
 def test_closing_waits_for_a_stuck_helper_no_longer_than_its_longest_job():
     # close() joined the worker without limit: a helper starved of CPU or stopped held the end
     # of SFT, and of the run, for as long as its job (for ever when stopped).
-    release = threading.Event()
-
-    def helper(key):
-        if key == "stuck":
-            release.wait(60)
-        return 0.05
-
-    ahead = AheadCompiler(settle_s=0, helper=helper)
-    ahead.submit("quick", lambda: None)
-    assert ahead.wait_done(10)
-    ahead.submit("stuck", lambda: None)
-    time.sleep(0.1)  # the helper is on it
+    ahead, release = _helper_stuck_on("stuck")
     began = time.monotonic()
     ahead.close()
     assert time.monotonic() - began < 5

@@ -103,20 +103,23 @@ def run_fingerprint(cfg: ExperimentConfig) -> dict[str, str]:
     model, the data (config and file contents), the reward and the SFT settings. Paths are
     hashed as written (``{run_dir}`` unfilled), so a run directory moved or named by another
     path is the same run; the data files' contents are hashed wherever they are."""
-    data_path = Path(dataset_config(cfg.dataset, cfg.run_dir).path)
-    synthetic = to_dict(cfg.synthetic) if cfg.synthetic else None
     return {
         "model": _digest({"model_path": cfg.model_path, "tiny": to_dict(cfg.tiny)}),
-        "data": _digest({"dataset": to_dict(cfg.dataset), "synthetic": synthetic}, data_path),
+        "data": _data_digest(cfg, cfg.dataset),
         "sft": _digest(to_dict(cfg.sft)),
     }
 
 
+def _data_digest(cfg: ExperimentConfig, dataset: DatasetConfig) -> str:
+    """The data part: ``dataset`` (the config as hashed) and the data files' contents."""
+    synthetic = to_dict(cfg.synthetic) if cfg.synthetic else None
+    files = Path(dataset_config(cfg.dataset, cfg.run_dir).path)
+    return _digest({"dataset": to_dict(dataset), "synthetic": synthetic}, files)
+
+
 def _filled_path_data_digest(cfg: ExperimentConfig) -> str:
     """The data part as run directories recorded it before paths were hashed as written."""
-    filled = dataset_config(cfg.dataset, cfg.run_dir)
-    synthetic = to_dict(cfg.synthetic) if cfg.synthetic else None
-    return _digest({"dataset": to_dict(filled), "synthetic": synthetic}, Path(filled.path))
+    return _data_digest(cfg, dataset_config(cfg.dataset, cfg.run_dir))
 
 
 def check_fingerprint(cfg: ExperimentConfig) -> None:

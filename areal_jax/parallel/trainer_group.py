@@ -15,10 +15,7 @@ the group is a pass-through.
 from __future__ import annotations
 
 import logging
-import os
-import sys
 import threading
-import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
@@ -27,6 +24,7 @@ import jax
 
 from areal_jax.parallel import wire
 from areal_jax.parallel.multihost import all_processes, broadcast_bytes, is_leader
+from areal_jax.parallel.multihost import exit_now
 from areal_jax.parallel.multihost import peer_failures, report_failure, skip_shutdown_barrier
 
 T = TypeVar("T")
@@ -151,10 +149,7 @@ class TrainerGroup:
         message = f"{where}: {type(error).__name__}: {error}"
         report_failure(message)
         log.error("trainer group: %s failed; this process ends", where, exc_info=error)
-        traceback.print_exception(error, file=sys.stderr)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
+        exit_now()
 
     def _command(self, command: str, header: dict, arrays=(), *, run: Callable[[], T]) -> T:
         """Send ``command`` to the other processes, run it here, agree on the outcome."""
@@ -183,13 +178,9 @@ class TrainerGroup:
             failures = peer_failures()
             if not failures or done.wait(FOLLOWER_FAILURE_GRACE_S):
                 continue
-            message = (f"trainer-group command {command!r} failed on {'; '.join(failures)}; "
-                       "its side on the leader cannot finish: the leader ends too")
-            log.error(message)
-            print(f"areal-jax: error: {message}", file=sys.stderr)
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(1)
+            log.error("trainer-group command %r failed on %s; its side on the leader cannot "
+                      "finish: the leader ends too", command, "; ".join(failures))
+            exit_now()
 
     def _agree(self, command: str, run: Callable[[], T]) -> T:
         """On the leader: ``run()``, then agree with every process that it succeeded; a

@@ -5,9 +5,9 @@ copy); writing the files and delivering them to every rollout server then runs h
 background task, while the trainer already trains the next version. Versions are published in
 order, one at a time; when the trainer gets ahead, only the newest waiting snapshot is
 published (servers need the newest weights, not every version), though a superseded snapshot
-that is ``kept`` (for an accuracy curve after the run) is still written. The staleness gate counts from
-``published`` (the version the servers confirmed), so a publish that lags makes the gate
-tighter, never looser.
+that is ``kept`` (for an accuracy curve after the run) is still written. The staleness gate
+counts from ``published`` (the version the servers confirmed), so a publish that lags makes the
+gate tighter, never looser.
 """
 
 from __future__ import annotations

@@ -87,10 +87,10 @@ class Checkpointer:
         """
         self._manager.wait_until_finished()
         steps = sorted(self._manager.all_steps(), reverse=True)
-        if not same_on_all([len(steps), zlib.crc32(repr(sorted(steps)).encode())]):
+        if not same_on_all([len(steps), zlib.crc32(repr(steps).encode())]):
             raise CheckpointCorruptError(
                 f"the trainer processes see different checkpoints in {self.directory} (this "
-                f"one: {sorted(steps)}): run_dir must be on a filesystem every process shares")
+                f"one: {steps[::-1]}): run_dir must be on a filesystem every process shares")
         if step is not None:
             if step not in steps:
                 raise ValueError(f"no checkpoint for step {step} in {self.directory}")
@@ -145,7 +145,7 @@ class Checkpointer:
         # Every process sees the renames before it rereads the steps, or fails with process 0.
         if not all_processes(error is None):
             raise CheckpointCorruptError(f"cannot move damaged checkpoints {steps} aside in "
-                                  f"{self.directory}: {error or 'failed on process 0'}")
+                                         f"{self.directory}: {error or 'failed on process 0'}")
         self._manager.reload()
 
     def steps(self) -> list[int]:

@@ -97,6 +97,7 @@ class RolloutConfig:
     rpc_retries: int = 3  # retries of a control call that found a server unavailable
     rejoin_interval_s: float = 5.0  # how often a failed server is tried again
     no_server_timeout_s: float = 300.0  # stop when no server has been reachable this long
+    start_timeout_s: float = 300.0  # at the start, how long the first server has to answer
     max_request_attempts: int = 8  # sends of one group failing on servers before the run stops
     keepalive_s: float = 20.0  # a server not answering transport pings this long leaves the pool
     max_consecutive_rejections: int = 32  # invalid groups in a row before the run stops
@@ -107,7 +108,7 @@ class RolloutConfig:
 
     def __post_init__(self):
         for name in ("rpc_timeout_s", "update_timeout_s", "rejoin_interval_s",
-                     "no_server_timeout_s", "keepalive_s"):
+                     "no_server_timeout_s", "keepalive_s", "start_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"rollout.{name}: must be > 0, got {getattr(self, name)}")
         if self.rpc_retries < 0:

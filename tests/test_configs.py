@@ -10,6 +10,7 @@ from areal_jax.config import ConfigError, load_config
 from areal_jax.experiment import ExperimentConfig
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
+QUICKSTART = next(p for p in CONFIGS if p.stem == "quickstart")
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
@@ -28,8 +29,7 @@ def test_sync_mode_forces_zero_staleness():
 
 
 def test_trainer_temperature_must_match_sampling():
-    quickstart = CONFIGS[-1]
-    assert quickstart.stem == "quickstart"
+    quickstart = QUICKSTART
     with pytest.raises(ConfigError, match=r"trainer.temperature \(1\) must equal sampling.temperature \(0.7\)"):
         load_config(ExperimentConfig, quickstart, ["sampling.temperature=0.7"])
     assert load_config(ExperimentConfig, quickstart,
@@ -60,13 +60,13 @@ def test_what_every_request_would_be_refused_for_is_refused_before_the_run(overr
     # Accepted, these made every eval request fail (accuracy NaN, written to the run's results)
     # or every rollout request be rejected; a negative checkpoint_every saved every step.
     with pytest.raises(ConfigError, match=message):
-        load_config(ExperimentConfig, CONFIGS[-1], override.split())
+        load_config(ExperimentConfig, QUICKSTART, override.split())
 
 
 def test_cli_reports_config_errors_without_traceback(capsys):
     from areal_jax.cli import main
 
-    assert main(["train", "--config", str(CONFIGS[-1]), "sampling.temperature=0.7"]) == 2
+    assert main(["train", "--config", str(QUICKSTART), "sampling.temperature=0.7"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("areal-jax train: error: trainer.temperature (1) must equal")
     assert "Traceback" not in err
@@ -91,7 +91,7 @@ def test_cli_reports_config_errors_without_traceback(capsys):
 def test_memory_fractions_of_processes_sharing_a_device_must_fit(overrides, message, monkeypatch):
     monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
     with pytest.raises(ConfigError, match=message):
-        load_config(ExperimentConfig, CONFIGS[-1], overrides)
+        load_config(ExperimentConfig, QUICKSTART, overrides)
 
 
 @pytest.mark.parametrize("config,overrides,environment", [
@@ -144,7 +144,7 @@ def test_chosen_shares_stay_out_of_the_config(tmp_path, monkeypatch):
     from areal_jax.config import to_dict
 
     monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
-    cfg = load_config(ExperimentConfig, CONFIGS[-1])
+    cfg = load_config(ExperimentConfig, QUICKSTART)
     assert cfg.memory_fractions() == (0.55, 0.35)
     saved = tmp_path / "config.yaml"
     saved.write_text(yaml.safe_dump(to_dict(cfg)))
@@ -158,12 +158,12 @@ def test_an_environment_share_that_does_not_fit_is_refused(monkeypatch):
             r"trainer_memory_fraction \(unset: XLA_PYTHON_CLIENT_MEM_FRACTION=0.9\) \+ "
             r"rollout.server_memory_fraction \(unset: XLA_PYTHON_CLIENT_MEM_FRACTION=0.9\) on "
             r"every device = 1.8 > 1")):
-        load_config(ExperimentConfig, CONFIGS[-1])
+        load_config(ExperimentConfig, QUICKSTART)
 
 
 def test_the_servers_compile_during_sft_needs_the_compilation_cache():
     with pytest.raises(ConfigError, match="compile_servers_during_sft: needs the persistent"):
-        load_config(ExperimentConfig, CONFIGS[-1],
+        load_config(ExperimentConfig, QUICKSTART,
                     ["compile_servers_during_sft=true", "compilation_cache_dir=''"])
 
 
@@ -171,7 +171,7 @@ def test_the_trainers_memory_fraction_does_not_reach_its_servers(monkeypatch):
     from areal_jax.controller.run import claim_devices
 
     variable = "XLA_PYTHON_CLIENT_MEM_FRACTION"
-    cfg = load_config(ExperimentConfig, CONFIGS[-1],
+    cfg = load_config(ExperimentConfig, QUICKSTART,
                       ["trainer_memory_fraction=0.4", "rollout.server_memory_fraction=0.5"])
     for before in (None, "0.9"):
         if before is None:
@@ -192,11 +192,11 @@ def test_deterministic_asks_xla_for_deterministic_ops_once_keeping_other_flags(m
 
     monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
     monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
-    default = load_config(ExperimentConfig, CONFIGS[-1])
+    default = load_config(ExperimentConfig, QUICKSTART)
     claim_devices(default)()  # () puts the share back
     assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/x"  # off by default
     assert server_env(default) is None
-    cfg = load_config(ExperimentConfig, CONFIGS[-1], ["deterministic=true"])
+    cfg = load_config(ExperimentConfig, QUICKSTART, ["deterministic=true"])
     for _ in range(2):  # a second claim (e.g. a restarted phase) adds nothing
         claim_devices(cfg)()
         assert os.environ["XLA_FLAGS"] == (
@@ -213,7 +213,7 @@ def test_chosen_shares_are_reported_on_an_accelerator_only(monkeypatch, capsys):
     from areal_jax.controller.run import _report_default_memory_shares
 
     monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
-    cfg = load_config(ExperimentConfig, CONFIGS[-1])
+    cfg = load_config(ExperimentConfig, QUICKSTART)
     _report_default_memory_shares(cfg)
     assert capsys.readouterr().out == ""  # a CPU: the shares mean nothing
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
@@ -221,7 +221,7 @@ def test_chosen_shares_are_reported_on_an_accelerator_only(monkeypatch, capsys):
     assert capsys.readouterr().out == (
         "processes share devices; memory shares: trainer 0.55, each local rollout server 0.35 "
         "(set them with trainer_memory_fraction and rollout.server_memory_fraction)\n")
-    _report_default_memory_shares(load_config(ExperimentConfig, CONFIGS[-1],
+    _report_default_memory_shares(load_config(ExperimentConfig, QUICKSTART,
                                               ["trainer_memory_fraction=0.2"]))
     assert capsys.readouterr().out == ""  # set by the user: nothing chosen
 
@@ -238,7 +238,7 @@ def test_yaml_that_does_not_parse_is_a_config_error_naming_where(tmp_path, capsy
     with pytest.raises(ConfigError, match="bad.yaml: not valid UTF-8"):
         load_config(ExperimentConfig, bad)
     with pytest.raises(ConfigError, match=r"override sft.steps: its value is not valid YAML"):
-        load_config(ExperimentConfig, CONFIGS[-1], ["sft.steps=[1"])
+        load_config(ExperimentConfig, QUICKSTART, ["sft.steps=[1"])
     for command in ("train", "eval", "serve", "export"):
         extra = {"eval": ["--model", str(tmp_path)], "export": ["--out", str(tmp_path / "o")]}
         assert main([command, "--config", str(bad), *extra.get(command, [])]) == 2, command

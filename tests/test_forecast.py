@@ -77,7 +77,7 @@ def test_the_prior_informs_the_forecast_until_enough_groups_are_seen():
 
 def test_prioritised_keys_run_first_in_the_order_given():
     ran = []
-    ahead = AheadCompiler(settle_s=0.0, fit_to_waits=False)
+    ahead = AheadCompiler(settle_s=0.0)  # jobs wait for the window below
     for key in "abcd":
         ahead.submit(key, lambda key=key: ran.append(key))
     ahead.prioritise(["d", "x", "b"])  # "x" was never queued: nothing to move

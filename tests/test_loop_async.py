@@ -534,8 +534,36 @@ def test_a_server_that_never_answers_at_start_is_named():
 
     address = f"127.0.0.1:{free_port()}"
     with pytest.raises(NoLiveServerError, match=rf"no rollout server answered within 1 s "
-                       rf"\(tried {address}\): not started yet, unreachable, or TLS on one side"):
+                       rf"\(rollout.start_timeout_s; tried {address}\): not started yet, "
+                       "unreachable, or TLS on one side"):
         asyncio.run(RolloutPool([address]).start(ready_timeout_s=1))
+
+
+def test_the_run_waits_for_its_first_server_as_long_as_start_timeout_s_says(tmp_path):
+    """A large model's servers can take longer than the default 300 s to start: the wait is the
+    config's, not a constant."""
+    from areal_jax.config import ConfigError, load_config
+    from areal_jax.controller.local_servers import free_port
+    from areal_jax.controller.rollout_pool import NoLiveServerError
+    from areal_jax.controller.servers import rollout_servers
+    from areal_jax.experiment import ExperimentConfig
+
+    address = f"127.0.0.1:{free_port()}"
+    quickstart = Path(__file__).parent.parent / "configs" / "quickstart.yaml"
+    cfg = load_config(ExperimentConfig, quickstart, [f"run_dir={tmp_path}",
+                                                     f'rollout.addresses=["{address}"]',
+                                                     "rollout.start_timeout_s=0.5"])
+
+    async def start():
+        async with rollout_servers(cfg, tmp_path, 0):
+            pass
+
+    began = time.monotonic()
+    with pytest.raises(NoLiveServerError, match=r"within 0.5 s \(rollout.start_timeout_s"):
+        asyncio.run(start())
+    assert time.monotonic() - began < 30
+    with pytest.raises(ConfigError, match=r"rollout.start_timeout_s: must be > 0, got 0"):
+        load_config(ExperimentConfig, quickstart, ["rollout.start_timeout_s=0"])
 
 
 def test_a_server_down_at_start_joins_later_and_a_wrong_token_is_named_at_once(

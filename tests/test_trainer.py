@@ -206,11 +206,22 @@ def test_the_first_checkpoint_finds_its_checksum_program_compiled_ahead(model, t
 def test_sft_lowers_the_loss(model):
     trainer = _trainer(model, lr=3e-3)
     examples = [([5, 6, 7], [8, 9, 10, 11]), ([20, 21], [22, 23, 24]), ([1], [2, 3, 4, 5, 6])]
-    losses = [trainer.sft_on_batch(examples)["loss"] for _ in range(6)]
+    steps = [trainer.sft_on_batch(examples) for _ in range(6)]
+    losses = [m["loss"] for m in steps]
     assert losses[0] == pytest.approx(_nll(model, examples), rel=1e-5)
     assert all(b < a for a, b in zip(losses, losses[1:])), losses
     assert losses[-1] < 0.7 * losses[0]
     assert trainer.version == 6
+    # the shapes each step compiled: the first step's, then none (the same batch each time)
+    assert [m["packing/new_shapes"] for m in steps] == [1.0] + [0.0] * 5
+
+
+def test_sft_steps_count_the_shapes_they_compile(model):
+    trainer = _trainer(model, micro_batch=MicroBatchConfig(token_budget=256,
+                                                           row_buckets=(32, 64, 256)))
+    short, long = [([1, 2], [3] * 20)] * 3, [([1] * 10, [2] * 90)]
+    counts = [trainer.sft_on_batch(b)["packing/new_shapes"] for b in (short, long, short, long)]
+    assert counts == [1.0, 1.0, 0.0, 0.0]
 
 
 def _nll(model, examples):

@@ -163,7 +163,8 @@ class RolloutPool:
         if not any(ready):
             await asyncio.gather(*(c.close() for c in channels), return_exceptions=True)
             raise NoLiveServerError(
-                f"no rollout server answered within {ready_timeout_s:.0f} s (tried "
+                f"no rollout server answered within {ready_timeout_s:g} s "
+                f"(rollout.start_timeout_s; tried "
                 f"{', '.join(self._addresses())}): not started yet, unreachable, or TLS on one "
                 "side only (rollout.tls_root_cert on the trainer, tls_cert_path on the servers)")
         for server, channel, answered in zip(self._servers, channels, ready):

@@ -214,7 +214,7 @@ def servers_compiling(cfg: ExperimentConfig, base_model: Path, sft_pending: bool
 
 
 async def wait_ready(pool: RolloutPool, servers: LocalServers | None,
-                     timeout_s: float = 300) -> None:
+                     timeout_s: float) -> None:
     """Connect the pool; fail early, with the log, if a local server exits while starting."""
     start = asyncio.create_task(pool.start(ready_timeout_s=timeout_s))
     while not start.done():
@@ -237,7 +237,7 @@ async def rollout_servers(cfg: ExperimentConfig, model_path: Path, version: int,
     servers = launch_local(cfg, model_path, version, with_trainer)
     pool = make_pool(cfg, servers.addresses if servers else list(cfg.rollout.addresses))
     try:
-        await wait_ready(pool, servers)
+        await wait_ready(pool, servers, cfg.rollout.start_timeout_s)
         yield pool, servers
     finally:
         await pool.close()

@@ -10,9 +10,9 @@ keys to the front (``prioritise``: a fresh forecast outranks older guesses); and
 to need a key ``claim``s it first (it waits for a running job, and takes a queued one off the
 queue to compile it itself, as it would have anyway).
 
-Jobs start only inside the owner's ``idle()`` windows: the loop opens one while it waits for
-rollouts to fill a batch, a follower process while it waits for the leader's next command.
-Tracing and lowering hold Python's GIL and compiling takes CPU, so a compile beside a step
+Where the owner's steps run on the CPUs that compile (a CPU backend), jobs start only inside
+the owner's ``idle()`` windows: the loop opens one while it waits for rollouts to fill a batch,
+a follower process while it waits for the leader's next command. Tracing and lowering hold Python's GIL and compiling takes CPU, so a compile beside a step
 slows the step; in a long wait, where the trainer would idle anyway, it costs the loop nothing.
 A job that started in a window finishes, and where it outlasts the window it runs beside the
 next steps: its thread runs at the lowest CPU priority (nice ``NICE``), so its tracing and
@@ -26,10 +26,12 @@ in those gaps made the quickstart's RL phase about 20% slower); the waits of a s
 trainer whose rollouts take about a second are longer than that but much shorter than a
 compile (in the long-tail benchmark, steps beside such spilled jobs took 1.4-1.7x as long per
 token). Such a trainer compiles nothing ahead after its first long wait, and its new shapes
-compile in the step, as without this thread. This applies where the steps run on the CPUs that
-compile (a CPU backend). A GPU or TPU trainer's steps run on the accelerator, not on the host
-CPUs that compile, so there a job starts once a wait has lasted ``settle_s``
-(``fit_to_waits=False``; not measured here, for want of an accelerator).
+compile in the step, as without this thread. A GPU or TPU trainer's steps run on the
+accelerator, not on the host CPUs that compile, so there a job starts as soon as it is queued,
+windows or not (``fit_to_waits=False``): a trainer that is the loop's slow side never waits, and
+on one H200 with a 0.5B-shaped model the rule of waiting for a window compiled nothing ahead
+after the first version, leaving 56% of the RL phase to compiles inside steps
+(``benchmarks/results/gpu.md``, run 12).
 
 With a ``CompileHelper`` (a child process at the lowest priority, ``compile_helper``), jobs
 run there instead, each as soon as it is queued, windows or not: the process takes only CPU time
@@ -93,9 +95,9 @@ class AheadCompiler:
 
     def __init__(self, settle_s: float = 1.0, name: str = "compile-ahead",
                  fit_to_waits: bool = True, helper: Callable[[Hashable], float] | None = None):
-        """``fit_to_waits``: start jobs only where ``start_after`` says they mostly fit (where
-        a compile slows the owner's steps: a CPU backend); False: once a window has lasted
-        ``settle_s`` (an accelerator's steps do not run on the host CPUs that compile).
+        """``fit_to_waits``: start jobs only in idle windows, where ``start_after`` says they
+        mostly fit (where a compile slows the owner's steps: a CPU backend); False: as soon as
+        they are queued (an accelerator's steps do not run on the host CPUs that compile).
         ``helper``: run jobs by their key with it instead (it returns the seconds the job took;
         e.g. ``CompileHelper.compile`` for one trainer), without waiting for windows."""
         self._helper = helper
@@ -214,14 +216,14 @@ class AheadCompiler:
 
     def _wait_s(self) -> float | None:
         """How long the worker waits before a job may start: 0 now, None until notified."""
-        if self._queue and self._helper is not None:
-            return 0.0
-        if not self._queue or not self._idle:
+        if not self._queue:
             return None
-        after = self._settle_s
-        if self._fit_to_waits:
-            job_s = statistics.median(self._job_seconds) if self._job_seconds else None
-            after = start_after(list(self._windows), job_s, self._settle_s)
+        if self._helper is not None or not self._fit_to_waits:
+            return 0.0
+        if not self._idle:
+            return None
+        job_s = statistics.median(self._job_seconds) if self._job_seconds else None
+        after = start_after(list(self._windows), job_s, self._settle_s)
         return max(0.0, self._idle_since + after - time.monotonic())
 
     def _known(self, key: Hashable) -> bool:

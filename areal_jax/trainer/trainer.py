@@ -120,6 +120,7 @@ class Trainer:
         # every process packs alike however far its background compiles got.
         self._train_shapes: set[tuple[int, int]] = set()
         self._forward_shapes: set[tuple[int, int]] = set()
+        self._sft_shapes: set[tuple[int, int]] = set()  # met by SFT steps (programs of their own)
         self._ahead = self._ahead_compiler() if config.compile_ahead else None
         self._forecast = (ShapeForecast(config.ppo_n_minibatches, self._mb_cfg, seed=config.seed)
                           if self._ahead is not None else None)
@@ -203,6 +204,7 @@ class Trainer:
         start = time.perf_counter()
         trajs = _sft_trajectories(examples, self._version)
         packed = batches.pack_all(trajs, self._mb_cfg)
+        new_shapes = _record_shapes(self._sft_shapes, packed)
         n_tokens = sum(b.n_valid_tokens for b in packed)
         self._claim_ahead(("update",))
         grads = self._steps.zero_grads(self._state.params)
@@ -222,6 +224,7 @@ class Trainer:
             "lr": float(update["lr"]),
             "tokens": float(tokens),
             "sft/loss_tokens": float(n_tokens),
+            "packing/new_shapes": float(new_shapes),
             "version": float(self._version),
             "throughput/tokens_per_s": tokens / (time.perf_counter() - start),
         }
@@ -553,9 +556,11 @@ def _sft_trajectories(examples, version: int) -> list[Trajectory]:
     return trajs
 
 
-def _record_shapes(known: set[tuple[int, int]], packed: list[PackedBatch]) -> None:
-    """Add the shapes of ``packed`` to ``known``; a new one means a compile, which is logged."""
+def _record_shapes(known: set[tuple[int, int]], packed: list[PackedBatch]) -> int:
+    """Add the shapes of ``packed`` to ``known``; a new one means a compile, which is logged.
+    Returns how many were new."""
     new = sorted({b.shape for b in packed} - known)
     for shape in new:
         log.info("micro-batch shape %s (rows x tokens) is new: its programs compile", shape)
     known.update(new)
+    return len(new)

@@ -44,6 +44,9 @@ def main() -> None:
           "| compiled ahead (s) |")
     print("|---|---:|---:|---:|---:|---:|---:|---|---:|---:|")
     for run in args.runs:
+        if not (run / "results.json").is_file():
+            print(f"| {run.name} | not finished (no results.json): no RL phase to share |")
+            continue
         c = compile_share(run)
         print(f"| {run.name} | {c['versions']} | {c['rl_wall_s']:.1f} | {c['compile_s']:.1f} "
               f"| {c['share']:.1%} | {c['loop_s']:.1f} | {c['first_version_compile_s']:.1f} "

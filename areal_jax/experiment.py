@@ -179,8 +179,13 @@ class ProcessGroupConfig:
     coordinator_address: str | None = None  # host:port of process 0
     num_processes: int | None = None
     process_id: int | None = None
+    # a process not answering this long (killed, host down) ends the whole group
+    heartbeat_timeout_s: int = 100
 
     def __post_init__(self):
+        if self.heartbeat_timeout_s < 2:
+            raise ConfigError(f"process_group.heartbeat_timeout_s: must be >= 2, got "
+                              f"{self.heartbeat_timeout_s}")
         n, i = self.num_processes, self.process_id
         if n is not None and n < 1:
             raise ConfigError(f"process_group.num_processes: must be >= 1, got {n}")

@@ -41,15 +41,16 @@ def _worker(process_id: int, port: int, run_dir: Path, out: Path, mode: str) -> 
     from areal_jax.parallel import TrainerGroup, initialize_distributed, is_leader
 
     faulthandler.dump_traceback_later(200, exit=True)  # a hang shows where, in the test's log
-    initialize_distributed(f"127.0.0.1:{port}", 2, process_id)
+    heartbeat_s = 5 if mode == "follower_killed" else 100
+    initialize_distributed(f"127.0.0.1:{port}", 2, process_id, heartbeat_timeout_s=heartbeat_s)
     if mode == "sigterm":  # each process sends itself SIGTERM: it must end at once
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(60)
         return
     mesh = make_mesh(MeshConfig(fsdp=8))  # both processes' devices
     group = TrainerGroup(Trainer(_config(run_dir), mesh=mesh, model=tiny_model(seed=21)))
-    if mode == "follower_fails":
-        _follower_fails(group, out)
+    if mode in ("follower_fails", "follower_killed"):
+        _follower_fails(group, out, killed=mode == "follower_killed")
         return
     if mode == "unshared":  # each process its own run_dir: a filesystem they do not share
         _unshared(process_id, mesh, run_dir, out)
@@ -89,9 +90,10 @@ def _worker(process_id: int, port: int, run_dir: Path, out: Path, mode: str) -> 
     (out / "leader.json").write_text(json.dumps(result))
 
 
-def _follower_fails(group, out: Path) -> None:
+def _follower_fails(group, out: Path, killed: bool) -> None:
     """The follower's second step raises (an out-of-memory, say) before the collectives the
-    leader's step is already in."""
+    leader's step is already in; or, ``killed``, the follower is SIGKILLed there (the kernel's
+    out-of-memory killer) and records nothing."""
     from areal_jax.parallel import is_leader
 
     if not is_leader():
@@ -100,6 +102,8 @@ def _follower_fails(group, out: Path) -> None:
         def failing(groups):
             calls.append(1)
             if len(calls) == 2:
+                if killed:
+                    os.kill(os.getpid(), signal.SIGKILL)
                 raise MemoryError("RESOURCE_EXHAUSTED: simulated out of memory")
             return step(groups)
 
@@ -166,6 +170,18 @@ def test_a_follower_failing_inside_a_step_ends_the_group_naming_its_error(tmp_pa
     assert named in (json.loads(leader.read_text())["error"] if leader.is_file() else logs[0])
     assert [p.returncode for p in procs] == [1, 1], logs
     assert took < 60  # was: until jax.distributed's heartbeat timeout (100 s), then an abort
+
+
+def test_a_killed_follower_ends_the_group_at_the_heartbeat_timeout(tmp_path):
+    # A follower SIGKILLed inside a step records no error: the leader waits in the step's
+    # collectives until jax.distributed misses the follower's heartbeats
+    # (process_group.heartbeat_timeout_s, 5 s here) and ends it, naming the task.
+    procs, logs, took = _run_group(tmp_path, "follower_killed")
+    assert procs[1].returncode == -signal.SIGKILL
+    assert procs[0].returncode != 0, logs[0][-3000:]
+    assert "stopped sending heartbeats" in logs[0], logs[0][-3000:]
+    assert not (tmp_path / "out" / "leader.json").exists()  # it never got past the step
+    assert took < 120, took
 
 
 def test_processes_that_see_different_checkpoints_refuse_to_restore(tmp_path):
@@ -259,6 +275,7 @@ def test_a_process_of_a_slurm_job_keeps_every_device_it_sees(monkeypatch):
     assert seen["local_device_ids"] == []  # not None: no restriction (None is the local rank's)
     assert (seen["coordinator_address"], seen["num_processes"], seen["process_id"]) == (
         "10.0.0.1:1234", 4, 2)
+    assert seen["heartbeat_timeout_seconds"] == 100  # process_group.heartbeat_timeout_s
 
 
 def test_trajectory_groups_cross_the_wire_unchanged():

@@ -87,7 +87,8 @@ def train(cfg: ExperimentConfig) -> dict:
     enable_compilation_cache(cfg.compilation_cache_dir)
     if cfg.distributed:
         pg = cfg.process_group  # unset fields: from the cluster's environment
-        initialize_distributed(pg.coordinator_address, pg.num_processes, pg.process_id)
+        initialize_distributed(pg.coordinator_address, pg.num_processes, pg.process_id,
+                               pg.heartbeat_timeout_s)
     leader = is_leader()  # JAX's backends start here and read the claim
     release_memory_fraction()
     if leader:

@@ -20,9 +20,13 @@ _FAILURES = "areal_jax/failures/"  # coordination-service keys: why a process ga
 
 
 def initialize_distributed(
-    coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None
+    coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None,
+    heartbeat_timeout_s: int = 100,
 ) -> None:
     """Join the process group; call before any JAX computation.
+
+    ``heartbeat_timeout_s``: how long a process may stop answering (SIGKILLed, its host down)
+    before ``jax.distributed`` ends every process of the group (a fatal error naming it).
 
     Arguments left out are read from the cluster's environment by ``jax.distributed`` (TPU pod
     metadata, SLURM ``SLURM_*`` variables, Open MPI). CPU processes exchange collectives over
@@ -37,6 +41,7 @@ def initialize_distributed(
     jax.distributed.initialize(
         coordinator_address=coordinator, num_processes=num_processes, process_id=process_id,
         local_device_ids=[],  # not None: no device restriction (None means the local rank's)
+        heartbeat_timeout_seconds=heartbeat_timeout_s,
     )
 
 

@@ -22,7 +22,12 @@ SGLang whose pause returns at once, the interrupted answers being built only aft
 ``/continue_generation`` (so they report the post-swap version). ``/update_weights_from_disk``
 answers 400 for a path without ``config.json`` without touching the weights, but a checkpoint
 that fails part-way (here: one holding a file ``CORRUPT``) leaves the weights partly updated
-(``weights`` says ``partial:<path>``) while the version stays.
+(``weights`` says ``partial:<path>``) while the version stays. ``version_while_paused=False`` is
+SGLang 0.5.6 / 0.5.6.post1, whose update sent while paused loads the weights but keeps the old
+``weight_version`` (``/update_weight_version`` sets it). ``/server_info`` reports
+``max_req_input_len`` (``None``: no such field); a request of that many input tokens or more
+is refused with 400, and ``max_new_tokens`` is cut to ``max_req_input_len + 4 - input``. A rid
+already running is refused with 400 (SGLang 0.5.23).
 """
 
 from __future__ import annotations
@@ -62,6 +67,8 @@ class SGLangDouble:
         port: int = 0,
         model_path: str = "/models/initial",
         pause_drains: bool = True,
+        version_while_paused: bool = True,
+        max_req_input_len: int | None = None,
     ):
         self.vocab_size = vocab_size
         self.token_delay_s = token_delay_s
@@ -70,6 +77,8 @@ class SGLangDouble:
         self.model_path = model_path  # of the last successful load, as /model_info reports
         self.weights = model_path  # what the weights really are
         self.pause_drains = pause_drains
+        self.version_while_paused = version_while_paused
+        self.max_req_input_len = max_req_input_len
         self.ready_at = time.monotonic() + startup_s
         self.cond = threading.Condition()
         self.paused = False
@@ -122,8 +131,17 @@ class SGLangDouble:
         if not isinstance(body.get("input_ids"), list) or not body["input_ids"]:
             return 400, {"error": {"message": "input_ids required"}}
         rid = body.get("rid") or f"auto-{len(self.log)}"
+        limit = self.max_req_input_len
+        if limit is not None and len(body["input_ids"]) >= limit:
+            return 400, {"error": {"message": f"input length {len(body['input_ids'])} reaches "
+                                              f"max_req_input_len {limit}"}}
+        if limit is not None:  # the scheduler's cut of max_new_tokens
+            params = {**params, "max_new_tokens": min(params.get("max_new_tokens", 128),
+                                                      limit + 4 - len(body["input_ids"]))}
         with self.cond:
             self.cond.wait_for(lambda: not self.paused)
+            if rid in self.running:
+                return 400, {"error": {"message": f"Duplicate request ID detected: {rid}"}}
             self.running[rid] = False
         context = list(body["input_ids"])
         try:
@@ -211,10 +229,25 @@ class SGLangDouble:
             return 400, {"success": False, "message": message, "num_paused_requests": 0}
         with self.cond:
             self.model_path = self.weights = path
-            if body.get("weight_version") is not None:
+            takes_version = self.version_while_paused or not self.paused
+            if body.get("weight_version") is not None and takes_version:
                 self.weight_version = body["weight_version"]
         message = "Succeeded to update model weights."
         return 200, {"success": True, "message": message, "num_paused_requests": 0}
+
+    def update_weight_version(self, body: dict) -> tuple[int, dict]:
+        with self.cond:
+            self.weight_version = body["new_version"]
+            if body.get("abort_all_requests", True):
+                for rid in self.running:
+                    self.running[rid] = self.weight_version
+        return 200, {"success": True, "new_version": body["new_version"]}
+
+    def server_info(self) -> tuple[int, dict]:
+        info = {"weight_version": self.weight_version}
+        if self.max_req_input_len is not None:
+            info["max_req_input_len"] = self.max_req_input_len
+        return 200, info
 
     def model_info(self) -> tuple[int, dict]:
         return 200, {
@@ -232,8 +265,10 @@ def _handler(double: SGLangDouble):
         "/continue_generation": double.continue_,
         "/abort_request": double.abort,
         "/update_weights_from_disk": double.update_weights,
+        "/update_weight_version": double.update_weight_version,
     }
-    gets = {"/health_generate": double.health, "/model_info": double.model_info}
+    gets = {"/health_generate": double.health, "/model_info": double.model_info,
+            "/server_info": double.server_info}
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"

@@ -74,9 +74,9 @@ def test_generate_returns_tokens_logprobs_and_versions(model_dir, double):
             capped = await _generate(engine, PROMPT, SamplingParams(max_new_tokens=4), "r2")
         finally:
             await engine.shutdown()
-        return stopped, capped
+        return stopped, capped, engine.rid_tag
 
-    stopped, capped = asyncio.run(scenario())
+    stopped, capped, tag = asyncio.run(scenario())
     want = expected_tokens(PROMPT, 6)
     assert want.index(stop_at) == 5  # the stop token first appears at the end
     assert stopped.output_ids == want  # the matched stop token is kept
@@ -97,7 +97,7 @@ def test_generate_returns_tokens_logprobs_and_versions(model_dir, double):
         },
         "return_logprob": True,
         "logprob_start_len": -1,
-        "rid": "r1#0.0$",
+        "rid": f"r1#{tag}.0.0$",
     }
 
 
@@ -174,7 +174,7 @@ def test_update_interrupts_and_resubmits_with_per_token_versions(model_dir, doub
     resubmitted = double.posts("/generate")[1]
     assert resubmitted["input_ids"] == PROMPT + result.output_ids[:k]
     assert resubmitted["sampling_params"]["max_new_tokens"] == 30 - k
-    assert resubmitted["rid"] == "r1#0.1$"
+    assert resubmitted["rid"] == f"r1#{engine.rid_tag}.0.1$"
     assert engine.stats()["resubmissions"] == 1
 
 
@@ -241,12 +241,12 @@ def test_cancelling_a_request_aborts_it_in_sglang(model_dir, double):
             await until(lambda: produced(double, "c1") >= 3)
             run.cancel()
             await until(lambda: not double.running)
-            return produced(double, "c1")
+            return produced(double, "c1"), engine.rid_tag
         finally:
             await engine.shutdown()
 
-    made = asyncio.run(scenario())
-    assert double.posts("/abort_request") == [{"rid": "c1#0.0$", "abort_all": False}]
+    made, tag = asyncio.run(scenario())
+    assert double.posts("/abort_request") == [{"rid": f"c1#{tag}.0.0$", "abort_all": False}]
     assert made < 100  # SGLang stopped generating for it
 
 
@@ -461,12 +461,12 @@ def test_aborting_one_request_spares_those_whose_id_it_prefixes(model_dir, doubl
             twin = asyncio.create_task(_generate(engine, PROMPT, params, "x/1"))
             await until(lambda: min(produced(double, "x/1"), produced(double, "x/10")) >= 3)
             short.cancel()
-            return await long, await twin
+            return await long, await twin, engine.rid_tag
         finally:
             await engine.shutdown()
 
-    long, twin = asyncio.run(scenario())
-    assert double.posts("/abort_request") == [{"rid": "x%2F1#0.0$", "abort_all": False}]
+    long, twin, tag = asyncio.run(scenario())
+    assert double.posts("/abort_request") == [{"rid": f"x%2F1#{tag}.0.0$", "abort_all": False}]
     assert long.finish_reason == "length" and twin.finish_reason == "length"
     assert long.output_ids == twin.output_ids == expected_tokens(PROMPT, 40)
 
@@ -489,7 +489,104 @@ def test_a_forced_update_to_an_older_version_tags_later_tokens_with_it(model_dir
 
 
 def test_request_ids_never_prefix_one_another():
-    rids = [api.request_rid(i, c, a) for i in ["a", "a/1", "a/10", "a#1", "a$", "a%"]
-            for c in (0, 1, 10) for a in (0, 1, 10)]
+    rids = [api.request_rid(i, e, c, a) for i in ["a", "a/1", "a/10", "a#1", "a$", "a%"]
+            for e in ("0a1b2c3d", "0a1b2c3e") for c in (0, 1, 10) for a in (0, 1, 10)]
     assert len(set(rids)) == len(rids)
     assert not any(x != y and y.startswith(x) for x in rids for y in rids)
+
+
+def _checkpoint(tmp_path, name: str) -> Path:
+    path = tmp_path / name
+    path.mkdir()
+    (path / "config.json").write_text("{}")
+    return path
+
+
+def test_an_sglang_that_ignores_the_version_of_a_paused_update_is_given_it(model_dir, tmp_path):
+    # SGLang 0.5.6 and 0.5.6.post1 load weights sent while paused but keep the old
+    # weight_version: every later token would carry version 0.
+    double = SGLangDouble(vocab_size=VOCAB, model_path=str(model_dir),
+                          version_while_paused=False).start()
+    try:
+        engine = attached(model_dir, double)
+        result, error, version = _interrupted_run(
+            engine, double, lambda e: e.update_weights(str(_checkpoint(tmp_path, "v1")), 1))
+    finally:
+        double.stop()
+    assert error is None and version == 1 and double.weight_version == "1"
+    assert double.posts("/update_weight_version") == [
+        {"new_version": "1", "abort_all_requests": False}]
+    k = result.versions.index(1)
+    assert 0 < k < 30 and result.versions == [0] * k + [1] * (30 - k)
+
+
+def test_an_sglang_that_keeps_reporting_the_old_version_fails_the_engine(model_dir, tmp_path):
+    class NoVersionEndpoint(SGLangDouble):
+        def update_weight_version(self, body):
+            return 404, {"detail": "Not Found"}
+
+    double = NoVersionEndpoint(vocab_size=VOCAB, model_path=str(model_dir),
+                               version_while_paused=False).start()
+
+    async def scenario():
+        engine = attached(model_dir, double)
+        await engine.start()
+        try:
+            with pytest.raises(EngineError, match=r"reports weight_version .*0\.5\.6\.post2"):
+                await engine.update_weights(str(_checkpoint(tmp_path, "v1")), 1)
+            return engine.failure
+        finally:
+            await engine.shutdown()
+
+    try:
+        assert isinstance(asyncio.run(scenario()), EngineError)
+    finally:
+        double.stop()
+
+
+def test_the_context_served_is_what_sglangs_scheduler_takes_whole(model_dir, tmp_path):
+    # The model's config allows 255 tokens, SGLang's scheduler refuses inputs of 40 or more
+    # and cuts max_new_tokens to 44 - input: a request within the reported limit, interrupted
+    # by an update near its end, still gets every token it asked for.
+    double = SGLangDouble(vocab_size=VOCAB, model_path=str(model_dir),
+                          max_req_input_len=40).start()
+    ckpt = _checkpoint(tmp_path, "v1")
+
+    async def scenario():
+        engine = attached(model_dir, double)
+        await engine.start()
+        try:
+            limit = engine.max_context_len
+            new = limit - len(PROMPT)
+            run = asyncio.create_task(_generate(engine, PROMPT, SamplingParams(max_new_tokens=new)))
+            await until(lambda: produced(double, "r1") >= new - 3)
+            await engine.update_weights(str(ckpt), 1)
+            return limit, new, await run
+        finally:
+            await engine.shutdown()
+
+    try:
+        limit, new, result = asyncio.run(scenario())
+    finally:
+        double.stop()
+    assert limit == 39
+    assert result.finish_reason == "length" and result.output_ids == expected_tokens(PROMPT, new)
+    assert len(double.posts("/generate")) == 2  # resubmitted after the update, and taken
+
+
+def test_two_adapters_on_one_sglang_never_send_the_same_rid(model_dir, double):
+    async def scenario():
+        engines = [attached(model_dir, double), attached(model_dir, double)]
+        for engine in engines:
+            await engine.start()
+        try:
+            params = SamplingParams(max_new_tokens=20)
+            return await asyncio.gather(*(_generate(e, PROMPT, params, "same") for e in engines))
+        finally:
+            for engine in engines:
+                await engine.shutdown()
+
+    results = asyncio.run(scenario())
+    assert [r.finish_reason for r in results] == ["length", "length"]
+    rids = [post["rid"] for post in double.posts("/generate")]
+    assert len(rids) == 2 and len(set(rids)) == 2

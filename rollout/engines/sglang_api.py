@@ -19,6 +19,8 @@ CONTINUE = "/continue_generation"
 UPDATE_WEIGHTS_FROM_DISK = "/update_weights_from_disk"
 ABORT = "/abort_request"
 MODEL_INFO = ("/model_info", "/get_model_info")  # 0.5.23 name first, then the older one
+SERVER_INFO = ("/server_info", "/get_server_info")  # the scheduler's limits among the fields
+UPDATE_WEIGHT_VERSION = "/update_weight_version"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,16 +153,20 @@ def parse_generate_response(body: Any) -> GenerateOutput:
     )
 
 
-def request_rid(request_id: str, call: int, attempt: int) -> str:
-    """SGLang ``rid`` of one submission of a request: ``<quoted id>#<call>.<attempt>$``.
+def request_rid(request_id: str, engine: str, call: int, attempt: int) -> str:
+    """SGLang ``rid`` of one submission of a request:
+    ``<quoted id>#<engine>.<call>.<attempt>$``.
 
     ``call`` numbers the adapter's generate calls: clients may reuse a request id (two streams,
     or a group's sample ``q/0`` and a single request ``q/0``), and one's abort must not end the
-    other. SGLang aborts every request whose rid starts with the rid it is given, so no rid may
-    prefix another: ``$`` ends each one and appears nowhere else (the request id is
-    percent-quoted).
+    other. ``engine`` (hex digits, random per adapter) keeps two adapters on one SGLang, or an
+    adapter restarted while its predecessor's requests still run, from sending the same rid: an
+    SGLang 0.5.6 overwrites the earlier request's state (its caller waits for ever), 0.5.23
+    refuses the later one. SGLang aborts every request whose rid starts with the rid it is
+    given, so no rid may prefix another: ``$`` ends each one and appears nowhere else (the
+    request id is percent-quoted).
     """
-    return f"{urllib.parse.quote(request_id, safe='')}#{call}.{attempt}$"
+    return f"{urllib.parse.quote(request_id, safe='')}#{engine}.{call}.{attempt}$"
 
 
 PAUSE_PAYLOAD = {"mode": "abort"}  # running requests return at once with finish_reason abort
@@ -170,6 +176,23 @@ ABORT_ALL_PAYLOAD = {"rid": "", "abort_all": True}
 
 def abort_payload(rid: str) -> dict[str, Any]:
     return {"rid": rid, "abort_all": False}
+
+
+def weight_version_payload(version: int) -> dict[str, Any]:
+    """``POST /update_weight_version`` body (its ``abort_all_requests`` defaults to true)."""
+    return {"new_version": str(version), "abort_all_requests": False}
+
+
+def request_limit(server_info: dict) -> int | None:
+    """The longest prompt + ``max_new_tokens`` SGLang serves whole, from ``/server_info``:
+    its scheduler refuses (HTTP 400) an input of ``max_req_input_len`` tokens or more and cuts
+    ``max_new_tokens`` to ``max_req_len - input - 1``, where ``max_req_len =
+    max_req_input_len + 5``; below ``max_req_input_len`` in all, a request and every
+    resubmission of it (prompt + the output so far) is taken whole. None when it says nothing."""
+    value = server_info.get("max_req_input_len")
+    if isinstance(value, int) and not isinstance(value, bool) and value > 1:
+        return value - 1
+    return None
 
 
 def update_weights_payload(path: str, version: int) -> dict[str, Any]:

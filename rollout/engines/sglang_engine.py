@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import random
+import secrets
 import sys
 import tempfile
 from collections.abc import AsyncIterator
@@ -145,6 +146,7 @@ class SGLangEngine(GenerationEngine):
         self._resubmissions = 0
         self._background: set[asyncio.Task] = set()
         self._calls = itertools.count()  # numbers each generate call's rids
+        self._rid_tag = secrets.token_hex(4)  # this adapter's part of every rid it sends
 
     @property
     def version(self) -> int:
@@ -157,6 +159,11 @@ class SGLangEngine(GenerationEngine):
     @property
     def max_context_len(self) -> int:
         return self._context_len
+
+    @property
+    def rid_tag(self) -> str:
+        """This adapter's own part of the SGLang rids it sends (``sglang_api.request_rid``)."""
+        return self._rid_tag
 
     @property
     def paused(self) -> bool:
@@ -203,6 +210,7 @@ class SGLangEngine(GenerationEngine):
         self._client = JsonHttpClient(url, opts.max_connections, opts.request_timeout_s)
         try:
             await wait_ready(self._client, self.process, opts.startup_timeout_s)
+            await self._read_limits()
             if opts.url is not None:
                 await self._read_version()
         except BaseException:
@@ -216,6 +224,19 @@ class SGLangEngine(GenerationEngine):
             if status == 200 and isinstance(body, dict):
                 return body
         return {}
+
+    async def _read_limits(self) -> None:
+        """Lower ``max_context_len`` to what SGLang's scheduler serves whole (its KV pool or
+        its own context rules may allow less than the checkpoint's config says)."""
+        for path in api.SERVER_INFO:
+            status, body = await self._client.request("GET", path, timeout_s=PROBE_TIMEOUT_S)
+            if status == 200 and isinstance(body, dict):
+                limit = api.request_limit(body)
+                if limit is not None and limit < self._context_len:
+                    log.info("SGLang serves requests of at most %d tokens (prompt + new): "
+                             "below the %d of the model's config", limit, self._context_len)
+                    self._context_len = limit
+                return
 
     async def _read_version(self) -> None:
         """Adopt the attached server's checkpoint path and integer ``weight_version``."""
@@ -251,7 +272,7 @@ class SGLangEngine(GenerationEngine):
             if self.failure is not None:
                 raise self.failure
             epoch, version = self._pause_epoch, self._version
-            rid = api.request_rid(request_id, call, attempt)
+            rid = api.request_rid(request_id, self._rid_tag, call, attempt)
             try:
                 out = await self._post_generate(context, params, remaining, rid)
             except EngineError as e:
@@ -348,9 +369,31 @@ class SGLangEngine(GenerationEngine):
                     await self._restore()
                     raise WeightLoadError(f"SGLang did not load {path}: {message}")
                 self._model_path, self._version = path, version
+                await self._confirm_version(version)
             finally:
                 if not was_paused:
                     await self._resume_backend()
+
+    async def _confirm_version(self, version: int) -> None:
+        """Make SGLang report ``version`` for the weights just loaded: SGLang 0.5.6 and
+        0.5.6.post1 load weights sent while paused without taking their ``weight_version``, so
+        every later token would carry the old one. Set it then with ``/update_weight_version``;
+        a server that still reports another version has failed (its tokens would be
+        mislabelled)."""
+        reported = api.parse_version((await self._model_info()).get("weight_version"))
+        if reported == version:
+            return
+        try:
+            await self._post_ok(api.UPDATE_WEIGHT_VERSION, api.weight_version_payload(version))
+            reported = api.parse_version((await self._model_info()).get("weight_version"))
+        except EngineError as e:
+            reported = f"{reported} ({e})"
+        if reported != version:
+            self._failure = EngineError(
+                f"SGLang loaded version {version} but reports weight_version {reported!r} "
+                "even after /update_weight_version: its tokens would carry the wrong version; "
+                "use sglang >= 0.5.6.post2")
+            raise self._failure
 
     async def _load(self, path: str, version: int) -> tuple[bool, str]:
         payload = api.update_weights_payload(path, version)

@@ -37,6 +37,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
+        options = [arg for arg in args if arg is not type(None)]
+        if len(options) == 1:  # X | None: X's own error, e.g. the unknown key deep inside
+            return _coerce(value, options[0], key)
         for arg in args:
             if arg is type(None):
                 continue

@@ -266,8 +266,9 @@ class ExperimentConfig:
                 f"trainer.ppo_n_minibatches ({self.trainer.ppo_n_minibatches}) is more than the "
                 f"{trajectories} trajectories of a batch (schedule.batch_size x "
                 "sampling.group_size)")
-        if self.sft.steps > 0:  # the SFT trainer's settings, checked now rather than after prep
-            from_dict(TrainerConfig, self.trainer_fields(self.sft.trainer), "sft.trainer")
+        # the SFT trainer's settings, checked now rather than after prep (a typo there is an
+        # error with sft.steps 0 too: it would surface only once SFT is turned on)
+        from_dict(TrainerConfig, self.trainer_fields(self.sft.trainer), "sft.trainer")
         if self.checkpoint_every < 0:
             raise ConfigError(f"checkpoint_every: must be >= 0 (0: never), got "
                               f"{self.checkpoint_every}")
@@ -278,6 +279,11 @@ class ExperimentConfig:
         if self.compile_servers_during_sft and self.compilation_cache_dir == "":
             raise ConfigError("compile_servers_during_sft: needs the persistent compilation "
                               "cache, which compilation_cache_dir: '' turns off")
+
+    @property
+    def sft_trainer(self) -> TrainerConfig:
+        """The SFT warm start's trainer settings: ``trainer`` with ``sft.trainer`` on top."""
+        return from_dict(TrainerConfig, self.trainer_fields(self.sft.trainer), "sft.trainer")
 
     def trainer_fields(self, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
         """The ``trainer`` section as plain data with ``overrides`` (e.g. ``sft.trainer``)

@@ -22,6 +22,7 @@ class Experiment:
     seed: int | None = None
     optim: Optim = dataclasses.field(default_factory=Optim)
     tags: list[str] = dataclasses.field(default_factory=list)
+    extra: Optim | None = None
 
 
 def test_yaml_and_overrides(tmp_path):
@@ -48,6 +49,8 @@ def test_yaml_and_overrides(tmp_path):
     ({"name": "x"}, ["optim.lr=1e400"], "optim.lr: expected a finite number, got 1e400"),
     ({"name": "x", "optim": {"lr": 10**400}}, [], "optim.lr: expected a finite number, got 1000"),
     ({"name": "x"}, ["optim.betas=[.nan, 0.9]"], r"optim.betas\[0\]: expected a finite number"),
+    # an optional section's own error, not "matches none of Optim | None"
+    ({"name": "x", "extra": {"lrr": 1}}, [], r"unknown config key extra\.lrr; valid keys here"),
 ])
 def test_errors_name_the_key(tmp_path, data, overrides, message):
     import yaml

@@ -117,8 +117,11 @@ def test_plain_prompts_without_chat_template(tmp_path):
     )
     assert ds[0].prompt_text == "Sys\nWhat is 2+3?"
     assert ds[0].prompt_ids == tok("Sys\nWhat is 2+3?")["input_ids"]
-    with pytest.raises(DatasetError, match="use_chat_template=false"):
+    with pytest.raises(DatasetError, match=r"set dataset.use_chat_template=false"):
         PromptDataset(DatasetConfig(path=str(path)), tok)
+    with pytest.raises(DatasetError, match=r"^eval.dataset.use_chat_template is true .* set "
+                                           r"eval.dataset.use_chat_template=false"):
+        PromptDataset(DatasetConfig(path=str(path)), tok, "eval.dataset")
 
 
 def test_long_prompts_are_dropped_and_counted(tmp_path, tokenizer, caplog):
@@ -147,7 +150,10 @@ def test_long_prompts_are_dropped_and_counted(tmp_path, tokenizer, caplog):
         ),
         ('{"answer": "1"}\n', r"line 1: missing field 'question'"),
         ('{"question": "a", "answer": "1"}\n\n{oops\n', r"line 3: invalid JSON"),
-        ("[1, 2]\n", r"line 1: expected a JSON object"),
+        ("[1, 2]\n", r"line 1: expected a JSON object, got list: a JSON array is not read"),
+        ('[\n{"question": "a", "answer": "1"}\n]\n',
+         r"line 1: invalid JSON \(Expecting value\): a JSON array is not read; write one JSON "
+         r"object per line \(JSONL\)"),
         (
             '{"question": 7, "answer": "1"}\n',
             r"line 1: field 'question' must be a non-empty string",

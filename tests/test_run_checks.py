@@ -124,7 +124,7 @@ def test_a_run_directory_moved_or_named_another_way_is_the_same_run(tmp_path, mo
 def test_sft_and_a_refused_train_respect_the_run_directorys_fingerprint(tmp_path, capsys):
     # `sft` never checked it: `train` then reused an SFT model built with other settings. And a
     # refused `train` had already overwritten the run's config.json.
-    cfg = _config(tmp_path, sft={"steps": 3})
+    cfg = _config(tmp_path, sft={"steps": 3, "response_key": "answer"})
     (tmp_path / "run").mkdir()
     check_fingerprint(from_dict(ExperimentConfig, cfg))
     (tmp_path / "run" / "config.json").write_text("as recorded")
@@ -239,3 +239,50 @@ def test_a_recorded_accuracy_before_rl_is_compared_by_its_eval_settings(tmp_path
         before = asyncio.run(_accuracy_before_rl(cfg, 3, None, None))
         assert before == recorded
         assert ("not comparable" in capsys.readouterr().out) is warned
+
+
+def test_sft_refuses_a_null_or_overlong_response_before_its_first_step(tmp_path):
+    from areal_jax.models.tiny import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer(tmp_path / "tok", vocab_size=300)
+    cfg = from_dict(ExperimentConfig, _config(
+        tmp_path, sft={"steps": 1}, trainer={"micro_batch": {"token_budget": 64}},
+        dataset={"id_field": "id",
+                 "metadata_fields": {"answer": "answer", "solution": "solution"}}))
+    rows = [{"id": "a", "question": "1+1?", "answer": "2", "solution": "1+1=2"},
+            {"id": "b", "question": "2+2?", "answer": "4", "solution": None}]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ConfigError, match=r"prompt b has no metadata 'solution' \(or it is null\)"):
+        sft_examples(cfg, tok)
+    rows[1]["solution"] = "2+2=4 " * 40  # the 81st step of 200 in a real run, say
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ConfigError, match=r"prompt b's prompt \(\d+ tokens\) \+ 'solution' "
+                       r"\(\d+ tokens\) is over the SFT micro-batch token budget \(64"):
+        sft_examples(cfg, tok)
+
+
+def test_sft_trainer_settings_are_checked_with_no_sft_steps(tmp_path):
+    with pytest.raises(ConfigError, match="unknown config key sft.trainer.lrr"):
+        from_dict(ExperimentConfig, _config(tmp_path, sft={"steps": 0, "trainer": {"lrr": 1}}))
+
+
+def test_a_config_refused_by_its_data_leaves_the_run_directory_free(tmp_path, capsys):
+    # The fingerprint was recorded before the data was checked: once the field was corrected,
+    # the run directory refused the corrected config as "another data configuration".
+    cfg = _config(tmp_path, dataset={"prompt_field": "problem"}, schedule={"total_steps": 0})
+    assert main(["train", "--config", _write(tmp_path, cfg)]) == 2
+    assert "problem" in capsys.readouterr().err
+    assert not (tmp_path / "run" / "fingerprint.json").exists()
+    assert not (tmp_path / "run" / "config.json").exists()
+
+
+def test_sft_alone_on_a_new_run_directory_with_a_model_of_ones_own(tmp_path):
+    from areal_jax.models.tiny import TinyModelSpec, build_tiny_model
+
+    model = build_tiny_model(tmp_path / "mine", TinyModelSpec(
+        hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
+        tokenizer_vocab_size=300))
+    cfg = _config(tmp_path, model_path=str(model), sft={"steps": 1, "response_key": "answer"},
+                  run_dir=str(tmp_path / "new" / "run"))
+    assert main(["sft", "--config", _write(tmp_path, cfg)]) == 0
+    assert (tmp_path / "new" / "run" / "sft_model" / "config.json").is_file()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 NAME = "sft"
 HELP = "Supervised fine-tuning on the dataset's reference responses; writes RUN_DIR/sft_model."
@@ -21,7 +22,7 @@ def run(args: argparse.Namespace) -> int:
     from areal_jax.controller.progress import TrainingProgress
     from areal_jax.controller.prepare import check_fingerprint, prepare_base_model, prepare_data
     from areal_jax.controller.run import claim_devices
-    from areal_jax.controller.sft_phase import run_sft
+    from areal_jax.controller.sft_phase import run_sft, sft_examples
     from areal_jax.experiment import ExperimentConfig
 
     cfg = load_config(ExperimentConfig, args.config, args.overrides)
@@ -32,10 +33,12 @@ def run(args: argparse.Namespace) -> int:
                          "`areal-jax train` runs the SFT warm start across the processes")
     claim_devices(cfg, with_servers=False)  # no servers: the trainer's share stays set
     enable_compilation_cache(cfg.compilation_cache_dir)
+    Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
     prepare_data(cfg)
     base = prepare_base_model(cfg)
+    examples = sft_examples(cfg, AutoTokenizer.from_pretrained(base))
     check_fingerprint(cfg)  # the SFT model `train` would reuse must be this config's
     with TrainingProgress() as progress:
-        out = run_sft(cfg, base, AutoTokenizer.from_pretrained(base), progress)
+        out = run_sft(cfg, base, examples, progress)
     print(f"wrote {out}")
     return 0

@@ -60,7 +60,8 @@ def held_out_items(cfg, tokenizer) -> list[PromptItem]:
 
     if cfg.eval.dataset is None:
         return []
-    items = PromptDataset(dataset_config(cfg.eval.dataset, cfg.run_dir), tokenizer)
+    items = PromptDataset(dataset_config(cfg.eval.dataset, cfg.run_dir), tokenizer,
+                          "eval.dataset")
     return list(items)[: cfg.eval.max_prompts]
 
 

@@ -27,7 +27,7 @@ from areal_jax.controller.evaluation import held_out_items
 from areal_jax.controller.progress import TrainingProgress
 from areal_jax.controller.rl_phase import check_trajectories_fit, run_rl
 from areal_jax.controller.servers import check_local_engine_context, servers_compiling
-from areal_jax.controller.sft_phase import run_sft, sft_model_kept
+from areal_jax.controller.sft_phase import run_sft, sft_examples, sft_model_kept
 from areal_jax.controller.trainers import make_trainer
 from areal_jax.data.dataset import PromptDataset
 from areal_jax.experiment import ExperimentConfig
@@ -98,22 +98,28 @@ def train(cfg: ExperimentConfig) -> dict:
         run_dir.mkdir(parents=True, exist_ok=True)
         prepare_data(cfg)
         prepare_base_model(cfg)
-        check_fingerprint(cfg)  # a refused config leaves the run's config.json as it was
-        write_atomic(run_dir / "config.json", json.dumps(to_dict(cfg), indent=2))
-    barrier("run directory prepared")
+    barrier("data and base model prepared")
     with TrainingProgress(enabled=leader) as progress:
         base = base_model_path(cfg)
         tokenizer = AutoTokenizer.from_pretrained(base)
+        # Checked before SFT, and before the run directory records this config: a config
+        # refused here can be corrected in place.
         train_set = PromptDataset(dataset_config(cfg.dataset, cfg.run_dir), tokenizer)
         prompt_lengths = [len(item.prompt_ids) for item in train_set]
-        check_trajectories_fit(cfg, prompt_lengths)  # before SFT
+        check_trajectories_fit(cfg, prompt_lengths)
         eval_items = held_out_items(cfg, tokenizer)
         check_local_engine_context(cfg, base, training=prompt_lengths,
                                    held_out=[len(item.prompt_ids) for item in eval_items])
+        sft_pending = bool(cfg.sft.steps) and not sft_model_kept(cfg)
+        examples = sft_examples(cfg, tokenizer) if sft_pending else []
+        if leader:
+            check_fingerprint(cfg)  # a refused config leaves the run's config.json as it was
+            write_atomic(run_dir / "config.json", json.dumps(to_dict(cfg), indent=2))
+        barrier("run directory prepared")
         start = base
         if cfg.sft.steps:
-            with servers_compiling(cfg, base, leader and not sft_model_kept(cfg)):
-                start = run_sft(cfg, base, tokenizer, progress, leader, barrier)
+            with servers_compiling(cfg, base, leader and sft_pending):
+                start = run_sft(cfg, base, examples, progress, leader, barrier)
         trainer = make_trainer(cfg, start)
         group = TrainerGroup(trainer)
         try:

@@ -22,17 +22,27 @@ from areal_jax.models.hf_export import remove_unfinished_exports
 
 
 def sft_examples(cfg: ExperimentConfig, tokenizer) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, response ids + eos) for every training prompt."""
+    """(prompt ids, response ids + eos) for every training prompt; refuses, naming the prompt,
+    a missing or null response and one whose prompt + response fits no SFT micro-batch (its
+    step would fail mid-SFT, after the steps before it)."""
     dataset = PromptDataset(dataset_config(cfg.dataset, cfg.run_dir), tokenizer)
     key = cfg.sft.response_key
+    budget = cfg.sft_trainer.micro_batch.token_budget
     examples = []
     for item in dataset:
-        if key not in item.metadata:
+        if item.metadata.get(key) is None:
             raise ConfigError(
-                f"sft.response_key: prompt {item.id} has no metadata {key!r}; SFT trains on "
-                f"that field of the RL dataset, so list it in dataset.metadata_fields")
+                f"sft.response_key: prompt {item.id} has no metadata {key!r} (or it is null); "
+                "SFT trains on that field of the RL dataset, so list it in "
+                "dataset.metadata_fields")
         response = tokenizer(str(item.metadata[key]) + tokenizer.eos_token,
                              add_special_tokens=False)["input_ids"]
+        if len(item.prompt_ids) + len(response) > budget:
+            raise ConfigError(
+                f"sft.response_key: prompt {item.id}'s prompt ({len(item.prompt_ids)} tokens) + "
+                f"{key!r} ({len(response)} tokens) is over the SFT micro-batch token budget "
+                f"({budget}, trainer.micro_batch.token_budget or sft.trainer's): it fits no "
+                "micro-batch; raise the budget, or shorten or drop that row")
         examples.append((item.prompt_ids, response))
     return examples
 
@@ -42,13 +52,13 @@ def sft_model_kept(cfg: ExperimentConfig) -> bool:
     return (Path(cfg.run_dir) / "sft_model" / "config.json").is_file()
 
 
-def run_sft(cfg: ExperimentConfig, base: Path, tokenizer, progress: TrainingProgress,
+def run_sft(cfg: ExperimentConfig, base: Path, examples: list, progress: TrainingProgress,
             leader: bool = True, barrier=lambda name: None) -> Path:
-    """Supervised warm start; returns ``<run_dir>/sft_model`` (kept when it already exists)."""
+    """Supervised warm start on ``examples`` (``sft_examples``); returns
+    ``<run_dir>/sft_model`` (kept when it already exists)."""
     out = Path(cfg.run_dir) / "sft_model"
     if sft_model_kept(cfg):
         return out
-    examples = sft_examples(cfg, tokenizer)
     trainer = make_trainer(cfg, base, cfg.sft.trainer, run_dir=Path(cfg.run_dir) / "sft")
     try:
         task = progress.start_phase("SFT warm start", cfg.sft.steps)

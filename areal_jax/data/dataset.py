@@ -30,10 +30,11 @@ class PromptItem:
 class PromptDataset(Sequence[PromptItem]):
     """All rows of ``config.path`` whose prompt fits ``config.max_prompt_tokens``.
 
-    ``num_dropped`` counts the rows left out for being too long.
+    ``num_dropped`` counts the rows left out for being too long. ``section``: the config
+    section it comes from (``dataset``, ``eval.dataset``), named in errors.
     """
 
-    def __init__(self, config: DatasetConfig, tokenizer):
+    def __init__(self, config: DatasetConfig, tokenizer, section: str = "dataset"):
         self.config = config
         path = Path(config.path)
         rows = read_rows(path, config.resolved_format())
@@ -71,7 +72,7 @@ class PromptDataset(Sequence[PromptItem]):
                 }
             )
         try:
-            rendered = render_prompts(questions, tokenizer, config)
+            rendered = render_prompts(questions, tokenizer, config, section)
         except ValueError as e:
             raise DatasetError(str(e)) from e
         self._items = [
@@ -91,7 +92,7 @@ class PromptDataset(Sequence[PromptItem]):
         if not self._items:
             raise DatasetError(
                 f"{path}: every prompt is longer than "
-                f"dataset.max_prompt_tokens={config.max_prompt_tokens}"
+                f"{section}.max_prompt_tokens={config.max_prompt_tokens}"
             )
 
     def __len__(self) -> int:

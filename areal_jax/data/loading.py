@@ -37,10 +37,13 @@ def _read_jsonl(path: Path) -> list[tuple[str, dict]]:
                                    f"{e.start})") from None
             if not line.strip():
                 continue
+            array = number == 1 and line.lstrip().startswith("[")
+            hint = ": a JSON array is not read; write one JSON object per line (JSONL)"
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DatasetError(f"{path} line {number}: invalid JSON ({e.msg})") from None
+                raise DatasetError(f"{path} line {number}: invalid JSON ({e.msg})"
+                                   f"{hint if array else ''}") from None
             except ValueError as e:  # an integer of more digits than Python converts
                 raise DatasetError(f"{path} line {number}: {e}") from None
             except RecursionError:
@@ -48,7 +51,7 @@ def _read_jsonl(path: Path) -> list[tuple[str, dict]]:
             if not isinstance(row, dict):
                 raise DatasetError(
                     f"{path} line {number}: expected a JSON object, got {type(row).__name__}"
-                )
+                    f"{hint if array else ''}")
             rows.append((f"line {number}", row))
     return rows
 

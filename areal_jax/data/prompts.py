@@ -8,9 +8,10 @@ _CHUNK = 1024
 
 
 def render_prompts(
-    questions: list[str], tokenizer, config: DatasetConfig
+    questions: list[str], tokenizer, config: DatasetConfig, section: str = "dataset"
 ) -> list[tuple[str, list[int]]]:
-    """(prompt text, prompt token ids) for each question, formatted as ``config`` says.
+    """(prompt text, prompt token ids) for each question, formatted as ``config`` (the config
+    section ``section``) says.
 
     With ``config.use_chat_template`` each question (plus ``instruction_suffix``) is one user turn
     after an optional system turn, rendered with ``add_generation_prompt=True``; otherwise the
@@ -18,8 +19,8 @@ def render_prompts(
     """
     if config.use_chat_template and not getattr(tokenizer, "chat_template", None):
         raise ValueError(
-            "dataset.use_chat_template is true but the tokenizer has no chat template; "
-            "set dataset.use_chat_template=false"
+            f"{section}.use_chat_template is true but the tokenizer has no chat template; "
+            f"set {section}.use_chat_template=false"
         )
     out: list[tuple[str, list[int]]] = []
     for start in range(0, len(questions), _CHUNK):

@@ -40,6 +40,16 @@ def test_a_typo_in_rollout_server_fails_before_anything_starts(tmp_path, capsys)
     assert not (tmp_path / "run").exists()
 
 
+def test_a_typo_in_the_engine_options_fails_before_anything_starts(tmp_path, capsys):
+    # It surfaced only when the servers started, after SFT.
+    for kind in ("jax", "sglang"):
+        cfg = _config(tmp_path, sft={"steps": 3},
+                      rollout={"server": {"engine": {"kind": kind, "options": {"max_seq_lenn": 1}}}})
+        assert main(["train", "--config", _write(tmp_path, cfg)]) == 2
+        assert "unknown config key engine.options.max_seq_lenn" in capsys.readouterr().err
+        assert not (tmp_path / "run").exists()
+
+
 def test_an_unimportable_reward_shows_the_import_error(tmp_path, capsys):
     cfg = _config(tmp_path, dataset={"reward": "no_such_package.rewards:score"})
     assert main(["train", "--config", _write(tmp_path, cfg)]) == 2

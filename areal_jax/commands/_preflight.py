@@ -13,10 +13,11 @@ def check_rollout_server(cfg: ExperimentConfig) -> None:
     """``rollout.server`` is free-form YAML handed to the servers: validate it as their config."""
     from areal_jax.controller.servers import server_config
     from rollout.config import ServerConfig
+    from rollout.engines import check_engine_options
 
     data = server_config(cfg, Path(cfg.run_dir) / "model", 0)
     try:
-        from_dict(ServerConfig, data)
+        check_engine_options(from_dict(ServerConfig, data).engine)
     except ConfigError as e:
         raise ConfigError(f"rollout.server: {e}") from e
 

@@ -1,14 +1,15 @@
 """Generation engines, built by kind: ``create_engine(config)``.
 
 Each kind lives in its own module, imported only when selected, which exposes
-``build_engine(config: EngineConfig) -> GenerationEngine``.
+``build_engine(config: EngineConfig) -> GenerationEngine`` and ``OPTIONS``, the dataclass of
+its ``engine.options``.
 """
 
 from __future__ import annotations
 
 import importlib
 
-from areal_jax.config import ConfigError
+from areal_jax.config import ConfigError, from_dict
 from rollout.config import EngineConfig
 from rollout.engine import GenerationEngine
 
@@ -20,17 +21,7 @@ ENGINE_MODULES = {
 
 def create_engine(config: EngineConfig) -> GenerationEngine:
     """The engine of kind ``config.kind``; a clear ``ConfigError`` if it is unavailable."""
-    module_name = ENGINE_MODULES.get(config.kind)
-    if module_name is None:
-        raise ConfigError(f"engine.kind: {config.kind!r} is not one of {sorted(ENGINE_MODULES)}")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if e.name != module_name:
-            raise
-        raise ConfigError(
-            f"engine.kind: {config.kind!r} needs the module {module_name}, which is not available"
-        ) from e
+    module_name, module = _engine_module(config.kind)
     build = getattr(module, "build_engine", None)
     if build is None:
         raise ConfigError(f"engine.kind: {module_name} does not define build_engine(config)")
@@ -38,3 +29,24 @@ def create_engine(config: EngineConfig) -> GenerationEngine:
     if not isinstance(engine, GenerationEngine):
         raise TypeError(f"{module_name}.build_engine returned {type(engine).__name__}")
     return engine
+
+
+def check_engine_options(config: EngineConfig) -> None:
+    """Raise the ``ConfigError`` (naming the key) that ``config.options`` would raise when the
+    engine is built, without building it: a typo is found before a run's long work."""
+    from_dict(_engine_module(config.kind)[1].OPTIONS, config.options, prefix="engine.options")
+
+
+def _engine_module(kind: str):
+    """(module name, module) of the engine ``kind``; a clear ``ConfigError`` if unavailable."""
+    module_name = ENGINE_MODULES.get(kind)
+    if module_name is None:
+        raise ConfigError(f"engine.kind: {kind!r} is not one of {sorted(ENGINE_MODULES)}")
+    try:
+        return module_name, importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name != module_name:
+            raise
+        raise ConfigError(
+            f"engine.kind: {kind!r} needs the module {module_name}, which is not available"
+        ) from e

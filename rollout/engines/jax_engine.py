@@ -289,9 +289,12 @@ class JaxEngine(GenerationEngine):
         }
 
 
+OPTIONS = JaxEngineOptions  # the dataclass of engine.options
+
+
 def build_engine(config: EngineConfig) -> JaxEngine:
     """The JAX engine for ``config``; bad options raise ``ConfigError`` naming the key."""
-    options = from_dict(JaxEngineOptions, config.options, prefix="engine.options")
+    options = from_dict(OPTIONS, config.options, prefix="engine.options")
     try:
         cfg = read_config(config.model_path)
     except EngineError as e:

@@ -434,6 +434,9 @@ class SGLangEngine(GenerationEngine):
         return {"http_requests_in_flight": self._in_flight, "resubmissions": self._resubmissions}
 
 
+OPTIONS = SGLangOptions  # the dataclass of engine.options
+
+
 def build_engine(config: EngineConfig) -> SGLangEngine:
-    options = from_dict(SGLangOptions, config.options, prefix="engine.options")
+    options = from_dict(OPTIONS, config.options, prefix="engine.options")
     return SGLangEngine(options, config.model_path, config.initial_version)

@@ -36,6 +36,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
     """Errors that report bad input (config, model, checkpoint, data) or a run stopped for a
     stated reason (servers failing, requests rejected): shown without traceback."""
     from areal_jax.config import ConfigError
+    from areal_jax.controller.evaluation import EvaluationFailedError
     from areal_jax.controller.local_servers import ServerExitedError
     from areal_jax.controller.loop import RolloutRejectedError
     from areal_jax.controller.reward_watch import RewardFailingError
@@ -53,7 +54,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
             RewardNotFoundError, CheckpointMismatchError, CheckpointCorruptError,
             ServerExitedError, ExportTargetError,
             RolloutRejectedError, RewardFailingError, NoLiveServerError, RequestFailedError,
-            ServerRefusedError, WeightsRejectedError)  # fmt: skip
+            ServerRefusedError, WeightsRejectedError, EvaluationFailedError)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

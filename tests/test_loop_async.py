@@ -600,3 +600,26 @@ def test_a_server_down_at_start_joins_later_and_a_wrong_token_is_named_at_once(
 
     addresses, (live, took) = asyncio.run(main())
     assert live == addresses[:1] and took < 5
+
+
+def test_an_evaluation_whose_every_request_fails_names_the_first_error(tmp_path, caplog):
+    # Each request was refused (a server without the run's reward): the accuracy was NaN on 0
+    # prompts, no reason given, RL started anyway and the NaN was kept as the before-RL figure.
+    from areal_jax.controller.evaluation import EvaluationFailedError, evaluate
+
+    async def main():
+        servers = await start_servers(tmp_path, [ArithmeticEngine()])
+        pool = RolloutPool(addresses(servers))
+        await pool.start(ready_timeout_s=10)
+        try:
+            with pytest.raises(EvaluationFailedError, match=r"every one of the 4 held-out "
+                               r"evaluation requests failed; the first: .*no_such_reward"):
+                await evaluate(pool, items(4), "no_such_reward", max_new_tokens=6)
+            return await evaluate(pool, items(4), "exact", max_new_tokens=6)
+        finally:
+            await pool.close()
+            for server in servers:
+                await server.stop(grace=0)
+
+    result = asyncio.run(main())
+    assert result["eval/num_prompts"] == 4 and result["eval/failed"] == 0

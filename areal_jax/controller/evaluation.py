@@ -16,12 +16,18 @@ log = logging.getLogger(__name__)
 _rounds = itertools.count()
 
 
+class EvaluationFailedError(RuntimeError):
+    """Every request of a held-out evaluation failed: its accuracy would measure nothing."""
+
+
 async def evaluate(pool: RolloutPool, items: list[PromptItem], reward: str, *,
                    max_new_tokens: int, temperature: float = 0.0,
                    token_counts: list[int] | None = None) -> dict[str, float]:
     """Mean reward (accuracy for 0/1 rewards) and response length, one sample per prompt.
 
-    ``token_counts``, if given, is extended with each answer's prompt + response tokens."""
+    ``token_counts``, if given, is extended with each answer's prompt + response tokens.
+    Requests that failed are counted and the first one's error logged; when every one failed,
+    ``EvaluationFailedError`` names that error (e.g. a server that does not know the reward)."""
     tag = next(_rounds)
     futures = [
         pool.submit(rollout_request(item, f"eval-{tag}-{i}", reward, 1, max_new_tokens,
@@ -29,10 +35,13 @@ async def evaluate(pool: RolloutPool, items: list[PromptItem], reward: str, *,
         for i, item in enumerate(items)
     ]
     groups = await asyncio.gather(*futures)
-    rewards, lengths, failed, reward_failures = [], [], 0, 0
+    rewards, lengths, failed, reward_failures, first_error = [], [], 0, 0, None
     for group in groups:
         if group.HasField("error"):
             failed += 1
+            first_error = first_error or (
+                f"{group.error.message}" + (f" (field {group.error.field})"
+                                            if group.error.field else ""))
             continue
         if group.reward_failures:
             if not reward_failures:
@@ -44,6 +53,13 @@ async def evaluate(pool: RolloutPool, items: list[PromptItem], reward: str, *,
             lengths.append(len(t.output_ids))
             if token_counts is not None:
                 token_counts.append(len(group.prompt_ids) + len(t.output_ids))
+    if failed and failed == len(items):
+        raise EvaluationFailedError(
+            f"every one of the {failed} held-out evaluation requests failed; the first: "
+            f"{first_error}")
+    if failed:
+        log.warning("evaluation: %d of %d requests failed and are not counted; the first: %s",
+                    failed, len(items), first_error)
     return {
         "eval/accuracy": float(np.mean(rewards)) if rewards else float("nan"),
         "eval/response_length": float(np.mean(lengths)) if lengths else float("nan"),

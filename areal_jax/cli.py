@@ -63,6 +63,14 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "_run", None):
         parser.print_help()
         return 2
+    from areal_jax.processes import shadowed_packages
+
+    hidden = shadowed_packages()
+    if hidden:
+        print(f"areal-jax {args.command}: error: a module of yours hides areal-jax's package "
+              f"of the same name ({'; '.join(hidden)}), through PYTHONPATH or the current "
+              "directory: rename it", file=sys.stderr)
+        return 2
     try:
         return int(args._run(args) or 0)
     except Exception as e:

@@ -37,6 +37,34 @@ def die_with_parent(parent: int, sig: int = signal.SIGKILL) -> None:
         os._exit(1)
 
 
+IMPORT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # holds areal_jax/
+
+
+def own_module_command(module: str, args: list[str], env: dict[str, str]
+                       ) -> tuple[list[str], dict[str, str]]:
+    """(argv, env) that run this project's ``module`` (``python -m``) in a child whatever its
+    working directory holds: without the current directory on the import path (``-P``), and
+    with this project's import root first on ``PYTHONPATH`` (a user's own ``rollout.py`` next
+    to their config, or on their ``PYTHONPATH``, would otherwise be run instead)."""
+    path = os.pathsep.join(p for p in (IMPORT_ROOT, env.get("PYTHONPATH")) if p)
+    return [sys.executable, "-P", "-m", module, *args], {**env, "PYTHONPATH": path}
+
+
+def shadowed_packages(names: tuple[str, ...] = ("rollout", "areal_jax")) -> list[str]:
+    """Each of this project's top-level packages that another module of the same name hides
+    on this process's import path, as ``"name: path"``."""
+    import importlib.util
+
+    hidden = []
+    for name in names:
+        spec = importlib.util.find_spec(name)
+        origin = spec.origin if spec is not None and spec.origin else ""
+        expected = os.path.join(IMPORT_ROOT, name, "__init__.py")
+        if spec is not None and os.path.abspath(origin) != expected:
+            hidden.append(f"{name}: {origin or (list(spec.submodule_search_locations or []))}")
+    return hidden
+
+
 def tied_argv(argv: list[str], sig: int = signal.SIGTERM,
               cpus: list[int] | None = None) -> list[str]:
     """``argv`` started through the launcher: the command receives ``sig`` when the thread that

@@ -16,13 +16,12 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import yaml
 
-from areal_jax.processes import tied_argv
+from areal_jax.processes import own_module_command, tied_argv
 
 
 class ServerExitedError(RuntimeError):
@@ -112,13 +111,14 @@ class LocalServers:
         cfg_path = self._log_dir / f"{name}.yaml"
         cfg_path.write_text(yaml.safe_dump(cfg))
         devices = self._devices[i] if self._devices else None
-        env = {**os.environ, "GRPC_VERBOSITY": "ERROR",
-               **device_env(devices, self._memory_fraction), **self._env}
+        argv, env = own_module_command(
+            "rollout", ["--config", str(cfg_path), *args],
+            {**os.environ, "GRPC_VERBOSITY": "ERROR",
+             **device_env(devices, self._memory_fraction), **self._env})
         cpus = self._cpu_sets[i] if self._cpu_sets else None
         with open(self._log_dir / f"{name}.log", "ab") as log:
             return subprocess.Popen(
-                tied_argv([sys.executable, "-m", "rollout", "--config", str(cfg_path), *args],
-                          signal.SIGTERM, cpus),
+                tied_argv(argv, signal.SIGTERM, cpus),
                 stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
             )
 

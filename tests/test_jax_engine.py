@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
 from _hf_models import hf_greedy, hf_model, save_hf_model
 from _rollout_fakes import until
@@ -43,6 +45,15 @@ def make_engine(path, **options):
 
 def run(coro):
     return asyncio.run(coro)
+
+
+def copy_model(model_dir, path: Path, **config) -> str:
+    """``model_dir``'s weights and ``config.json`` (with ``config`` on top) in ``path``."""
+    path.mkdir()
+    (path / "model.safetensors").write_bytes((Path(model_dir) / "model.safetensors").read_bytes())
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, **config}))
+    return str(path)
 
 
 async def started(path, **options):
@@ -210,15 +221,38 @@ def test_stop_ids_and_max_new_tokens(model_dir, tmp_path):
 
     # The model's end-of-sequence id stops generation too.
     eos = full.output_ids[9]
-    eos_dir = tmp_path / "with_eos"
-    eos_dir.mkdir()
-    for f in ("model.safetensors", "config.json"):
-        (eos_dir / f).write_bytes((Path(model_dir) / f).read_bytes())
-    cfg = json.loads((eos_dir / "config.json").read_text())
-    (eos_dir / "config.json").write_text(json.dumps({**cfg, "eos_token_id": [96, eos]}))
-    ended = run(generate(str(eos_dir), SamplingParams(30, temperature=0.0)))
+    eos_dir = copy_model(model_dir, tmp_path / "with_eos", eos_token_id=[96, eos])
+    ended = run(generate(eos_dir, SamplingParams(30, temperature=0.0)))
     assert ended.finish_reason == "stop"
     assert ended.output_ids == full.output_ids[: full.output_ids.index(eos) + 1]
+
+
+def test_end_ids_only_in_generation_config_stop_generation_as_in_transformers(
+        ref_model, model_dir, tmp_path):
+    """Llama 3 Instruct lists ``<|eot_id|>`` as an end id in ``generation_config.json`` only;
+    transformers stops on it, and so must the engine."""
+    full = hf_greedy(ref_model, PROMPTS[2], 30)
+    eot = full[9]
+    path = copy_model(model_dir, tmp_path / "eot", eos_token_id=96)
+    (Path(path) / "generation_config.json").write_text(json.dumps({"eos_token_id": [96, eot]}))
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    expected = hf_greedy(hf, PROMPTS[2], 30)
+    assert expected == full[: full.index(eot) + 1]
+
+    async def main():
+        engine = await started(path)
+        try:
+            return await engine.generate_full(PROMPTS[2], SamplingParams(30, temperature=0.0), "r")
+        finally:
+            await engine.shutdown()
+
+    ended = run(main())
+    assert (ended.finish_reason, ended.output_ids) == ("stop", expected)
+    # Ids the model cannot emit are named, as in config.json.
+    (Path(path) / "generation_config.json").write_text(json.dumps({"eos_token_id": [eot, 97]}))
+    with pytest.raises(ConfigError, match=r"engine.model_path: .*generation_config.json: "
+                                          r"eos_token_id must hold .* below vocab_size 97"):
+        make_engine(path)
 
 
 def test_seeded_sampling_does_not_depend_on_batch_company(model_dir):

@@ -14,11 +14,13 @@ from flax import nnx
 from transformers import AutoModelForCausalLM
 
 from _hf_models import hf_logits, hf_model, save_hf_model
+from _trainer_kit import one_device_mesh
 from areal_jax.models import (
     CheckpointError, ModelConfig, export_hf, export_hf_tensors, hf_state_dict, init_model,
     load_hf_model,
 )  # fmt: skip
 from areal_jax.models.safetensors_io import SafetensorsFile
+from areal_jax.trainer import Trainer, TrainerConfig
 from areal_jax.trainer.publish import publish_tensors, publish_version
 
 
@@ -102,6 +104,25 @@ def test_two_step_publish_writes_the_same_bytes_as_export_hf(loaded, tmp_path, m
     assert sorted(p.name for p in exports.iterdir()) == ["v000004"]
     for f in one.iterdir():
         assert f.read_bytes() == (three / f.name).read_bytes(), f.name
+
+
+def test_exports_keep_the_source_models_generation_config(tmp_path):
+    """Llama 3 Instruct lists ``<|eot_id|>`` as an end id in ``generation_config.json`` only:
+    exports copy the source model's file unchanged (rebuilt from config.json, it lost that id
+    and the engines serving the export never stopped on it)."""
+    src = save_hf_model(hf_model("llama", seed=2), tmp_path / "src")  # config.json: eos 2
+    gen = json.dumps({"eos_token_id": [2, 90], "temperature": 0.6, "top_p": 0.9}, indent=1)
+    (src / "generation_config.json").write_text(gen)
+    trainer = Trainer(TrainerConfig(model_path=str(src), run_dir=str(tmp_path / "run")),
+                      mesh=one_device_mesh())
+    assert (trainer.publish(0) / "generation_config.json").read_text() == gen
+    out = export_hf(trainer.model, tmp_path / "out", source_dir=src)
+    assert (out / "generation_config.json").read_text() == gen
+    # A source without one: the config's token ids, as for a model built in memory.
+    (src / "generation_config.json").unlink()
+    out = export_hf(trainer.model, tmp_path / "out", source_dir=src)
+    assert json.loads((out / "generation_config.json").read_text()) == {
+        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": None}
 
 
 def test_bf16_parameters_export_without_a_host_fp32_copy():

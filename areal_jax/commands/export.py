@@ -48,6 +48,6 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--version {version}: no such checkpoint under {checkpoints}; "
                           f"there are {', '.join(map(str, versions))}")
     trainer.restore(version)  # read only: a damaged checkpoint is an error, not skipped
-    out = export_hf(trainer.model, out, dtype=args.dtype, tokenizer_dir=start)
+    out = export_hf(trainer.model, out, dtype=args.dtype, tokenizer_dir=start, source_dir=start)
     print(f"exported version {trainer.version} to {out}")
     return 0

@@ -80,7 +80,8 @@ def run_sft(cfg: ExperimentConfig, base: Path, examples: list, progress: Trainin
         if leader:  # synced to disk: kept by every later run, it is never written again
             remove_unfinished_exports(out.parent, out.name)  # of a killed earlier run
             export_hf_tensors(snapshot.tensors, snapshot.model_cfg, out,
-                              tokenizer_dir=snapshot.tokenizer_dir, durable=True)
+                              tokenizer_dir=snapshot.tokenizer_dir,
+                              source_dir=snapshot.source_dir, durable=True)
         barrier("sft_model written")
     finally:
         trainer.close()

@@ -4,7 +4,8 @@ One ``ModelConfig`` covers the decoder-only families we support: ``qwen2`` (q/k/
 ``qwen3`` (q/k RMSNorm) and ``llama`` (Llama 3.x), with ``linear``, ``llama3`` or ``yarn``
 rope scaling. Rope settings are resolved as transformers 5 does: a top-level ``rope_scaling``
 replaces ``rope_parameters`` whole, and ``rope_theta`` inside the chosen dict wins over the
-top-level one.
+top-level one. ``generation_eos_ids`` reads the end-of-sequence ids a model lists in its
+``generation_config.json``.
 """
 
 from __future__ import annotations
@@ -107,11 +108,7 @@ class ModelConfig:
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         """End-of-sequence ids as a tuple (HF allows an int or a list)."""
-        if self.eos_token_id is None:
-            return ()
-        if isinstance(self.eos_token_id, int):
-            return (self.eos_token_id,)
-        return tuple(self.eos_token_id)
+        return _as_tuple(self.eos_token_id)
 
     @property
     def attention_break_even(self) -> int:
@@ -198,10 +195,7 @@ class ModelConfig:
         file = Path(path) / "config.json"
         if not file.is_file():
             raise ModelConfigError(f"no config.json in {path}")
-        try:
-            hf = json.loads(file.read_text(encoding="utf-8"))
-        except (ValueError, RecursionError) as e:  # not JSON, not UTF-8, nested too deep
-            raise ModelConfigError(f"{file} is not valid JSON: {e!s:.200}") from e
+        hf = _read_json(file)
         try:
             return cls.from_hf_dict(hf)
         except ModelConfigError as e:
@@ -246,6 +240,38 @@ class ModelConfig:
         if self.model_type in ("qwen2", "qwen3"):
             out["use_sliding_window"] = False
         return out
+
+
+def generation_eos_ids(path: str | Path, vocab_size: int) -> tuple[int, ...]:
+    """End-of-sequence ids in ``generation_config.json`` of the model directory ``path`` (none
+    without that file). transformers and SGLang stop on these as well as on ``config.json``'s;
+    Llama 3 Instruct lists ``<|eot_id|>`` only here. A file that is not a JSON object, or ids
+    that are not non-negative integers below ``vocab_size``, raise ``ModelConfigError`` naming
+    the file."""
+    file = Path(path) / "generation_config.json"
+    if not file.is_file():
+        return ()
+    gen = _read_json(file)
+    if not isinstance(gen, dict):
+        raise ModelConfigError(f"{file} must hold a JSON object, got {type(gen).__name__}")
+    try:
+        return _as_tuple(_token_ids(gen, "eos_token_id", vocab_size))
+    except ModelConfigError as e:
+        raise ModelConfigError(f"{file}: {e}") from None
+
+
+def _read_json(file: Path) -> Any:
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except (ValueError, RecursionError) as e:  # not JSON, not UTF-8, nested too deep
+        raise ModelConfigError(f"{file} is not valid JSON: {e!s:.200}") from e
+
+
+def _as_tuple(ids: int | tuple[int, ...] | None) -> tuple[int, ...]:
+    """Token ids as a tuple: none, one id, or several."""
+    if ids is None:
+        return ()
+    return (ids,) if isinstance(ids, int) else tuple(ids)
 
 
 def _rope(hf: dict[str, Any], max_positions: int) -> tuple[float, RopeScaling | None]:

@@ -175,6 +175,7 @@ def export_hf_tensors(
     out_dir: str | Path,
     *,
     tokenizer_dir: str | Path | None = None,
+    source_dir: str | Path | None = None,
     max_shard_bytes: int = 2 * 1024**3,
     durable: bool = True,
 ) -> Path:
@@ -184,7 +185,9 @@ def export_hf_tensors(
 
     The tensors must be exactly those of ``cfg`` (``CheckpointError`` otherwise).
     ``config.json`` declares the tensors' dtype (``dtype`` and ``torch_dtype``), so
-    transformers loads them as written. Files go to a temporary sibling directory which is
+    transformers loads them as written. ``generation_config.json`` is that of the model directory
+    ``source_dir`` (the one the parameters were loaded from) where it has one, copied unchanged,
+    else built from ``cfg``'s token ids. Files go to a temporary sibling directory which is
     then renamed into place; an existing ``out_dir`` is replaced if it holds a model's files
     only (``ExportTargetError`` otherwise).
     """
@@ -198,8 +201,12 @@ def export_hf_tensors(
         hf_cfg = cfg.to_hf_dict()
         hf_cfg["dtype"] = hf_cfg["torch_dtype"] = _main_dtype(tensors).name
         (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2))
-        gen = {k: getattr(cfg, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
-        (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
+        source_gen = Path(source_dir) / "generation_config.json" if source_dir else None
+        if source_gen is not None and source_gen.is_file():
+            shutil.copy2(source_gen, tmp / "generation_config.json")
+        else:
+            gen = {k: getattr(cfg, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+            (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
         groups = _shard_groups(tensors, max_shard_bytes)
         if len(groups) == 1:
             save_safetensors(tmp / "model.safetensors", tensors, durable=durable)
@@ -231,11 +238,13 @@ def export_hf(
     *,
     dtype="float32",
     tokenizer_dir: str | Path | None = None,
+    source_dir: str | Path | None = None,
     max_shard_bytes: int = 2 * 1024**3,
 ) -> Path:
     """``export_hf_tensors(hf_state_dict(model, dtype), model.cfg, out_dir, ...)``."""
     return export_hf_tensors(hf_state_dict(model, dtype), model.cfg, out_dir,
-                             tokenizer_dir=tokenizer_dir, max_shard_bytes=max_shard_bytes)
+                             tokenizer_dir=tokenizer_dir, source_dir=source_dir,
+                             max_shard_bytes=max_shard_bytes)
 
 
 def _replace_dir(new: Path, target: Path) -> None:

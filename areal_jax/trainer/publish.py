@@ -36,10 +36,12 @@ def publish_tensors(
     keep: int,
     keep_every: int = 0,
     tokenizer_dir: str | Path | None = None,
+    source_dir: str | Path | None = None,
 ) -> Path:
     """Write host ``tensors`` (from ``hf_state_dict``) as ``version`` (with tokenizer files if
-    ``tokenizer_dir``), then prune as ``prune_exports(exports_dir, keep, keep_every)``; the
-    export just written is never pruned. Touches no device: safe on a background thread.
+    ``tokenizer_dir``, and the generation config of ``source_dir`` if it has one), then prune as
+    ``prune_exports(exports_dir, keep, keep_every)``; the export just written is never pruned.
+    Touches no device: safe on a background thread.
 
     The files are not synced to disk (the rename still makes them appear whole): a published
     version only has to outlive the process, a restart publishes its version again from the
@@ -48,7 +50,7 @@ def publish_tensors(
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
     out = export_hf_tensors(tensors, cfg, export_path(exports_dir, version),
-                            tokenizer_dir=tokenizer_dir, durable=False)
+                            tokenizer_dir=tokenizer_dir, source_dir=source_dir, durable=False)
     prune_exports(exports_dir, keep, protect=out, keep_every=keep_every)
     return out
 

@@ -68,6 +68,7 @@ class PublishSnapshot:
     keep: int
     keep_every: int
     tokenizer_dir: str | None
+    source_dir: str | None  # the model directory the parameters were loaded from
 
     @property
     def kept(self) -> bool:
@@ -83,6 +84,7 @@ class PublishSnapshot:
         return publish_tensors(
             self.tensors, self.model_cfg, self.exports_dir, self.version,
             keep=self.keep, keep_every=self.keep_every, tokenizer_dir=self.tokenizer_dir,
+            source_dir=self.source_dir,
         )  # fmt: skip
 
 
@@ -330,7 +332,7 @@ class Trainer:
             version, tensors if is_leader() else None, self.model.cfg,
             Path(self.config.run_dir) / "exports", self.config.export_keep,
             self.config.export_keep_every,
-            self.config.tokenizer_path or self.config.model_path,
+            self.config.tokenizer_path or self.config.model_path, self.config.model_path,
         )  # fmt: skip
 
     def publish(self, version: int | None = None) -> Path:

@@ -12,7 +12,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from typing import Literal
 
 import jax
@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from areal_jax.config import ConfigError, from_dict
-from areal_jax.models import ModelConfig
+from areal_jax.models import ModelConfig, ModelConfigError
+from areal_jax.models.config import generation_eos_ids
 from rollout.config import EngineConfig
 from rollout.engine import (
     EngineError,
@@ -138,7 +139,8 @@ class JaxEngine(GenerationEngine):
 
     kind = "jax"
 
-    def __init__(self, options: JaxEngineOptions, cfg: ModelConfig, model_path: str, version: int):
+    def __init__(self, options: JaxEngineOptions, cfg: ModelConfig, model_path: str, version: int,
+                 generation_eos: Collection[int]):
         self.options = options.resolved(cfg)
         # Token ids play no part in the computation; without them the compiled programs are
         # shared by checkpoints that differ only there (and the config stays hashable).
@@ -149,7 +151,10 @@ class JaxEngine(GenerationEngine):
         self._initial_version = version
         self._dtype = jnp.dtype(self.options.dtype)
         self._seeds = np.random.default_rng(self.options.seed)
-        self._eos = [t for t in cfg.eos_token_ids if 0 <= t < cfg.vocab_size]
+        # config.json's end ids and generation_config.json's (``generation_eos``): transformers
+        # and SGLang stop on both
+        self._eos = sorted({t for t in (*cfg.eos_token_ids, *generation_eos)
+                            if 0 <= t < cfg.vocab_size})
         self._worker: DecodeWorker | None = None
         self._update_lock = asyncio.Lock()
         self._closed = False
@@ -297,6 +302,7 @@ def build_engine(config: EngineConfig) -> JaxEngine:
     options = from_dict(OPTIONS, config.options, prefix="engine.options")
     try:
         cfg = read_config(config.model_path)
-    except EngineError as e:
+        eos = generation_eos_ids(config.model_path, cfg.vocab_size)
+    except (EngineError, ModelConfigError) as e:
         raise ConfigError(f"engine.model_path: {e}") from e
-    return JaxEngine(options, cfg, config.model_path, config.initial_version)
+    return JaxEngine(options, cfg, config.model_path, config.initial_version, eos)

@@ -35,6 +35,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from areal_jax.config import ConfigError, from_dict
+from areal_jax.models.config import ModelConfigError, generation_eos_ids
 from rollout.config import EngineConfig
 from rollout.engine import (
     EngineError,
@@ -106,13 +107,12 @@ def _model_dims(model_path: str, context_length: int | None) -> tuple[int, int, 
         raise ConfigError(
             f"engine.options.context_length: required, {path} has no max_position_embeddings"
         )
-    eos = _ids(cfg.get("eos_token_id"))
+    vocab_size = int(cfg["vocab_size"])
     try:
-        eos |= _ids(json.loads((Path(model_path) / "generation_config.json").read_text())
-                    .get("eos_token_id"))
-    except (OSError, ValueError, AttributeError):
-        pass  # no generation config, or none readable: config.json's ids alone
-    return int(cfg["vocab_size"]), int(context) - 1, eos
+        eos = _ids(cfg.get("eos_token_id")) | set(generation_eos_ids(model_path, vocab_size))
+    except ModelConfigError as e:
+        raise ConfigError(f"engine.model_path: {e}") from e
+    return vocab_size, int(context) - 1, eos
 
 
 def _ids(value) -> set[int]:

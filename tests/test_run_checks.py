@@ -131,6 +131,47 @@ def test_a_run_directory_moved_or_named_another_way_is_the_same_run(tmp_path, mo
         check_fingerprint(at(tmp_path / "a"))
 
 
+def test_a_model_replaced_at_its_path_is_detected(tmp_path):
+    # The fingerprint hashed the model's path: another model put at that path resumed on the
+    # old one's SFT model and checkpoints.
+    import shutil
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "qwen2"}')
+    (model / "model.safetensors").write_bytes(bytes(3 << 20))  # hashed at its two ends only
+    cfg = from_dict(ExperimentConfig, _config(tmp_path, model_path=str(model)))
+    (tmp_path / "run").mkdir()
+    check_fingerprint(cfg)
+    check_fingerprint(cfg)  # the same model: fine
+    with (model / "model.safetensors").open("r+b") as f:  # another model's last weights
+        f.seek(-1, 2)
+        f.write(b"\x01")
+    with pytest.raises(ConfigError, match="another model configuration"):
+        check_fingerprint(cfg)
+    (model / "model.safetensors").write_bytes(bytes(3 << 20))
+    (model / "config.json").write_text('{"model_type": "qwen3"}')
+    with pytest.raises(ConfigError, match="another model configuration"):
+        check_fingerprint(cfg)
+    (model / "config.json").write_text('{"model_type": "qwen2"}')
+    check_fingerprint(cfg)
+    # The same model at another path is the same run.
+    shutil.copytree(model, tmp_path / "copy")
+    copy = _config(tmp_path, model_path=str(tmp_path / "copy"))
+    check_fingerprint(from_dict(ExperimentConfig, copy))
+    # A directory recorded the earlier way (the model's path) is still accepted, and recorded
+    # the new way.
+    from areal_jax.controller.prepare import _path_model_digest, run_fingerprint
+
+    path = tmp_path / "run" / "fingerprint.json"
+    path.write_text(json.dumps({**run_fingerprint(cfg), "model": _path_model_digest(cfg)}))
+    check_fingerprint(cfg)
+    assert json.loads(path.read_text()) == run_fingerprint(cfg)
+    (model / "model.safetensors.index.json").write_text("{}")
+    with pytest.raises(ConfigError, match="another model configuration"):
+        check_fingerprint(cfg)
+
+
 def test_sft_and_a_refused_train_respect_the_run_directorys_fingerprint(tmp_path, capsys):
     # `sft` never checked it: `train` then reused an SFT model built with other settings. And a
     # refused `train` had already overwritten the run's config.json.

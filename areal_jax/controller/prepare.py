@@ -17,6 +17,7 @@ from areal_jax.experiment import ExperimentConfig
 from areal_jax.files import read_json, write_atomic
 
 FINGERPRINT_FILE = "fingerprint.json"
+_WEIGHTS_EDGE = 1 << 20  # bytes hashed at each end of a weights file
 
 
 def fill_run_dir(text: str, run_dir: str) -> str:
@@ -100,14 +101,46 @@ def _digest(value, data_path: Path | None = None) -> str:
 
 def run_fingerprint(cfg: ExperimentConfig) -> dict[str, str]:
     """What the SFT model and the checkpoints of a run depend on, one hash per part: the
-    model, the data (config and file contents), the reward and the SFT settings. Paths are
-    hashed as written (``{run_dir}`` unfilled), so a run directory moved or named by another
-    path is the same run; the data files' contents are hashed wherever they are."""
+    model (its files, or the ``tiny`` spec), the data (config and file contents), the reward
+    and the SFT settings. Paths are hashed as written (``{run_dir}`` unfilled), so a run
+    directory moved or named by another path is the same run; the model's and the data files'
+    contents are hashed wherever they are."""
     return {
-        "model": _digest({"model_path": cfg.model_path, "tiny": to_dict(cfg.tiny)}),
+        "model": _model_digest(cfg),
         "data": _data_digest(cfg, cfg.dataset),
         "sft": _digest(to_dict(cfg.sft)),
     }
+
+
+def _model_digest(cfg: ExperimentConfig) -> str:
+    """The model part: its ``config.json`` and, for each weights file (``*.safetensors`` and
+    the index), its name, size and first and last MiB: a model replaced at the same path
+    changes these, and hashing whole multi-GB files would take minutes. ``tiny`` is built from
+    its spec, which is hashed instead."""
+    if cfg.model_path == "tiny":
+        return _path_model_digest(cfg)
+    path = base_model_path(cfg)
+    weights = sorted([*path.glob("*.safetensors"), *path.glob("*.safetensors.index.json")])
+    return _digest({
+        "config": hashlib.sha256((path / "config.json").read_bytes()).hexdigest(),
+        "weights": [[f.name, f.stat().st_size, _edges_sha256(f)] for f in weights],
+    })
+
+
+def _edges_sha256(path: Path) -> str:
+    """sha256 of a file's first and last MiB (all of a file of up to 2 MiB)."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        digest.update(f.read(_WEIGHTS_EDGE))
+        f.seek(max(path.stat().st_size - _WEIGHTS_EDGE, 0))
+        digest.update(f.read(_WEIGHTS_EDGE))
+    return digest.hexdigest()
+
+
+def _path_model_digest(cfg: ExperimentConfig) -> str:
+    """The model part as run directories recorded it before the model's files were hashed
+    (``tiny`` keeps this form)."""
+    return _digest({"model_path": cfg.model_path, "tiny": to_dict(cfg.tiny)})
 
 
 def _data_digest(cfg: ExperimentConfig, dataset: DatasetConfig) -> str:
@@ -122,6 +155,10 @@ def _filled_path_data_digest(cfg: ExperimentConfig) -> str:
     return _data_digest(cfg, dataset_config(cfg.dataset, cfg.run_dir))
 
 
+# The forms older run directories recorded a part in: accepted, and recorded anew.
+_OLDER_FORMS = {"model": _path_model_digest, "data": _filled_path_data_digest}
+
+
 def check_fingerprint(cfg: ExperimentConfig) -> None:
     """Record the run's fingerprint on first use of its directory; refuse to go on in a run
     directory whose model, data, reward or SFT settings were since changed (the SFT model and
@@ -133,8 +170,9 @@ def check_fingerprint(cfg: ExperimentConfig) -> None:
         return
     recorded = read_json(path)
     changed = [k for k in current if recorded.get(k) != current[k]]
-    if changed == ["data"] and recorded.get("data") == _filled_path_data_digest(cfg):
-        write_atomic(path, json.dumps(current, indent=2))  # an older record of the same data
+    if changed and all(k in _OLDER_FORMS and recorded.get(k) == _OLDER_FORMS[k](cfg)
+                       for k in changed):
+        write_atomic(path, json.dumps(current, indent=2))  # an older record of the same run
         return
     if changed:
         raise ConfigError(

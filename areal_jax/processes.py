@@ -40,19 +40,20 @@ def die_with_parent(parent: int, sig: int = signal.SIGKILL) -> None:
 IMPORT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # holds areal_jax/
 
 
-def own_module_command(module: str, args: list[str], env: dict[str, str]
-                       ) -> tuple[list[str], dict[str, str]]:
-    """(argv, env) that run this project's ``module`` (``python -m``) in a child whatever its
-    working directory holds: without the current directory on the import path (``-P``), and
-    with this project's import root first on ``PYTHONPATH`` (a user's own ``rollout.py`` next
-    to their config, or on their ``PYTHONPATH``, would otherwise be run instead)."""
-    path = os.pathsep.join(p for p in (IMPORT_ROOT, env.get("PYTHONPATH")) if p)
-    return [sys.executable, "-P", "-m", module, *args], {**env, "PYTHONPATH": path}
+def own_module_argv(module: str, args: list[str]) -> list[str]:
+    """argv that runs this project's ``module`` as ``python -m`` would, in a child whatever its
+    working directory and ``PYTHONPATH`` hold (a user's own ``rollout.py`` next to their config
+    was run instead): without the current directory on the import path (``-P``) and with this
+    project's import root first, in that process alone (its environment, which its own children
+    inherit, is unchanged)."""
+    run = (f"import runpy, sys; sys.path.insert(0, {IMPORT_ROOT!r}); "
+           f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)")
+    return [sys.executable, "-P", "-c", run, *args]
 
 
-def shadowed_packages(names: tuple[str, ...] = ("rollout", "areal_jax")) -> list[str]:
-    """Each of this project's top-level packages that another module of the same name hides
-    on this process's import path, as ``"name: path"``."""
+def shadowed_packages(names: tuple[str, ...] = ("rollout",)) -> list[str]:
+    """Each of this project's top-level packages not yet imported that another module of the
+    same name hides on this process's import path, as ``"name: path"``."""
     import importlib.util
 
     hidden = []

@@ -330,19 +330,18 @@ def test_a_users_own_rollout_module_neither_runs_as_a_server_nor_hides_the_packa
     # A rollout.py next to the user's config: local servers, started in that directory with
     # `python -m rollout`, ran it instead (exit 0, "rollout server 0 exited"), and with
     # PYTHONPATH=$PWD the trainer died on `No module named 'rollout.config'`.
-    from areal_jax.processes import own_module_command
+    from areal_jax.processes import own_module_argv
 
     (tmp_path / "rollout.py").write_text('print("a user\'s own rollout helper")\n')
-    argv, env = own_module_command("rollout", ["--help"], {**os.environ})
-    served = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True,
-                            timeout=120)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    served = subprocess.run(own_module_argv("rollout", ["--help"]), env=env, cwd=tmp_path,
+                            capture_output=True, text=True, timeout=120)
     assert served.returncode == 0 and "Run a rollout server" in served.stdout
     quickstart = Path(__file__).parent.parent / "configs" / "quickstart.yaml"
     trained = subprocess.run(
         [sys.executable, "-m", "areal_jax.cli", "train", "--config", str(quickstart),
          f"run_dir={tmp_path / 'run'}"],
-        env={**os.environ, "PYTHONPATH": str(tmp_path)}, cwd=tmp_path, capture_output=True,
-        text=True, timeout=120)
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert trained.returncode == 2
     assert f"hides areal-jax's package of the same name (rollout: {tmp_path / 'rollout.py'})" \
         in trained.stderr

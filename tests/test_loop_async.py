@@ -615,11 +615,14 @@ def test_an_evaluation_whose_every_request_fails_names_the_first_error(tmp_path,
             with pytest.raises(EvaluationFailedError, match=r"every one of the 4 held-out "
                                r"evaluation requests failed; the first: .*no_such_reward"):
                 await evaluate(pool, items(4), "no_such_reward", max_new_tokens=6)
-            return await evaluate(pool, items(4), "exact", max_new_tokens=6)
+            inside_a_run = await evaluate(pool, items(4), "no_such_reward", max_new_tokens=6,
+                                          strict=False)
+            return inside_a_run, await evaluate(pool, items(4), "exact", max_new_tokens=6)
         finally:
             await pool.close()
             for server in servers:
                 await server.stop(grace=0)
 
-    result = asyncio.run(main())
+    inside_a_run, result = asyncio.run(main())
+    assert inside_a_run["eval/failed"] == 4 and np.isnan(inside_a_run["eval/accuracy"])
     assert result["eval/num_prompts"] == 4 and result["eval/failed"] == 0

@@ -181,7 +181,7 @@ def test_a_killed_follower_ends_the_group_at_the_heartbeat_timeout(tmp_path):
     assert procs[0].returncode != 0, logs[0][-3000:]
     assert "stopped sending heartbeats" in logs[0], logs[0][-3000:]
     assert not (tmp_path / "out" / "leader.json").exists()  # it never got past the step
-    assert took < 120, took
+    assert took < 80, took  # not at jax.distributed's default 100 s
 
 
 def test_processes_that_see_different_checkpoints_refuse_to_restore(tmp_path):

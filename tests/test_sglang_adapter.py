@@ -590,3 +590,27 @@ def test_two_adapters_on_one_sglang_never_send_the_same_rid(model_dir, double):
     assert [r.finish_reason for r in results] == ["length", "length"]
     rids = [post["rid"] for post in double.posts("/generate")]
     assert len(rids) == 2 and len(set(rids)) == 2
+
+
+def test_an_sglang_without_model_info_keeps_its_loaded_weights_serving(model_dir, tmp_path):
+    # A server behind a proxy that does not pass /model_info: the version cannot be checked,
+    # which is no reason to fail an engine whose load succeeded.
+    class NoModelInfo(SGLangDouble):
+        def model_info(self):
+            return 404, {"detail": "Not Found"}
+
+    double = NoModelInfo(vocab_size=VOCAB, model_path=str(model_dir)).start()
+
+    async def scenario():
+        engine = attached(model_dir, double)
+        await engine.start()
+        try:
+            await engine.update_weights(str(_checkpoint(tmp_path, "v1")), 1)
+            return engine.version, engine.failure
+        finally:
+            await engine.shutdown()
+
+    try:
+        assert asyncio.run(scenario()) == (1, None)
+    finally:
+        double.stop()

@@ -22,7 +22,7 @@ def run(args: argparse.Namespace) -> int:
     from areal_jax.controller.progress import TrainingProgress
     from areal_jax.controller.prepare import check_fingerprint, prepare_base_model, prepare_data
     from areal_jax.controller.run import claim_devices
-    from areal_jax.controller.sft_phase import run_sft, sft_examples
+    from areal_jax.controller.sft_phase import run_sft, sft_examples, sft_model_kept
     from areal_jax.experiment import ExperimentConfig
 
     cfg = load_config(ExperimentConfig, args.config, args.overrides)
@@ -36,7 +36,8 @@ def run(args: argparse.Namespace) -> int:
     Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
     prepare_data(cfg)
     base = prepare_base_model(cfg)
-    examples = sft_examples(cfg, AutoTokenizer.from_pretrained(base))
+    # a finished SFT is kept (run_sft): its examples are not read again
+    examples = [] if sft_model_kept(cfg) else sft_examples(cfg, AutoTokenizer.from_pretrained(base))
     check_fingerprint(cfg)  # the SFT model `train` would reuse must be this config's
     with TrainingProgress() as progress:
         out = run_sft(cfg, base, examples, progress)

@@ -22,12 +22,15 @@ class EvaluationFailedError(RuntimeError):
 
 async def evaluate(pool: RolloutPool, items: list[PromptItem], reward: str, *,
                    max_new_tokens: int, temperature: float = 0.0,
-                   token_counts: list[int] | None = None) -> dict[str, float]:
+                   token_counts: list[int] | None = None, strict: bool = True
+                   ) -> dict[str, float]:
     """Mean reward (accuracy for 0/1 rewards) and response length, one sample per prompt.
 
     ``token_counts``, if given, is extended with each answer's prompt + response tokens.
     Requests that failed are counted and the first one's error logged; when every one failed,
-    ``EvaluationFailedError`` names that error (e.g. a server that does not know the reward)."""
+    ``EvaluationFailedError`` names that error (e.g. a server that does not know the reward),
+    unless not ``strict`` (an evaluation inside a run: the accuracy is then NaN, and the run
+    goes on to its next checkpoint)."""
     tag = next(_rounds)
     futures = [
         pool.submit(rollout_request(item, f"eval-{tag}-{i}", reward, 1, max_new_tokens,
@@ -53,7 +56,7 @@ async def evaluate(pool: RolloutPool, items: list[PromptItem], reward: str, *,
             lengths.append(len(t.output_ids))
             if token_counts is not None:
                 token_counts.append(len(group.prompt_ids) + len(t.output_ids))
-    if failed and failed == len(items):
+    if failed and failed == len(items) and strict:
         raise EvaluationFailedError(
             f"every one of the {failed} held-out evaluation requests failed; the first: "
             f"{first_error}")

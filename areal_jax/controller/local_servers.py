@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-from areal_jax.processes import own_module_command, tied_argv
+from areal_jax.processes import own_module_argv, tied_argv
 
 
 class ServerExitedError(RuntimeError):
@@ -111,10 +111,9 @@ class LocalServers:
         cfg_path = self._log_dir / f"{name}.yaml"
         cfg_path.write_text(yaml.safe_dump(cfg))
         devices = self._devices[i] if self._devices else None
-        argv, env = own_module_command(
-            "rollout", ["--config", str(cfg_path), *args],
-            {**os.environ, "GRPC_VERBOSITY": "ERROR",
-             **device_env(devices, self._memory_fraction), **self._env})
+        argv = own_module_argv("rollout", ["--config", str(cfg_path), *args])
+        env = {**os.environ, "GRPC_VERBOSITY": "ERROR",
+               **device_env(devices, self._memory_fraction), **self._env}
         cpus = self._cpu_sets[i] if self._cpu_sets else None
         with open(self._log_dir / f"{name}.log", "ab") as log:
             return subprocess.Popen(

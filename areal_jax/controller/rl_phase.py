@@ -169,19 +169,22 @@ async def run_rl(cfg: ExperimentConfig, trainer, tokenizer, train_set: PromptDat
 
             evaluated: dict[int, dict] = {}  # by version, the loop's evaluations included
 
-            async def run_eval(step: int, token_counts: list[int] | None = None) -> dict:
+            async def run_eval(step: int, token_counts: list[int] | None = None,
+                               strict: bool = False) -> dict:
                 if not eval_items:
                     return {}
                 evaluated[step] = await evaluate(pool, eval_items, cfg.eval.dataset.reward,
                                                  max_new_tokens=cfg.eval.max_new_tokens,
                                                  temperature=cfg.eval.temperature,
-                                                 token_counts=token_counts)
+                                                 token_counts=token_counts, strict=strict)
                 return evaluated[step]
 
             if eval_items:
                 token_counts: list[int] = []
+                # before RL, an evaluation answering nothing stops the run (nothing trained yet)
                 results["before"] = await _accuracy_before_rl(
-                    cfg, version, functools.partial(run_eval, token_counts=token_counts),
+                    cfg, version,
+                    functools.partial(run_eval, token_counts=token_counts, strict=True),
                     metrics_log)
                 token_counts = [n for n in token_counts if n >= 2]  # answers, not bare prompts
                 if sketching and token_counts:  # the policy's own lengths: a better forecast

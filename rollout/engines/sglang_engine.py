@@ -379,8 +379,18 @@ class SGLangEngine(GenerationEngine):
         0.5.6.post1 load weights sent while paused without taking their ``weight_version``, so
         every later token would carry the old one. Set it then with ``/update_weight_version``;
         a server that still reports another version has failed (its tokens would be
-        mislabelled)."""
-        reported = api.parse_version((await self._model_info()).get("weight_version"))
+        mislabelled). One that reports none (no ``/model_info`` behind a proxy, or not in time)
+        is only warned about: its answers' own versions, or the adapter's, label the tokens."""
+        try:
+            reported = api.parse_version((await self._model_info()).get("weight_version"))
+        except EngineError as e:
+            reported, unread = None, e
+        else:
+            unread = "it reports none"
+        if reported is None:
+            log.warning("could not check the weight_version SGLang reports after loading "
+                        "version %d: %s", version, unread)
+            return
         if reported == version:
             return
         try:

@@ -27,8 +27,11 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(ExperimentConfig, args.config, args.overrides)
     preflight(cfg)
     # SIGTERM (kill, scancel, docker stop) stops the run as Ctrl-C does: servers stopped,
-    # checkpoint writes finished, and a line saying how to go on.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    # checkpoint writes finished, and a line saying how to go on. It is turned into SIGINT, so
+    # that inside the event loop asyncio's own handler cancels the main task cleanly (a
+    # KeyboardInterrupt raised at an arbitrary point inside the loop's machinery could leave it
+    # broken, the process hanging on its way out).
+    signal.signal(signal.SIGTERM, lambda signum, frame: signal.raise_signal(signal.SIGINT))
     try:
         results = train(cfg)
     except KeyboardInterrupt:

@@ -63,12 +63,12 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "_run", None):
         parser.print_help()
         return 2
-    from areal_jax.processes import shadowed_packages
+    from areal_jax.processes import rollout_shadowed_by
 
-    hidden = shadowed_packages()
+    hidden = rollout_shadowed_by()
     if hidden:
         print(f"areal-jax {args.command}: error: a module of yours hides areal-jax's package "
-              f"of the same name ({'; '.join(hidden)}), through PYTHONPATH or the current "
+              f"of the same name (rollout: {hidden}), through PYTHONPATH or the current "
               "directory: rename it", file=sys.stderr)
         return 2
     try:

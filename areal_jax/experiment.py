@@ -268,7 +268,7 @@ class ExperimentConfig:
                 "sampling.group_size)")
         # the SFT trainer's settings, checked now rather than after prep (a typo there is an
         # error with sft.steps 0 too: it would surface only once SFT is turned on)
-        from_dict(TrainerConfig, self.trainer_fields(self.sft.trainer), "sft.trainer")
+        self.sft_trainer  # built here only to be checked
         if self.checkpoint_every < 0:
             raise ConfigError(f"checkpoint_every: must be >= 0 (0: never), got "
                               f"{self.checkpoint_every}")

@@ -51,19 +51,18 @@ def own_module_argv(module: str, args: list[str]) -> list[str]:
     return [sys.executable, "-P", "-c", run, *args]
 
 
-def shadowed_packages(names: tuple[str, ...] = ("rollout",)) -> list[str]:
-    """Each of this project's top-level packages not yet imported that another module of the
-    same name hides on this process's import path, as ``"name: path"``."""
+def rollout_shadowed_by() -> str | None:
+    """Where another module named ``rollout`` hides this project's server package on this
+    process's import path (a user's ``rollout.py`` on ``PYTHONPATH``); None when it does not."""
     import importlib.util
 
-    hidden = []
-    for name in names:
-        spec = importlib.util.find_spec(name)
-        origin = spec.origin if spec is not None and spec.origin else ""
-        expected = os.path.join(IMPORT_ROOT, name, "__init__.py")
-        if spec is not None and os.path.abspath(origin) != expected:
-            hidden.append(f"{name}: {origin or (list(spec.submodule_search_locations or []))}")
-    return hidden
+    spec = importlib.util.find_spec("rollout")
+    if spec is None:
+        return None
+    origin = os.path.abspath(spec.origin) if spec.origin else ""
+    if origin == os.path.join(IMPORT_ROOT, "rollout", "__init__.py"):
+        return None
+    return origin or str(list(spec.submodule_search_locations or []))
 
 
 def tied_argv(argv: list[str], sig: int = signal.SIGTERM,

@@ -111,7 +111,7 @@ def train(cfg: ExperimentConfig) -> dict:
         check_local_engine_context(cfg, base, training=prompt_lengths,
                                    held_out=[len(item.prompt_ids) for item in eval_items])
         sft_pending = bool(cfg.sft.steps) and not sft_model_kept(cfg)
-        examples = sft_examples(cfg, tokenizer) if sft_pending else []
+        examples = sft_examples(cfg, tokenizer, train_set) if sft_pending else []
         if leader:
             check_fingerprint(cfg)  # a refused config leaves the run's config.json as it was
             write_atomic(run_dir / "config.json", json.dumps(to_dict(cfg), indent=2))

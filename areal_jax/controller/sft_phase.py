@@ -21,11 +21,14 @@ from areal_jax.models import export_hf_tensors
 from areal_jax.models.hf_export import remove_unfinished_exports
 
 
-def sft_examples(cfg: ExperimentConfig, tokenizer) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, response ids + eos) for every training prompt; refuses, naming the prompt,
-    a missing or null response and one whose prompt + response fits no SFT micro-batch (its
-    step would fail mid-SFT, after the steps before it)."""
-    dataset = PromptDataset(dataset_config(cfg.dataset, cfg.run_dir), tokenizer)
+def sft_examples(cfg: ExperimentConfig, tokenizer, dataset: PromptDataset | None = None
+                 ) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, response ids + eos) for every training prompt (``dataset``, when the
+    caller has read it already); refuses, naming the prompt, a missing or null response and one
+    whose prompt + response fits no SFT micro-batch (its step would fail mid-SFT, after the
+    steps before it)."""
+    if dataset is None:
+        dataset = PromptDataset(dataset_config(cfg.dataset, cfg.run_dir), tokenizer)
     key = cfg.sft.response_key
     budget = cfg.sft_trainer.micro_batch.token_budget
     examples = []

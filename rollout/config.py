@@ -95,6 +95,8 @@ class ServerConfig:
     push_dir: str | None = None  # where PushWeights writes checkpoints (default: a temp dir)
     max_message_mb: int = 64
     push_idle_timeout_s: float = 60.0  # a PushWeights stream silent this long is ended
+    # ... and one not complete after push_idle_timeout_s + its size at this rate
+    push_min_mib_per_s: float = 1.0
     shutdown_grace_s: float = 30.0
     status_log_interval_s: float = 30.0  # how often `serve` logs a status line; 0 = never
     parent_pid: int | None = None  # `serve` stops once its parent process is not this pid
@@ -117,8 +119,9 @@ class ServerConfig:
         for name in ("shutdown_grace_s", "status_log_interval_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
-        if not self.push_idle_timeout_s > 0:
-            raise ConfigError(f"push_idle_timeout_s: must be > 0, got {self.push_idle_timeout_s}")
+        for name in ("push_idle_timeout_s", "push_min_mib_per_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name}: must be > 0, got {getattr(self, name)}")
         if (self.tls_cert_path is None) != (self.tls_key_path is None):
             raise ConfigError("tls_cert_path and tls_key_path: set both or neither")
         if self.auth_token is not None and self.auth_token_env is not None:

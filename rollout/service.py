@@ -131,7 +131,8 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         self._admission = Admission(config.max_queued_requests, config.max_concurrent_groups)
         self._meter = ThroughputMeter()
         self._update_lock = asyncio.Lock()
-        self._intake = WeightIntake(push_dir, config.push_idle_timeout_s)
+        self._intake = WeightIntake(push_dir, config.push_idle_timeout_s,
+                                    config.push_min_mib_per_s * 2**20)
         self._weight_roots = config.allowed_weight_roots(str(push_dir))
         self._readers: set[asyncio.Task] = set()
         self._end: tuple[grpc.StatusCode, str] | None = None
@@ -363,18 +364,19 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
 
     async def PushWeights(self, request_iterator, context):
         try:
-            async with self._update_lock:
-                directory, header = await self._intake.receive(
-                    request_iterator,
-                    lambda h: self._check_version(h.version, h.force, "header.version"),
-                )
-                try:
+            # Received outside the update lock: a slow stream holds back no other update.
+            directory, header = await self._intake.receive(
+                request_iterator,
+                lambda h: self._check_version(h.version, h.force, "header.version"),
+            )
+            try:
+                async with self._update_lock:
                     response = await self._update(str(directory), header.version, header.force)
-                except BaseException:
-                    self._intake.discard(directory)
-                    raise
-                self._intake.keep(directory)
-                return response
+                    self._intake.keep(directory)
+            except BaseException:
+                self._intake.discard(directory)
+                raise
+            return response
         except InvalidParamError as e:
             code, message = grpc.StatusCode.INVALID_ARGUMENT, str(e)
         except Rejected as e:

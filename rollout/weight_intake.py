@@ -3,7 +3,8 @@
 The stream is one ``header`` (version, file names and sizes) followed by each file's bytes in
 order. Names must be plain file names; every byte count is checked against the header, and a
 directory that failed (bad stream, full disk, rejected load, a stream silent for longer than the
-idle timeout) is removed.
+idle timeout or slower than the minimum rate) is removed. Streams are received side by side;
+the bytes their headers announce are reserved against the free disk space until each ends.
 """
 
 from __future__ import annotations
@@ -26,28 +27,41 @@ def _check_name(name: str, field: str) -> None:
 
 
 class PushStalledError(Exception):
-    """A push stream sent nothing for longer than the intake's idle timeout."""
+    """A push stream sent nothing for the idle timeout, or missed its deadline."""
 
 
 class WeightIntake:
     """Writes pushed checkpoints under ``root``; keeps only the last one that was loaded.
 
-    A stream that sends nothing for ``idle_timeout_s`` ends with ``PushStalledError``: the
-    server takes one update at a time, and a stalled client must not hold the others back
-    (an empty chunk, which would keep a stalled stream alive, is refused).
+    A stream that sends nothing for ``idle_timeout_s`` ends with ``PushStalledError``, and so
+    does one whose files are not all in after ``idle_timeout_s + size / min_bytes_per_s``
+    (an empty chunk, which would keep a stalled stream alive, is refused): a client that
+    trickles cannot hold disk space, or the update it announces, for longer than that.
     """
 
-    def __init__(self, root: Path, idle_timeout_s: float = 60.0):
+    def __init__(self, root: Path, idle_timeout_s: float = 60.0,
+                 min_bytes_per_s: float = 2**20):
         self.root = Path(root)
         self.current: Path | None = None
         self.idle_timeout_s = idle_timeout_s
+        self.min_bytes_per_s = min_bytes_per_s
+        self.reserved = 0  # bytes the streams being received announced and have not sent yet
 
-    async def _next(self, messages: AsyncIterator[pb.PushWeightsRequest]):
+    async def _next(self, messages: AsyncIterator[pb.PushWeightsRequest],
+                    deadline: float | None = None):
         """The stream's next message, or None at its end; ``PushStalledError`` past the idle
-        timeout."""
+        timeout or the stream's ``deadline`` (event-loop time)."""
+        timeout = self.idle_timeout_s
+        if deadline is not None:
+            timeout = min(timeout, deadline - asyncio.get_running_loop().time())
         try:
-            return await asyncio.wait_for(anext(messages, None), self.idle_timeout_s)
+            return await asyncio.wait_for(anext(messages, None), max(timeout, 0.0))
         except TimeoutError:
+            if timeout < self.idle_timeout_s:
+                raise PushStalledError(
+                    f"the push was not complete within {self.idle_timeout_s:g} s plus its size "
+                    f"at {self.min_bytes_per_s / 2**20:g} MiB/s (push_idle_timeout_s, "
+                    "push_min_mib_per_s)") from None
             raise PushStalledError(f"the push sent nothing for {self.idle_timeout_s:g} s "
                                    "(push_idle_timeout_s)") from None
 
@@ -71,12 +85,17 @@ class WeightIntake:
         needed = sum(files.values())
         self.root.mkdir(parents=True, exist_ok=True)
         free = shutil.disk_usage(self.root).free
-        if needed > free:
-            raise OSError(f"push needs {needed} bytes, {self.root} has {free} free")
+        if needed > free - self.reserved:
+            raise OSError(f"push needs {needed} bytes, {self.root} has {free} free, "
+                          f"{self.reserved} of them announced by pushes in progress")
+        deadline = (asyncio.get_running_loop().time() + self.idle_timeout_s
+                    + needed / self.min_bytes_per_s)
         directory = self.root / f"v{version}-{uuid.uuid4().hex[:8]}"
         directory.mkdir()
+        self.reserved += needed
+        written = dict.fromkeys(files, 0)
         try:
-            written = await self._write_files(requests, directory, files)
+            await self._write_files(requests, directory, files, written, deadline)
             for i, (name, size) in enumerate(files.items()):
                 if written[name] != size:
                     raise InvalidParamError(
@@ -86,6 +105,8 @@ class WeightIntake:
         except BaseException:
             self.discard(directory)
             raise
+        finally:
+            self.reserved -= needed - sum(written.values())
         return directory, header.header
 
     def keep(self, directory: Path) -> None:
@@ -113,16 +134,17 @@ class WeightIntake:
 
     async def _write_files(
         self, requests: AsyncIterator[pb.PushWeightsRequest], directory: Path,
-        sizes: dict[str, int]
-    ) -> dict[str, int]:
-        written = dict.fromkeys(sizes, 0)
+        sizes: dict[str, int], written: dict[str, int], deadline: float
+    ) -> None:
+        """Write the chunks into ``directory``, counting each file's bytes in ``written`` (and
+        taking them off the reservation as they land)."""
         handles: dict[str, BinaryIO] = {}
         try:
-            while (req := await self._next(requests)) is not None:
+            while (req := await self._next(requests, deadline)) is not None:
                 if req.WhichOneof("item") != "chunk":
                     raise InvalidParamError("header", "sent more than once")
                 chunk = req.chunk
-                if not chunk.data:  # no progress: empty chunks would hold the update lock
+                if not chunk.data:  # no progress: empty chunks would keep a stalled stream alive
                     raise InvalidParamError("chunk.data", "empty")
                 if chunk.name not in sizes:
                     raise InvalidParamError("chunk.name", f"{chunk.name!r} is not in the header")
@@ -139,10 +161,10 @@ class WeightIntake:
                     handles[chunk.name] = open(directory / chunk.name, "wb")  # noqa: SIM115
                 await asyncio.to_thread(handles[chunk.name].write, chunk.data)
                 written[chunk.name] += len(chunk.data)
+                self.reserved -= len(chunk.data)
             for name in sizes:
                 if name not in handles:
                     (directory / name).touch()
         finally:
             for handle in handles.values():
                 handle.close()
-        return written

@@ -33,7 +33,7 @@ from areal_jax.experiment import ExperimentConfig
 from areal_jax.controller.rollout_pool import RolloutPool
 from areal_jax.protocol import SERVICE_NAME, group_from_proto, push_weight_requests
 from areal_jax.protocol import rollout_pb2 as pb
-from rollout import engines
+from rollout import engines, weight_intake
 from rollout.admission import Admission, AdmissionClosed
 from rollout.config import EngineConfig
 from rollout.engine import InvalidParamError, SamplingParams
@@ -622,31 +622,109 @@ def test_bad_pushes_are_rejected_and_leave_nothing_behind(tmp_path, tok_dir):
     assert os.listdir(tmp_path / "push") == []
 
 
+def _update_beside(h, push_requests, good):
+    """Start a push of ``push_requests``, then load ``good`` by path as version 2 while it
+    runs: (version served, seconds the update took, the push's error)."""
+    async def run():
+        push = asyncio.ensure_future(h.stub.PushWeights(push_requests))
+        await asyncio.sleep(0.1)
+        start = time.monotonic()
+        update = await h.stub.UpdateWeights(pb.UpdateWeightsRequest(path=str(good), version=2))
+        waited = time.monotonic() - start
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await push
+        return update.version, waited, err.value
+    return run()
+
+
 def test_a_stalled_push_ends_at_its_idle_timeout_and_holds_no_update_back(tmp_path, tok_dir):
     # A client that sent the header and nothing more held the server's update lock for good.
     src = write_checkpoint(tmp_path / "src", "x")
     good = write_checkpoint(tmp_path / "good", "good")
 
     async def stalled():
-        yield next(iter(push_weight_requests(src, 1)))
+        yield next(iter(push_weight_requests(src, 3)))
         await asyncio.sleep(60)
 
     async def scenario():
         async with serving(tmp_path, tok_dir, push_idle_timeout_s=0.5) as h:
-            start = time.monotonic()
-            push = asyncio.ensure_future(h.stub.PushWeights(stalled()))
-            await asyncio.sleep(0.1)
-            update = await h.stub.UpdateWeights(pb.UpdateWeightsRequest(path=str(good), version=2))
-            waited = time.monotonic() - start
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await push
-            return update.version, waited, err.value, os.listdir(tmp_path / "push")
+            return *(await _update_beside(h, stalled(), good)), os.listdir(tmp_path / "push")
 
     version, waited, error, left = asyncio.run(scenario())
-    assert version == 2 and waited < 10
+    assert version == 2 and waited < 0.3
     assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert error.details() == "the push sent nothing for 0.5 s (push_idle_timeout_s)"
     assert left == []
+
+
+def test_a_trickling_push_ends_at_its_deadline_and_holds_no_update_back(tmp_path, tok_dir):
+    # A client that sent a few bytes just inside each idle period held the update lock for as
+    # long as it went on: every update behind it waited (the path update here, 60 s of it).
+    src = write_checkpoint(tmp_path / "src", "x")
+    good = write_checkpoint(tmp_path / "good", "good")
+    requests = list(push_weight_requests(src, 3, chunk_bytes=4))
+    size = sum(f.size for f in requests[0].header.files)
+
+    async def trickle():
+        for request in requests:
+            yield request
+            await asyncio.sleep(0.2)
+
+    async def scenario():
+        # Deadline: 0.5 s idle + size at 2 * size bytes/s = 1 s; the stream would take 0.2 s a
+        # chunk, several seconds.
+        async with serving(tmp_path, tok_dir, push_idle_timeout_s=0.5,
+                           push_min_mib_per_s=2 * size / 2**20) as h:
+            start = time.monotonic()
+            result = await _update_beside(h, trickle(), good)
+            return *result, time.monotonic() - start, os.listdir(tmp_path / "push")
+
+    assert len(requests) * 0.2 > 3
+    version, waited, error, took, left = asyncio.run(scenario())
+    assert version == 2 and waited < 0.3
+    assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert error.details().startswith("the push was not complete within 0.5 s plus its size at")
+    assert 0.9 < took < 3.5
+    assert left == []
+
+
+def test_pushes_in_progress_reserve_the_disk_space_they_announce(tmp_path, monkeypatch):
+    # Each push checked its size against the free space alone: streams received side by side
+    # could each pass the check and together fill the disk.
+    src = write_checkpoint(tmp_path / "src", "x")
+    requests = list(push_weight_requests(src, 1, chunk_bytes=100))
+    size = sum(f.size for f in requests[0].header.files)
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(weight_intake.shutil, "disk_usage",
+                        lambda _: usage._replace(free=size + size // 2))
+    intake = weight_intake.WeightIntake(tmp_path / "push")
+    first_sent = asyncio.Event()
+
+    async def slow():
+        yield requests[0]
+        yield requests[1]
+        first_sent.set()
+        await asyncio.sleep(0.3)
+        for request in requests[2:]:
+            yield request
+
+    async def plain():
+        for request in requests:
+            yield request
+
+    async def scenario():
+        first = asyncio.ensure_future(intake.receive(slow(), lambda h: None))
+        await first_sent.wait()
+        reserved_midway = intake.reserved
+        with pytest.raises(OSError, match="announced by pushes in progress"):
+            await intake.receive(plain(), lambda h: None)
+        directory, _ = await first
+        return reserved_midway, directory
+
+    reserved_midway, directory = asyncio.run(scenario())
+    assert reserved_midway == size - len(requests[1].chunk.data)
+    assert intake.reserved == 0
+    assert sorted(os.listdir(directory)) == sorted(os.listdir(src))
 
 
 def test_tokens_after_an_update_carry_the_new_version(tmp_path, tok_dir):

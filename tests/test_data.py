@@ -220,6 +220,10 @@ def test_ids_and_metadata_must_be_able_to_travel_with_a_request(tmp_path, tokeni
     path = tmp_path / "bom.jsonl"
     path.write_bytes(b"\xef\xbb\xbf" + json.dumps(MATH_ROWS[0]).encode() + b"\n")
     assert PromptDataset(DatasetConfig(path=str(path)), tokenizer)[0].metadata == {"answer": "5"}
+    # A null answer went to the reward as the text "null": scored as a wrong answer, or a
+    # reward failure, hours into a run.
+    with pytest.raises(DatasetError, match=r"line 2: field 'answer': is null; the reward reads"):
+        load([MATH_ROWS[0], {**MATH_ROWS[1], "answer": None}])
     # A Parquet column of bytes loads, but could not go into a request as text or JSON.
     table = pa.table({"question": ["What is 2+3?"], "answer": [b"\x00\x01"]})
     pq.write_table(table, tmp_path / "b.parquet")

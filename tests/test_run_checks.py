@@ -11,6 +11,7 @@ from areal_jax.cli import main
 from areal_jax.config import ConfigError, from_dict
 from areal_jax.controller.prepare import check_fingerprint
 from areal_jax.controller.sft_phase import sft_examples
+from areal_jax.data import DatasetError
 from areal_jax.experiment import ExperimentConfig
 
 
@@ -303,8 +304,13 @@ def test_sft_refuses_a_null_or_overlong_response_before_its_first_step(tmp_path)
     rows = [{"id": "a", "question": "1+1?", "answer": "2", "solution": "1+1=2"},
             {"id": "b", "question": "2+2?", "answer": "4", "solution": None}]
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with pytest.raises(ConfigError, match=r"prompt b has no metadata 'solution' \(or it is null\)"):
+    with pytest.raises(DatasetError, match=r"line 2: field 'solution': is null"):
         sft_examples(cfg, tok)
+    unread = from_dict(ExperimentConfig, _config(
+        tmp_path, sft={"steps": 1}, dataset={"metadata_fields": {"answer": "answer"}}))
+    with pytest.raises(ConfigError, match=r"sft.response_key: 'solution' is not a key of "
+                                          r"dataset.metadata_fields \{'answer': 'answer'\}"):
+        sft_examples(unread, tok)
     rows[1]["solution"] = "2+2=4 " * 40  # the 81st step of 200 in a real run, say
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(ConfigError, match=r"prompt b's prompt \(\d+ tokens\) \+ 'solution' "

@@ -24,20 +24,20 @@ from areal_jax.models.hf_export import remove_unfinished_exports
 def sft_examples(cfg: ExperimentConfig, tokenizer, dataset: PromptDataset | None = None
                  ) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, response ids + eos) for every training prompt (``dataset``, when the
-    caller has read it already); refuses, naming the prompt, a missing or null response and one
-    whose prompt + response fits no SFT micro-batch (its step would fail mid-SFT, after the
-    steps before it)."""
+    caller has read it already); refuses a response key the dataset does not read, and, naming
+    the prompt, a response whose prompt + response fits no SFT micro-batch (its step would fail
+    mid-SFT, after the steps before it). The dataset refuses null values itself."""
+    key = cfg.sft.response_key
+    if key not in cfg.dataset.metadata_fields:
+        raise ConfigError(
+            f"sft.response_key: {key!r} is not a key of dataset.metadata_fields "
+            f"{dict(cfg.dataset.metadata_fields)}; SFT trains on that field of the RL dataset, "
+            "so list it there")
     if dataset is None:
         dataset = PromptDataset(dataset_config(cfg.dataset, cfg.run_dir), tokenizer)
-    key = cfg.sft.response_key
     budget = cfg.sft_trainer.micro_batch.token_budget
     examples = []
     for item in dataset:
-        if item.metadata.get(key) is None:
-            raise ConfigError(
-                f"sft.response_key: prompt {item.id} has no metadata {key!r} (or it is null); "
-                "SFT trains on that field of the RL dataset, so list it in "
-                "dataset.metadata_fields")
         response = tokenizer(str(item.metadata[key]) + tokenizer.eos_token,
                              add_special_tokens=False)["input_ids"]
         if len(item.prompt_ids) + len(response) > budget:

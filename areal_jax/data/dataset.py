@@ -159,7 +159,11 @@ def _item_id(value, where: str) -> str:
 
 
 def _wire_value(value, where: str):
-    """``value`` if it can travel with a request (a string as it is, anything else as JSON)."""
+    """``value`` if it can travel with a request (a string as it is, anything else as JSON);
+    never null: the reward would read the text ``"null"`` as the row's value."""
+    if value is None:
+        raise DatasetError(f"{where}: is null; the reward reads every metadata value of every "
+                           "row (fill it in or drop the row)")
     if isinstance(value, str):
         _check_text(value, where)
         return value

@@ -313,7 +313,7 @@ def test_an_exited_server_restarts_on_the_newest_export(tmp_path):
         pool = RolloutPool([address])
         try:
             await pool.start(ready_timeout_s=120)
-            return [s.version for s in await pool.status()]
+            return [s.version for s in (await pool.statuses()).values()]
         finally:
             watch.cancel()
             await pool.close()

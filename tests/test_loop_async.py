@@ -4,6 +4,7 @@ invalid requests stop the run, over-stale groups are dropped on request, and a r
 trainer takes servers that are ahead back to its version."""
 
 import asyncio
+import re
 import time
 from pathlib import Path
 
@@ -564,6 +565,41 @@ def test_the_run_waits_for_its_first_server_as_long_as_start_timeout_s_says(tmp_
     assert time.monotonic() - began < 30
     with pytest.raises(ConfigError, match=r"rollout.start_timeout_s: must be > 0, got 0"):
         load_config(ExperimentConfig, quickstart, ["rollout.start_timeout_s=0"])
+
+
+def test_servers_whose_context_cannot_hold_the_prompts_and_answers_are_named_at_connect(
+        tmp_path):
+    # A remote server (or an SGLang whose KV pool serves less than the model's context)
+    # rejected each long request in the loop: the prompts were skipped one by one with a
+    # warning, or the run stopped after max_consecutive_rejections, with no word of the context.
+    from areal_jax.config import ConfigError, load_config
+    from areal_jax.controller.servers import rollout_servers
+    from areal_jax.experiment import ExperimentConfig
+
+    async def connect(**lengths):
+        servers = await start_servers(tmp_path, [ArithmeticEngine(max_context_len=64)])
+        quickstart = Path(__file__).parent.parent / "configs" / "quickstart.yaml"
+        cfg = load_config(ExperimentConfig, quickstart, [
+            f"run_dir={tmp_path}", f"rollout.addresses={addresses(servers)}",
+            "sampling.max_new_tokens=30", "eval.max_new_tokens=50"])
+        try:
+            async with rollout_servers(cfg, tmp_path, 0, **lengths):
+                return None
+        except ConfigError as e:
+            return str(e)
+        finally:
+            await asyncio.gather(*(s.stop(grace=1.0) for s in servers))
+
+    assert asyncio.run(connect(training=[20, 34], held_out=[14])) is None
+    address = "127.0.0.1:\\d+"
+    assert re.fullmatch(
+        rf"the context rollout server {address} serves \(64 tokens\) is below the longest "
+        r"training prompt \(35 tokens\) \+ sampling.max_new_tokens \(30\) = 65: the "
+        r"servers would reject those requests; serve a longer one there or lower "
+        r"sampling.max_new_tokens", asyncio.run(connect(training=[20, 35])))
+    assert re.match(rf"the context rollout server {address} serves \(64 tokens\) is below "
+                    r"the longest held-out prompt \(15 tokens\)",
+                    asyncio.run(connect(held_out=[15])))
 
 
 def test_a_server_down_at_start_joins_later_and_a_wrong_token_is_named_at_once(

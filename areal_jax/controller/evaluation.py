@@ -109,12 +109,14 @@ async def evaluate_checkpoints(cfg, model_paths) -> list[dict]:
     paths = [Path(p) for p in model_paths]
     tokenizer = AutoTokenizer.from_pretrained(paths[0])
     items = held_out_items(cfg, tokenizer)
-    check_local_engine_context(cfg, paths[0], held_out=[len(i.prompt_ids) for i in items])
+    lengths = [len(i.prompt_ids) for i in items]
+    check_local_engine_context(cfg, paths[0], held_out=lengths)
     results = []
-    async with rollout_servers(cfg, paths[0], 0, with_trainer=False) as (pool, servers):
+    async with rollout_servers(cfg, paths[0], 0, with_trainer=False,
+                               held_out=lengths) as (pool, servers):
         version = 0
         if servers is None:
-            version = max(s.version for s in await pool.status()) + 1
+            version = max(s.version for s in (await pool.statuses()).values()) + 1
             await pool.update_weights(paths[0], version)
         for i, path in enumerate(paths):
             if i > 0:

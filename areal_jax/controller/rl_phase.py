@@ -160,7 +160,9 @@ async def run_rl(cfg: ExperimentConfig, trainer, tokenizer, train_set: PromptDat
         ledger.record("start", version=version)
         task = progress.start_phase("connecting to the rollout servers" if cfg.rollout.addresses
                                     else "starting rollout servers", None)
-        async with rollout_servers(cfg, published, version) as (pool, servers):
+        async with rollout_servers(
+                cfg, published, version, training=prompt_lengths,
+                held_out=[len(item.prompt_ids) for item in eval_items]) as (pool, servers):
             progress.end_phase(task)
             if servers is None:
                 await sync_servers(pool, published, version, cfg)

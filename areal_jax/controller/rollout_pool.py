@@ -541,10 +541,11 @@ class RolloutPool:
         await self._each("resume", lambda stub, t: stub.Resume(
             pb.ResumeRequest(), timeout=t, metadata=self._metadata), self.options.rpc_timeout_s)
 
-    async def status(self) -> list[pb.ServerStatus]:
+    async def statuses(self) -> dict[str, pb.ServerStatus]:
+        """Each live server's status, by address (servers failing the call leave the pool)."""
         done = await self._each("status", lambda stub, t: stub.GetStatus(
             pb.GetStatusRequest(), timeout=t, metadata=self._metadata), self.options.rpc_timeout_s)
-        return [status for _, status in done]
+        return {server.address: status for server, status in done}
 
     async def close(self) -> None:
         tasks = [self._supervisor] if self._supervisor is not None else []

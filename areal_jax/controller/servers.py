@@ -56,26 +56,12 @@ def server_config(cfg: ExperimentConfig, model_path: Path, version: int) -> dict
     return server
 
 
-def check_local_engine_context(cfg: ExperimentConfig, model_path: Path, *,
-                               training: list[int] = (), held_out: list[int] = ()) -> None:
-    """Refuse, before anything runs, a local JAX-engine context (``max_seq_len``) beyond the
-    model's positions (each server would exit at its start) or too short for the longest
-    training prompt and ``sampling.max_new_tokens``, or the longest held-out prompt and
-    ``eval.max_new_tokens`` (each such request would be rejected). ``training`` and
-    ``held_out`` are the prompts' token counts."""
-    engine = cfg.rollout.server.get("engine", {})
-    if cfg.rollout.addresses or engine.get("kind", "jax") != "jax":
-        return
-    from areal_jax.models.config import ModelConfig
-    from rollout.engines.jax_engine import DEFAULT_MAX_SEQ_LEN
-
-    key = "rollout.server.engine.options.max_seq_len"
-    positions = ModelConfig.from_pretrained(model_path).max_position_embeddings
-    max_len = (engine.get("options") or {}).get("max_seq_len")
-    if max_len is not None and max_len > positions:
-        raise ConfigError(f"{key}: {max_len} exceeds the model's max_position_embeddings "
-                          f"{positions} ({model_path / 'config.json'})")
-    context = max_len or min(positions, DEFAULT_MAX_SEQ_LEN)
+def _check_context(cfg: ExperimentConfig, context: int, what: str, remedy: str,
+                   training: list[int], held_out: list[int]) -> None:
+    """Refuse a context of ``context`` tokens (``what`` names it and where it comes from;
+    ``remedy`` says what can raise it) too short for the longest training prompt and
+    ``sampling.max_new_tokens``, or the longest held-out prompt and ``eval.max_new_tokens``:
+    each such request would be rejected. ``training`` and ``held_out``: token counts."""
     answers = [("training", training if cfg.schedule.total_steps else (), "sampling",
                 cfg.sampling.max_new_tokens),
                ("held-out", held_out, "eval", cfg.eval.max_new_tokens)]
@@ -83,12 +69,51 @@ def check_local_engine_context(cfg: ExperimentConfig, model_path: Path, *,
         longest = max(lengths, default=None)
         if longest is None or longest + max_new <= context:
             continue
-        unset = "" if max_len else "unset: "
         raise ConfigError(
-            f"{key} ({unset}{context}) is below the longest {kind} prompt ({longest} tokens) + "
+            f"{what} is below the longest {kind} prompt ({longest} tokens) + "
             f"{section}.max_new_tokens ({max_new}) = {longest + max_new}: the servers would "
-            f"reject those requests; raise it (the model holds {positions}) or lower "
-            f"{section}.max_new_tokens")
+            f"reject those requests; {remedy} or lower {section}.max_new_tokens")
+
+
+def check_local_engine_context(cfg: ExperimentConfig, model_path: Path, *,
+                               training: list[int] = (), held_out: list[int] = ()) -> None:
+    """Refuse, before anything runs, a local engine's context beyond the model's positions
+    (each server would exit at its start) or too short for the longest prompts and their
+    ``max_new_tokens`` (see ``_check_context``). The JAX engine's context is
+    ``max_seq_len``; SGLang's ``context_length`` (less one: it refuses a request that reaches
+    it), which its KV pool may lower further once it starts (``check_served_context``)."""
+    engine = cfg.rollout.server.get("engine", {})
+    kind = engine.get("kind", "jax")
+    if cfg.rollout.addresses or kind not in ("jax", "sglang"):
+        return
+    from areal_jax.models.config import ModelConfig
+    from rollout.engines.jax_engine import DEFAULT_MAX_SEQ_LEN
+
+    option = "max_seq_len" if kind == "jax" else "context_length"
+    key = f"rollout.server.engine.options.{option}"
+    positions = ModelConfig.from_pretrained(model_path).max_position_embeddings
+    set_len = (engine.get("options") or {}).get(option)
+    if kind == "jax" and set_len is not None and set_len > positions:
+        raise ConfigError(f"{key}: {set_len} exceeds the model's max_position_embeddings "
+                          f"{positions} ({model_path / 'config.json'})")
+    if kind == "jax":
+        context = set_len or min(positions, DEFAULT_MAX_SEQ_LEN)
+    else:
+        context = (set_len or positions) - 1
+    unset = "" if set_len else "unset: "
+    _check_context(cfg, context, f"{key} ({unset}{context})",
+                   f"raise it (the model holds {positions})", list(training), list(held_out))
+
+
+async def check_served_context(cfg: ExperimentConfig, pool: RolloutPool, *,
+                               training: list[int] = (), held_out: list[int] = ()) -> None:
+    """Refuse servers whose served context (``max_context_len`` of their status: remote
+    servers, or an SGLang whose KV pool allows less than the model) is too short for the
+    longest prompts and their ``max_new_tokens`` (see ``_check_context``)."""
+    for address, status in (await pool.statuses()).items():
+        _check_context(cfg, status.max_context_len, f"the context rollout server {address} "
+                       f"serves ({status.max_context_len} tokens)", "serve a longer one there",
+                       list(training), list(held_out))
 
 
 def make_pool(cfg: ExperimentConfig, addresses: list[str]) -> RolloutPool:
@@ -230,14 +255,18 @@ async def wait_ready(pool: RolloutPool, servers: LocalServers | None,
 
 @contextlib.asynccontextmanager
 async def rollout_servers(cfg: ExperimentConfig, model_path: Path, version: int,
-                          with_trainer: bool = True):
+                          with_trainer: bool = True, *, training: list[int] = (),
+                          held_out: list[int] = ()):
     """Local servers serving ``model_path`` as ``version`` (or the ``rollout.addresses``) and a
-    connected pool: yields ``(pool, local servers or None)``; closes and stops both on exit.
-    ``with_trainer``: whether this process is a trainer sharing the servers' devices."""
+    connected pool whose servers' contexts hold the ``training`` and ``held_out`` prompts (token
+    counts; ``check_served_context``): yields ``(pool, local servers or None)``; closes and
+    stops both on exit. ``with_trainer``: whether this process is a trainer sharing the
+    servers' devices."""
     servers = launch_local(cfg, model_path, version, with_trainer)
     pool = make_pool(cfg, servers.addresses if servers else list(cfg.rollout.addresses))
     try:
         await wait_ready(pool, servers, cfg.rollout.start_timeout_s)
+        await check_served_context(cfg, pool, training=training, held_out=held_out)
         yield pool, servers
     finally:
         await pool.close()

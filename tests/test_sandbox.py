@@ -265,6 +265,37 @@ def test_network_is_unreachable():
     assert result.stdout.startswith("refused")
 
 
+def _host_shm_sizes() -> list[int]:
+    with open("/proc/sysvipc/shm") as f:
+        next(f)
+        return [int(line.split()[3]) for line in f]
+
+
+def test_shared_memory_the_code_leaves_goes_with_the_run():
+    # A segment created and detached counts against no address-space limit and outlived the
+    # run, its uid's processes and its directory: every reward call could leave more.
+    size = 12_345_679  # a size no other segment on the machine has
+    code = textwrap.dedent(
+        f"""
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.shmat.restype = ctypes.c_void_p
+        shm = libc.shmget(0, {size}, 0o1000 | 0o600)  # IPC_PRIVATE, IPC_CREAT
+        address = libc.shmat(shm, None, 0)
+        ctypes.memset(address, 1, {size})
+        libc.shmdt(ctypes.c_void_p(address))
+        print(shm)
+        """
+    )
+    if not os.path.exists("/proc/sysvipc/shm"):
+        pytest.skip("no System V shared memory on this kernel")
+    result = run_python(code, limits=FAST)
+    assert result.ok, result.stderr
+    if not result.ipc_isolated:
+        pytest.skip("this kernel/user cannot create an IPC namespace")
+    assert size not in _host_shm_sizes()
+
+
 def test_limits_are_validated():
     with pytest.raises(ValueError, match="timeout_s"):
         SandboxLimits(timeout_s=0)

@@ -23,6 +23,9 @@ What :func:`run_python` enforces (docs/rewards.md lists what it does not):
 - A new, empty network namespace (``unshare(CLONE_NEWNET)``; for non-root users together with a
   new user namespace) when the kernel allows it; ``SandboxResult.network_isolated`` says whether
   it was in effect.
+- A new IPC namespace (``CLONE_NEWIPC``) with it when the kernel allows: System V shared memory
+  the code creates and detaches (which no address-space limit counts) goes with the run's last
+  process instead of staying on the host; ``SandboxResult.ipc_isolated`` says whether it did.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ UID_BASE = 2_000_000_000
 _CLONE_NEWNET = 0x40000000
 _CLONE_NEWUSER = 0x10000000
 _CLONE_NEWNS = 0x00020000
+_CLONE_NEWIPC = 0x08000000
 _RECORD = "pid"  # "<process group> <uid or -1>", written by the child before it runs any code
 _scratch_root: str | None = None
 
@@ -103,6 +107,7 @@ class SandboxResult:
     network_isolated: bool
     uid_isolated: bool
     fs_isolated: bool
+    ipc_isolated: bool
 
     @property
     def ok(self) -> bool:
@@ -182,6 +187,7 @@ def run_python(source: str, stdin: str = "", limits: SandboxLimits | None = None
         network_isolated=bool(iso.unshare_flags & _CLONE_NEWNET),
         uid_isolated=iso.as_root,
         fs_isolated=iso.jail,
+        ipc_isolated=bool(iso.unshare_flags & _CLONE_NEWIPC),
     )
 
 
@@ -280,10 +286,17 @@ def _isolation() -> _Isolation:
     if sys.platform != "linux":
         return _Isolation(as_root, 0)
     libc()  # load before forking
-    if as_root and _probe(_probe_jail):
-        return _Isolation(as_root, _CLONE_NEWNET | _CLONE_NEWNS)
-    flags = _CLONE_NEWNET if as_root else _CLONE_NEWNET | _CLONE_NEWUSER
+    # An IPC namespace where the kernel gives one, else the same without it.
+    ipc = _CLONE_NEWIPC if _probe(lambda _: _unshare(_CLONE_NEWIPC | _own_user(as_root))) else 0
+    if as_root and _probe(functools.partial(_probe_jail, _CLONE_NEWNET | _CLONE_NEWNS | ipc)):
+        return _Isolation(as_root, _CLONE_NEWNET | _CLONE_NEWNS | ipc)
+    flags = _CLONE_NEWNET | ipc | _own_user(as_root)
     return _Isolation(as_root, flags if _probe(lambda _: _unshare(flags)) else 0)
+
+
+def _own_user(as_root: bool) -> int:
+    """The user-namespace flag a user other than root needs to create the other namespaces."""
+    return 0 if as_root else _CLONE_NEWUSER
 
 
 def _probe(setup: Callable[[str], None]) -> bool:
@@ -304,8 +317,8 @@ def _probe(setup: Callable[[str], None]) -> bool:
     return True
 
 
-def _probe_jail(scratch: str) -> None:
-    _unshare(_CLONE_NEWNET | _CLONE_NEWNS)
+def _probe_jail(flags: int, scratch: str) -> None:
+    _unshare(flags)
     jail, work = os.path.join(scratch, "jail"), os.path.join(scratch, "work")
     os.mkdir(jail)
     os.mkdir(work)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -331,10 +332,42 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                 "(set force to load it anyway)",
             )
 
-    async def _update(self, path: str, version: int, force: bool) -> pb.UpdateWeightsResponse:
-        if self.closing:
-            raise Rejected(grpc.StatusCode.UNAVAILABLE, f"server is closing: {self._end[1]}")
-        self._check_version(version, force)
+    async def _update(self, path: str, version: int, force: bool,
+                      pushed: Path | None = None) -> pb.UpdateWeightsResponse:
+        """Load ``path`` as ``version``, one load at a time. A load runs to its end even when
+        its caller gives up (a deadline cancels the call): abandoned half way it could leave
+        the engine partly updated, or its thread still loading beside the next load. The
+        update lock is held until it ends. ``pushed``: a pushed directory, kept if it loads,
+        removed if not."""
+        try:
+            await self._update_lock.acquire()
+        except BaseException:
+            if pushed is not None:
+                self._intake.discard(pushed)
+            raise
+        try:
+            if self.closing:
+                raise Rejected(grpc.StatusCode.UNAVAILABLE, f"server is closing: {self._end[1]}")
+            self._check_version(version, force)
+        except BaseException:
+            self._loaded(path, version, pushed, None)
+            raise
+        load = asyncio.ensure_future(self._load(path, version))
+        load.add_done_callback(functools.partial(self._loaded, path, version, pushed))
+        return await asyncio.shield(load)
+
+    def _loaded(self, path: str, version: int, pushed: Path | None,
+                load: asyncio.Future | None) -> None:
+        """A load ended (``load`` None: it never started): release the update lock, keep or
+        remove a pushed directory."""
+        self._update_lock.release()
+        failed = load is None or load.cancelled() or load.exception() is not None
+        if failed and load is not None and not load.cancelled():
+            log.warning("loading %s as version %d failed: %s", path, version, load.exception())
+        if pushed is not None:
+            (self._intake.discard if failed else self._intake.keep)(pushed)
+
+    async def _load(self, path: str, version: int) -> pb.UpdateWeightsResponse:
         start = time.monotonic()
         try:
             await self._engine.update_weights(path, version)
@@ -355,8 +388,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                 raise InvalidParamError("path", "must not be empty")
             check_version_range(request.version, "version")
             self._check_weights_path(request.path)
-            async with self._update_lock:
-                return await self._update(request.path, request.version, request.force)
+            return await self._update(request.path, request.version, request.force)
         except InvalidParamError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except Rejected as e:
@@ -369,14 +401,8 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                 request_iterator,
                 lambda h: self._check_version(h.version, h.force, "header.version"),
             )
-            try:
-                async with self._update_lock:
-                    response = await self._update(str(directory), header.version, header.force)
-                    self._intake.keep(directory)
-            except BaseException:
-                self._intake.discard(directory)
-                raise
-            return response
+            return await self._update(str(directory), header.version, header.force,
+                                      pushed=directory)
         except InvalidParamError as e:
             code, message = grpc.StatusCode.INVALID_ARGUMENT, str(e)
         except Rejected as e:

@@ -727,6 +727,55 @@ def test_pushes_in_progress_reserve_the_disk_space_they_announce(tmp_path, monke
     assert sorted(os.listdir(directory)) == sorted(os.listdir(src))
 
 
+class SlowLoadingEngine(ArithmeticEngine):
+    """Takes ``load_s`` to load weights; counts the loads running at once."""
+
+    def __init__(self, load_s: float, **kwargs):
+        super().__init__(**kwargs)
+        self.load_s, self.loading, self.most_loading = load_s, 0, 0
+
+    async def update_weights(self, path, version):
+        self.loading += 1
+        self.most_loading = max(self.most_loading, self.loading)
+        try:
+            await asyncio.sleep(self.load_s)
+            await super().update_weights(path, version)
+        finally:
+            self.loading -= 1
+
+
+def test_an_update_whose_caller_gave_up_loads_to_its_end_before_the_next(tmp_path, tok_dir):
+    # A deadline cancelled the update mid-load: the engine's load went on (SGLang's, a JAX
+    # engine's thread) or stopped half way, unrecorded, and the next update started beside it;
+    # a push's directory was deleted while the engine still read it.
+    first = write_checkpoint(tmp_path / "first", "first")
+    second = write_checkpoint(tmp_path / "second", "second")
+    pushed = write_checkpoint(tmp_path / "pushed", "pushed")
+    engine = SlowLoadingEngine(load_s=0.5)
+
+    async def scenario():
+        async with serving(tmp_path, tok_dir, engine=engine) as h:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await h.stub.UpdateWeights(pb.UpdateWeightsRequest(path=str(first), version=1),
+                                           timeout=0.1)
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            update = await h.stub.UpdateWeights(
+                pb.UpdateWeightsRequest(path=str(second), version=2))
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await h.stub.PushWeights(push_weight_requests(pushed, 3), timeout=0.3)
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            await until(lambda: engine.version == 3)
+            return update.version, os.listdir(tmp_path / "push")
+
+    version, left = asyncio.run(scenario())
+    assert version == 2 and engine.most_loading == 1
+    assert [(Path(path).name, v) for path, v, _ in engine.loaded][:2] == [("first", 1),
+                                                                          ("second", 2)]
+    assert engine.loaded[2][1] == 3 and engine.loaded[2][2]["config.json"] == \
+        (pushed / "config.json").read_bytes()
+    assert len(left) == 1  # the push loaded: its directory is the one kept
+
+
 def test_tokens_after_an_update_carry_the_new_version(tmp_path, tok_dir):
     ckpt = write_checkpoint(tmp_path / "ckpt", "v1")
 

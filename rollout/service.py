@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -74,6 +75,13 @@ class Rejected(Exception):
     def __init__(self, code: grpc.StatusCode, message: str):
         super().__init__(message)
         self.code = code
+
+
+@dataclasses.dataclass
+class _Place:
+    """A group's place in admission: queued until ``started``, then a running slot."""
+
+    started: bool = False
 
 
 class _Unfinished(Exception):
@@ -213,9 +221,14 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                     continue
                 await self._admission.reserve()
                 in_flight.add(task.request_id)
-                job = asyncio.create_task(self._run_group(task, out, in_flight))
+                place = _Place()
+                job = asyncio.create_task(self._run_group(task, out, in_flight, place))
                 tasks.add(job)
                 job.add_done_callback(tasks.discard)
+                # Given back when the job ends, however: a job cancelled before its first step
+                # (the client gone) runs none of its own code.
+                job.add_done_callback(lambda _, place=place: self._admission.release(
+                    place.started))
         except (asyncio.CancelledError, AdmissionClosed):
             pass  # shutdown or client gone: finish what was admitted
         except InvalidParamError as e:  # a message that does not decode: the stream is unusable
@@ -226,12 +239,12 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                 await asyncio.gather(*tasks, return_exceptions=True)
             out.put_nowait(_DONE)
 
-    async def _run_group(self, task: RolloutTask, out: asyncio.Queue, in_flight: set) -> None:
+    async def _run_group(self, task: RolloutTask, out: asyncio.Queue, in_flight: set,
+                         place: _Place) -> None:
         admitted = time.monotonic()
-        started = False
         try:
             await self._admission.start()
-            started = True
+            place.started = True
             queue_s = time.monotonic() - admitted
             gen_clock, reward_clock = ActivityClock(), ActivityClock()
             scorer = TimedScorer(self._scorer, reward_clock)
@@ -250,7 +263,6 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         except Exception as e:  # noqa: BLE001 - reported to the client, the stream goes on
             msg = self._failure(task.request_id, _first_leaf(e))
         finally:
-            self._admission.release(started)
             in_flight.discard(task.request_id)
         out.put_nowait(msg)
 

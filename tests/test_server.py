@@ -801,6 +801,32 @@ ABORTED = grpc.StatusCode.ABORTED.value[0]
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
 
 
+def test_a_group_cancelled_before_it_ran_gives_its_admission_place_back(tmp_path, tok_dir):
+    # A client gone right after sending: its group's job was cancelled before its first step,
+    # so the code giving its place back never ran; two such streams and a server admitting
+    # one queued and one running group admitted nothing more, for good.
+    async def scenario():
+        async with serving(tmp_path, tok_dir, max_concurrent_groups=1,
+                           max_queued_requests=1) as h:
+            servicer, admission = h.server.servicer, h.server.servicer._admission
+            for i in range(3):
+                tasks: set[asyncio.Task] = set()
+
+                async def requests():
+                    yield rollout_request(f"r{i}")
+                    for job in tasks:  # the stream ends before the job's first step
+                        job.cancel()
+
+                await asyncio.wait_for(servicer._read(requests(), asyncio.Queue(), tasks), 5)
+                await asyncio.sleep(0)  # the jobs' done callbacks
+                assert (admission.queued, admission.running) == (0, 0), i
+            groups = await rollout(h.stub, [rollout_request("after", prompt="1+1=")])
+            return groups
+
+    (group,) = asyncio.run(scenario())
+    assert group.request_id == "after" and not group.HasField("error")
+
+
 def test_stop_returns_unfinished_groups_as_aborted_errors(tmp_path, tok_dir):
     async def scenario():
         engine = ArithmeticEngine(step_s=0.01)

@@ -88,6 +88,9 @@ class ServerConfig:
     max_concurrent_groups: int = 64  # groups being generated at once
     max_queued_requests: int = 1024  # admitted groups waiting for a slot; then reading stops
     max_group_size: int = 256
+    # message bytes of admitted (queued and running) requests; then reading stops (one request
+    # is admitted whatever its size when none is held)
+    max_admitted_mb: int = 512
     tls_cert_path: str | None = None  # PEM; with tls_key_path turns on TLS
     tls_key_path: str | None = None
     auth_token: str | None = None  # clients must send "authorization: Bearer <token>"
@@ -113,6 +116,7 @@ class ServerConfig:
             "max_queued_requests",
             "max_group_size",
             "max_message_mb",
+            "max_admitted_mb",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")

@@ -79,8 +79,10 @@ class Rejected(Exception):
 
 @dataclasses.dataclass
 class _Place:
-    """A group's place in admission: queued until ``started``, then a running slot."""
+    """A group's place in admission: queued until ``started``, then a running slot; its
+    request's message bytes count against ``max_admitted_mb`` until it ends."""
 
+    size: int
     started: bool = False
 
 
@@ -137,7 +139,8 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         self._workflow = workflow
         self._scorer = scorer
         self._reward_names = reward_names
-        self._admission = Admission(config.max_queued_requests, config.max_concurrent_groups)
+        self._admission = Admission(config.max_queued_requests, config.max_concurrent_groups,
+                                    config.max_admitted_mb << 20)
         self._meter = ThroughputMeter()
         self._update_lock = asyncio.Lock()
         self._intake = WeightIntake(push_dir, config.push_idle_timeout_s,
@@ -219,16 +222,16 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                     code = grpc.StatusCode.INVALID_ARGUMENT
                     out.put_nowait(_error_group(req.request_id, code, str(e), e.field))
                     continue
-                await self._admission.reserve()
+                place = _Place(size=req.ByteSize())
+                await self._admission.reserve(place.size)
                 in_flight.add(task.request_id)
-                place = _Place()
                 job = asyncio.create_task(self._run_group(task, out, in_flight, place))
                 tasks.add(job)
                 job.add_done_callback(tasks.discard)
                 # Given back when the job ends, however: a job cancelled before its first step
                 # (the client gone) runs none of its own code.
                 job.add_done_callback(lambda _, place=place: self._admission.release(
-                    place.started))
+                    place.started, place.size))
         except (asyncio.CancelledError, AdmissionClosed):
             pass  # shutdown or client gone: finish what was admitted
         except InvalidParamError as e:  # a message that does not decode: the stream is unusable
@@ -300,8 +303,9 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             request_id, prompt, params = generate_args_from_proto(request, self._limits())
         except InvalidParamError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        size = request.ByteSize()
         try:
-            await self._admission.reserve()
+            await self._admission.reserve(size)
         except AdmissionClosed:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
         started = False
@@ -320,7 +324,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         except EngineError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine: {e}")
         finally:
-            self._admission.release(started)
+            self._admission.release(started, size)
 
     # Weights ---------------------------------------------------------------------------------
 

@@ -1041,6 +1041,63 @@ def test_admission_bounds_queue_and_slots():
     asyncio.run(scenario())
 
 
+def test_admission_bounds_the_bytes_it_holds():
+    # Counted by number alone, 1024 queued requests of up to max_message_mb (64 MiB) each
+    # could hold 68 GiB of a server's memory.
+    async def scenario():
+        adm = Admission(max_queued=8, max_running=8, max_bytes=100)
+        await adm.reserve(60)
+        blocked = asyncio.create_task(adm.reserve(50))
+        await asyncio.sleep(0.01)
+        assert not blocked.done() and adm.held_bytes == 60
+        await adm.reserve(40)  # fits beside the first
+        adm.release(started=False, size=60)
+        await asyncio.wait_for(blocked, 1)  # 40 + 50 fits: woken
+        assert (adm.queued, adm.held_bytes) == (2, 90)
+        adm.release(started=False, size=40)
+        adm.release(started=False, size=50)
+        await asyncio.wait_for(adm.reserve(500), 1)  # larger than the budget: alone, admitted
+        assert adm.held_bytes == 500
+        late = asyncio.create_task(adm.reserve(1))
+        await asyncio.sleep(0.01)
+        assert not late.done()
+        late.cancel()
+
+    asyncio.run(scenario())
+
+
+def test_a_server_stops_reading_requests_past_its_byte_budget(tmp_path, tok_dir):
+    big = {"answer": "19", "padding": "x" * ((1 << 20) - 4096)}  # requests of just under 1 MiB
+
+    async def scenario():
+        engine = ArithmeticEngine(step_s=0.02)
+        async with serving(tmp_path, tok_dir, engine=engine, max_admitted_mb=3) as h:
+            call = h.stub.Rollout()
+            for i in range(6):
+                request = rollout_request(f"big{i}", max_new_tokens=20)
+                request.metadata.update(big)
+                await call.write(request)
+            await call.done_writing()
+            most = 0
+            replies = []
+            reading = asyncio.ensure_future(_read_all(call, replies))
+            while not reading.done():
+                status = await h.stub.GetStatus(pb.GetStatusRequest())
+                most = max(most, status.queued_requests + status.running_requests)
+                await asyncio.sleep(0.005)
+            return most, replies
+
+    most, replies = asyncio.run(scenario())
+    assert most == 3
+    assert sorted(r.request_id for r in replies) == [f"big{i}" for i in range(6)]
+    assert not any(r.HasField("error") for r in replies)
+
+
+async def _read_all(call, into: list) -> None:
+    async for reply in call:
+        into.append(reply)
+
+
 def test_activity_clock_counts_overlapping_work_once():
     clock = ActivityClock()
     with clock.track():

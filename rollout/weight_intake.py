@@ -21,9 +21,15 @@ from rollout.engine import InvalidParamError
 from rollout.validation import check_version_range
 
 
+MAX_FILES = 4096  # a checkpoint's files (the largest models have a few hundred shards)
+MAX_NAME_BYTES = 255  # NAME_MAX of common filesystems
+
+
 def _check_name(name: str, field: str) -> None:
     if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
         raise InvalidParamError(field, f"{name!r} is not a plain file name")
+    if len(name.encode()) > MAX_NAME_BYTES:
+        raise InvalidParamError(field, f"{name[:40]!r}... is longer than {MAX_NAME_BYTES} bytes")
 
 
 class PushStalledError(Exception):
@@ -123,6 +129,9 @@ class WeightIntake:
         check_version_range(header.version, "header.version")
         if not header.files:
             raise InvalidParamError("header.files", "must list at least one file")
+        if len(header.files) > MAX_FILES:
+            raise InvalidParamError("header.files", f"lists {len(header.files)} files, more "
+                                    f"than {MAX_FILES}")
         seen = set()
         for i, f in enumerate(header.files):
             _check_name(f.name, f"header.files[{i}].name")

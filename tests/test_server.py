@@ -587,6 +587,12 @@ def _bad_pushes(src):
         ("chunk.offset", skipped),
         ("header", [header_first, header_first]),
         ("header.version", [pb.PushWeightsRequest(header=pb.WeightsHeader(version=2**31))]),
+        # A name past NAME_MAX failed as a disk error; a header of millions of files made as
+        # many empty files.
+        ("header.files[0].name", [pb.PushWeightsRequest(header=pb.WeightsHeader(
+            version=1, files=[pb.WeightFile(name="w" * 300, size=1)]))]),
+        ("header.files", [pb.PushWeightsRequest(header=pb.WeightsHeader(
+            version=1, files=[pb.WeightFile(name=f"f{i}", size=0) for i in range(5000)]))]),
         # Empty chunks kept a stalled push alive past push_idle_timeout_s, holding the update
         # lock: every update queued behind it waited.
         ("chunk.data", [header_first, pb.PushWeightsRequest(

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
 
 from areal_jax.config import ConfigError
 
@@ -25,10 +24,21 @@ def write_atomic(path: str | Path, text: str) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def read_json(path: str | Path) -> Any:
-    """The JSON in ``path``; a file that does not parse raises ``ConfigError`` naming it."""
+def read_json(path: str | Path, numbers: tuple[str, ...] = ()) -> dict:
+    """The JSON object in ``path``, which must hold a number under each key in ``numbers``; a
+    file that does not parse, or is not such an object, raises ``ConfigError`` naming it."""
     try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
+        value = json.loads(Path(path).read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path} is not valid JSON ({e}); it was written by an earlier run "
-                          "of this run_dir: delete it to measure or record it again") from e
+        problem = f"is not valid JSON ({e})"
+    else:
+        if not isinstance(value, dict):
+            problem = f"holds a JSON {type(value).__name__}, not an object"
+        else:
+            wrong = [k for k in numbers if isinstance(value.get(k), bool)
+                     or not isinstance(value.get(k), (int, float))]
+            if not wrong:
+                return value
+            problem = f"has no number under {', '.join(map(repr, wrong))}"
+    raise ConfigError(f"{path} {problem}; it was written by an earlier run of this run_dir: "
+                      "delete it to measure or record it again")

@@ -210,6 +210,10 @@ def test_files_a_run_trusts_later_are_written_whole_and_a_torn_one_is_named(tmp_
     path.write_text(whole[: len(whole) // 2])  # torn by a crash before files were written whole
     with pytest.raises(ConfigError, match=r"fingerprint.json is not valid JSON .* delete it"):
         check_fingerprint(cfg)
+    path.write_text("[]")  # valid JSON of another shape failed with an AttributeError
+    with pytest.raises(ConfigError, match=r"fingerprint.json holds a JSON list, not an object; "
+                                          r"it was written by an earlier run"):
+        check_fingerprint(cfg)
 
 
 def test_the_sft_command_refuses_a_distributed_config(tmp_path):
@@ -301,6 +305,12 @@ def test_a_recorded_accuracy_before_rl_is_compared_by_its_eval_settings(tmp_path
         before = asyncio.run(_accuracy_before_rl(cfg, 3, None, None))
         assert before == recorded
         assert ("not comparable" in capsys.readouterr().out) is warned
+    # A record without its numbers failed with a KeyError deep in the print.
+    path.write_text(json.dumps({"version": 0.0, "eval/accuracy": "0.5"}))
+    with pytest.raises(ConfigError, match=r"eval_before_rl.json has no number under "
+                                          r"'eval/accuracy', 'eval/num_prompts', "
+                                          r"'eval/response_length'; it was written"):
+        asyncio.run(_accuracy_before_rl(cfg, 3, None, None))
 
 
 def test_sft_refuses_a_null_or_overlong_response_before_its_first_step(tmp_path):

@@ -53,7 +53,8 @@ async def _accuracy_before_rl(cfg: ExperimentConfig, version: int, run_eval,
     path = Path(cfg.run_dir) / BEFORE_RL_FILE
     settings = _eval_settings(cfg)
     if path.is_file():
-        before = read_json(path)
+        before = read_json(path, numbers=("version", "eval/accuracy", "eval/num_prompts",
+                                           "eval/response_length"))
         recorded = before.pop("settings", None)
         _print_eval(f"held-out accuracy at version {before['version']:.0f} (before RL, recorded)",
                     before)

@@ -176,7 +176,9 @@ def test_sft_killed_before_its_model_was_written_runs_again(tmp_path):
 
 def test_sigterm_stops_a_run_like_ctrl_c(tmp_path):
     # SIGTERM (kill, scancel, docker stop) ended the trainer at once, without a word on how to
-    # go on and without finishing its checkpoint writes.
+    # go on and without finishing its checkpoint writes. Started as a background job of a
+    # script (`areal-jax train ... &`, an sbatch script), where SIGINT is ignored, a SIGTERM
+    # turned into SIGINT was then dropped: the run went on to its end.
     import os
     import signal
     import subprocess
@@ -186,7 +188,8 @@ def test_sigterm_stops_a_run_like_ctrl_c(tmp_path):
     cfg = _config(tmp_path, total_steps=500)
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "areal_jax.cli", "train", "--config", str(cfg)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
         deadline = time.monotonic() + 240
         while len(_steps(run_dir) if (run_dir / "metrics.jsonl").is_file() else []) < 3:

@@ -15,23 +15,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import logging
-    import signal
     import sys
 
     from areal_jax.commands._preflight import preflight
     from areal_jax.config import load_config
     from areal_jax.controller.run import train
     from areal_jax.experiment import ExperimentConfig
+    from areal_jax.stopping import stop_on_sigterm
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     cfg = load_config(ExperimentConfig, args.config, args.overrides)
     preflight(cfg)
     # SIGTERM (kill, scancel, docker stop) stops the run as Ctrl-C does: servers stopped,
-    # checkpoint writes finished, and a line saying how to go on. It is turned into SIGINT, so
-    # that inside the event loop asyncio's own handler cancels the main task cleanly (a
-    # KeyboardInterrupt raised at an arbitrary point inside the loop's machinery could leave it
-    # broken, the process hanging on its way out).
-    signal.signal(signal.SIGTERM, lambda signum, frame: signal.raise_signal(signal.SIGINT))
+    # checkpoint writes finished, and a line saying how to go on.
+    stop_on_sigterm()
     try:
         results = train(cfg)
     except KeyboardInterrupt:

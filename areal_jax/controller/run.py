@@ -10,7 +10,6 @@ the leader closes the group. Re-running the same command resumes from the last c
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import time
@@ -32,6 +31,7 @@ from areal_jax.controller.trainers import make_trainer
 from areal_jax.data.dataset import PromptDataset
 from areal_jax.experiment import ExperimentConfig
 from areal_jax.files import write_atomic
+from areal_jax.stopping import run_stoppable
 
 
 def claim_devices(cfg: ExperimentConfig, with_servers: bool = True) -> Callable[[], None]:
@@ -138,8 +138,8 @@ def train(cfg: ExperimentConfig) -> dict:
             if extra is not None:
                 print(f"resumed from checkpoint at version {trainer.version}", flush=True)
             t0 = time.monotonic()
-            results = asyncio.run(run_rl(cfg, group, tokenizer, train_set, eval_items, progress,
-                                          extra))
+            results = run_stoppable(run_rl(cfg, group, tokenizer, train_set, eval_items,
+                                           progress, extra))
         finally:
             group.close()  # releases the other processes, closes the trainer
     results["wall_s"] = time.monotonic() - t0

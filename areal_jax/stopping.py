@@ -1,0 +1,58 @@
+"""SIGTERM (``kill``, ``scancel``, ``docker stop``) as a graceful stop, like Ctrl-C.
+
+Outside an event loop it raises ``KeyboardInterrupt`` where the main thread is; inside one
+(``run_stoppable``) it cancels the main task, so the loop's own machinery is never interrupted
+half way, and ``KeyboardInterrupt`` is raised once the task has unwound. Neither depends on
+SIGINT's disposition: a background job of a script starts with SIGINT ignored, and a SIGTERM
+turned into SIGINT was then dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def stop_on_sigterm() -> None:
+    """From now on SIGTERM stops this process as Ctrl-C does (main thread only)."""
+    signal.signal(signal.SIGTERM, _interrupt)
+
+
+def run_stoppable(coro: Coroutine[Any, Any, T]) -> T:
+    """``asyncio.run(coro)``; after ``stop_on_sigterm``, a SIGTERM cancels the main task and
+    ``KeyboardInterrupt`` is raised once it has unwound."""
+    if signal.getsignal(signal.SIGTERM) is not _interrupt:
+        return asyncio.run(coro)
+    stopped = False
+
+    async def main() -> T:
+        loop, task = asyncio.get_running_loop(), asyncio.current_task()
+
+        def stop() -> None:
+            nonlocal stopped
+            stopped = True
+            task.cancel()
+
+        loop.add_signal_handler(signal.SIGTERM, stop)
+        try:
+            return await coro
+        except asyncio.CancelledError:
+            if not stopped:
+                raise
+            return None
+        finally:
+            loop.remove_signal_handler(signal.SIGTERM)  # which leaves SIGTERM at SIG_DFL
+            stop_on_sigterm()
+
+    result = asyncio.run(main())
+    if stopped:
+        raise KeyboardInterrupt
+    return result

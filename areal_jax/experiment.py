@@ -100,6 +100,9 @@ class RolloutConfig:
     start_timeout_s: float = 300.0  # at the start, how long the first server has to answer
     max_request_attempts: int = 8  # sends of one group failing on servers before the run stops
     keepalive_s: float = 20.0  # a server not answering transport pings this long leaves the pool
+    # a server holding groups that sends none back and generates no token for this long (up to
+    # twice this) leaves the pool, its groups sent elsewhere
+    stall_timeout_s: float = 300.0
     max_consecutive_rejections: int = 32  # invalid groups in a row before the run stops
     # Accelerators of local servers: one list of device ids per server (CUDA_VISIBLE_DEVICES /
     # TPU_VISIBLE_CHIPS), and the fraction of each device's memory a server's JAX may take.
@@ -108,7 +111,7 @@ class RolloutConfig:
 
     def __post_init__(self):
         for name in ("rpc_timeout_s", "update_timeout_s", "rejoin_interval_s",
-                     "no_server_timeout_s", "keepalive_s", "start_timeout_s"):
+                     "no_server_timeout_s", "keepalive_s", "start_timeout_s", "stall_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"rollout.{name}: must be > 0, got {getattr(self, name)}")
         if self.rpc_retries < 0:

@@ -182,6 +182,34 @@ def test_a_server_hanging_on_update_does_not_stall_training(tmp_path):
     assert_nothing_lost(tmp_path / "ledger.jsonl", prompts)
 
 
+def test_a_server_that_takes_groups_and_never_answers_leaves_the_pool(tmp_path, caplog):
+    # Its process alive (pings, health and status answered), it held its groups for good: with
+    # another server half the in-flight cap stayed there, with it alone the run waited forever
+    # without a word.
+    prompts = items(200)
+    trainer = RecordingTrainer(exports_dir(tmp_path), train_s=0.1)
+    stuck = ArithmeticEngine(step_s=10_000)
+    start = time.monotonic()
+    loop = run_on_servers(tmp_path, [stuck, ArithmeticEngine(step_s=0.005)],
+                          config(tmp_path, {"max_staleness": 2}), trainer, prompts, 40,
+                          options=PoolOptions(stall_timeout_s=1.0, rejoin_interval_s=0.2))
+    assert time.monotonic() - start < 30
+    assert stuck.requests and trainer.version == 40
+    assert "no group back and no token generated for 1 s" in caplog.text
+    assert_nothing_lost(tmp_path / "ledger.jsonl", prompts)
+    # Alone, its groups come back as failed after their attempts: the run stops, saying why.
+    trainer = RecordingTrainer(exports_dir(tmp_path / "alone"))
+    start = time.monotonic()
+    with pytest.raises(RequestFailedError, match=r"failed 2 times .*no group back and no token "
+                                                 r"generated for 0.5 s with \d+ groups in flight "
+                                                 r"\(rollout.stall_timeout_s\)"):
+        run_on_servers(tmp_path / "alone", [ArithmeticEngine(step_s=10_000)],
+                       config(tmp_path / "alone"), trainer, prompts, 4,
+                       options=PoolOptions(stall_timeout_s=0.5, rejoin_interval_s=0.1,
+                                           max_attempts=2))
+    assert time.monotonic() - start < 30
+
+
 @pytest.mark.parametrize("policy", ["drop", "train"])
 def test_overstale_groups_at_batch_formation(tmp_path, policy):
     prompts = items(200)

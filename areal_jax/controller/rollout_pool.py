@@ -12,6 +12,10 @@ a guarantee that no accepted request is lost.
   instead of looping.
 * Transport pings every ``keepalive_s`` find a server that stopped answering (a frozen process,
   a dead host, a partition) while its stream stays open: it is taken out of the pool.
+* A server that holds groups, sends none back and generates no token for ``stall_timeout_s``
+  (up to twice that: its token count is read once per period), its process alive (a wedged
+  engine), is taken out of the pool the same way, its groups charged a failed send; it rejoins
+  after a backoff that doubles with each stall in a row, and not after ``max_attempts``.
 * With no live server, requests wait; a supervisor task tries dead servers every
   ``rejoin_interval_s`` and brings one that answers SERVING again back to the current weights
   (a forced update) before it gets work. Each server's try runs on its own, and publishing
@@ -82,6 +86,7 @@ class PoolOptions:
     max_message_mb: int = 64
     keepalive_s: float = 20.0  # ping interval, and how long a ping may go unanswered
     max_rejoin_backoff_s: float = 600.0  # longest wait between rejoins of a refusing server
+    stall_timeout_s: float = 300.0  # groups in flight, none back and no token generated: out
 
 
 @dataclasses.dataclass
@@ -107,6 +112,9 @@ class _Server:
     rejoin_failures: int = 0  # rejoins in a row that failed once it answered SERVING
     pings_refused: int = 0  # connections it ended for the trainer's keepalive pings
     next_rejoin: float = 0.0  # monotonic time of its next rejoin try
+    progress_at: float = 0.0  # monotonic time it last showed progress (or got work when idle)
+    tokens_seen: int = -1  # its tokens_generated at that time (-1: not asked yet)
+    stalls: int = 0  # times in a row it left the pool for no progress
 
 
 class RolloutPool:
@@ -138,6 +146,7 @@ class RolloutPool:
         self._weights_lock = asyncio.Lock()
         self._supervisor: asyncio.Task | None = None
         self._rejoining: dict[str, asyncio.Task] = {}  # address -> its rejoin attempt
+        self._stall_checks: dict[str, asyncio.Task] = {}  # address -> its progress check
         self._closing: list[asyncio.Task] = []
         self.resubmitted = 0  # requests sent again after a server failure
 
@@ -201,6 +210,7 @@ class RolloutPool:
         server.outbox = asyncio.Queue()
         server.call = server.stub.Rollout(self._requests_of(server.outbox), metadata=self._metadata)
         server.alive = True
+        server.progress_at, server.tokens_seen = time.monotonic(), -1
         server.reader = asyncio.create_task(self._read(server, server.call))
         self._none_live_since = None
         parked, self._parked = self._parked, []
@@ -284,6 +294,8 @@ class RolloutPool:
             self._parked.append(request)
             return
         server = min(candidates, key=lambda s: len(s.in_flight))
+        if not server.in_flight:  # idle until now: the stall window starts with this work
+            server.progress_at = time.monotonic()
         server.in_flight[request.request_id] = request
         server.busy.add()
         server.outbox.put_nowait(request)
@@ -326,6 +338,7 @@ class RolloutPool:
         if request is None:
             return  # already sent elsewhere
         server.busy.remove()
+        server.progress_at, server.stalls = time.monotonic(), 0
         if group.request_id not in self._futures:
             return
         code = group.error.code if group.HasField("error") else 0
@@ -375,6 +388,12 @@ class RolloutPool:
                     task = asyncio.create_task(self._try_rejoin(server))
                     self._rejoining[server.address] = task
                     task.add_done_callback(lambda _, a=server.address: self._rejoining.pop(a))
+            for server in self._servers:
+                if (server.alive and server.in_flight and server.address not in self._stall_checks
+                        and now - server.progress_at >= opts.stall_timeout_s):
+                    task = asyncio.create_task(self._check_progress(server))
+                    self._stall_checks[server.address] = task
+                    task.add_done_callback(lambda _, a=server.address: self._stall_checks.pop(a))
             if self._none_live_since is not None and not any(s.alive for s in self._servers):
                 waited = time.monotonic() - self._none_live_since
                 if waited >= opts.no_server_timeout_s and self._futures:
@@ -387,6 +406,39 @@ class RolloutPool:
                     self._parked.clear()
                     for rid in list(self._futures):
                         self._resolve(rid, error=error)
+
+    def _hold_back(self, server: _Server, failures: int, what: str, error: str) -> None:
+        """After ``failures`` in a row, ``server`` rejoins no sooner than twice as long per
+        failure (at most ``max_rejoin_backoff_s``), and not at all after ``max_attempts``."""
+        opts = self.options
+        server.next_rejoin = time.monotonic() + min(opts.rejoin_interval_s * 2 ** failures,
+                                                    opts.max_rejoin_backoff_s)
+        if failures >= opts.max_attempts:
+            server.next_rejoin = math.inf
+            log.error("rollout server %s %s %d times in a row; it stays out of the pool for "
+                      "the rest of the run: %s", server.address, what, failures, error)
+
+    async def _check_progress(self, server: _Server) -> None:
+        """``server`` has had groups in flight and sent none back for ``stall_timeout_s``: keep
+        it if it generated tokens since it was last asked (or is paused), else take it out of
+        the pool, its groups charged a failed send (a server that accepts work and never
+        answers, its process alive, held them for good: a wedged engine, a stuck device)."""
+        try:
+            status = await server.stub.GetStatus(pb.GetStatusRequest(),
+                                                 timeout=self.options.rpc_timeout_s,
+                                                 metadata=self._metadata)
+        except (grpc.aio.AioRpcError, AttributeError):  # AttributeError: it left meanwhile
+            status = None
+        if not server.alive or time.monotonic() - server.progress_at < self.options.stall_timeout_s:
+            return  # it left, or a group came back meanwhile
+        if status is not None and (status.paused or status.tokens_generated > server.tokens_seen):
+            server.progress_at, server.tokens_seen = time.monotonic(), status.tokens_generated
+            return
+        reason = (f"no group back and no token generated for {self.options.stall_timeout_s:g} "
+                  f"s with {len(server.in_flight)} groups in flight (rollout.stall_timeout_s)")
+        self._mark_dead(server, reason, charge=True)
+        server.stalls += 1
+        self._hold_back(server, server.stalls, "stalled", reason)
 
     def _addresses(self) -> list[str]:
         return [s.address for s in self._servers]
@@ -432,14 +484,8 @@ class RolloutPool:
             if serving_health:  # it takes weights each try: wait longer after each failure
                 server.rejoin_error = error
                 server.rejoin_failures += 1
-                server.next_rejoin = time.monotonic() + min(
-                    self.options.rejoin_interval_s * 2 ** server.rejoin_failures,
-                    self.options.max_rejoin_backoff_s)
-                if server.rejoin_failures >= self.options.max_attempts:
-                    server.next_rejoin = math.inf
-                    log.error("rollout server %s failed to take the weights %d times in a row; "
-                              "it stays out of the pool for the rest of the run: %s",
-                              server.address, server.rejoin_failures, error)
+                self._hold_back(server, server.rejoin_failures, "failed to take the weights",
+                                error)
             await channel.close()
             return
         except asyncio.CancelledError:  # the pool is closing
@@ -549,7 +595,7 @@ class RolloutPool:
 
     async def close(self) -> None:
         tasks = [self._supervisor] if self._supervisor is not None else []
-        tasks += self._rejoining.values()
+        tasks += [*self._rejoining.values(), *self._stall_checks.values()]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -124,6 +124,7 @@ def make_pool(cfg: ExperimentConfig, addresses: list[str]) -> RolloutPool:
                           rpc_retries=r.rpc_retries, rejoin_interval_s=r.rejoin_interval_s,
                           no_server_timeout_s=r.no_server_timeout_s,
                           max_attempts=r.max_request_attempts, keepalive_s=r.keepalive_s,
+                          stall_timeout_s=r.stall_timeout_s,
                           max_message_mb=r.server.get("max_message_mb",
                                                       ServerConfig.max_message_mb))
     return RolloutPool(addresses, auth_token=token, tls_root_cert=tls, options=options)

@@ -690,3 +690,31 @@ def test_an_evaluation_whose_every_request_fails_names_the_first_error(tmp_path,
     inside_a_run, result = asyncio.run(main())
     assert inside_a_run["eval/failed"] == 4 and np.isnan(inside_a_run["eval/accuracy"])
     assert result["eval/num_prompts"] == 4 and result["eval/failed"] == 0
+
+
+def test_an_evaluation_request_failing_after_its_attempts_is_counted_not_raised(tmp_path):
+    # One held-out prompt that failed on the servers after its attempts (INTERNAL each time)
+    # raised out of the evaluation: the run stopped, that version's checkpoint unwritten.
+    from areal_jax.controller.evaluation import evaluate
+
+    prompts = items(4)
+
+    class CrashingEngine(ArithmeticEngine):
+        def generate(self, prompt_ids, params, request_id):
+            if list(prompt_ids) == prompts[2].prompt_ids:
+                raise RuntimeError("decoding this answer crashes")
+            return super().generate(prompt_ids, params, request_id)
+
+    async def main():
+        servers = await start_servers(tmp_path, [CrashingEngine()])
+        pool = RolloutPool(addresses(servers), options=PoolOptions(max_attempts=2))
+        await pool.start(ready_timeout_s=10)
+        try:
+            return await evaluate(pool, prompts, "exact", max_new_tokens=6, strict=False)
+        finally:
+            await pool.close()
+            for server in servers:
+                await server.stop(grace=0)
+
+    result = asyncio.run(main())
+    assert result["eval/failed"] == 1 and result["eval/num_prompts"] == 3, result

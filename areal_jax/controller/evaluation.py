@@ -9,7 +9,7 @@ import logging
 import numpy as np
 
 from areal_jax.controller.requests import rollout_request
-from areal_jax.controller.rollout_pool import RolloutPool
+from areal_jax.controller.rollout_pool import RequestFailedError, RolloutPool
 from areal_jax.data.dataset import PromptItem
 
 log = logging.getLogger(__name__)
@@ -27,7 +27,8 @@ async def evaluate(pool: RolloutPool, items: list[PromptItem], reward: str, *,
     """Mean reward (accuracy for 0/1 rewards) and response length, one sample per prompt.
 
     ``token_counts``, if given, is extended with each answer's prompt + response tokens.
-    Requests that failed are counted and the first one's error logged; when every one failed,
+    Requests that failed (answered with an error, or failing on the servers after their
+    attempts) are counted and the first one's error logged; when every one failed,
     ``EvaluationFailedError`` names that error (e.g. a server that does not know the reward),
     unless not ``strict`` (an evaluation inside a run: the accuracy is then NaN, and the run
     goes on to its next checkpoint)."""
@@ -37,9 +38,15 @@ async def evaluate(pool: RolloutPool, items: list[PromptItem], reward: str, *,
                                     temperature, seed=i))
         for i, item in enumerate(items)
     ]
-    groups = await asyncio.gather(*futures)
+    groups = await asyncio.gather(*futures, return_exceptions=True)
     rewards, lengths, failed, reward_failures, first_error = [], [], 0, 0, None
     for group in groups:
+        if isinstance(group, RequestFailedError):  # failed on the servers after its attempts
+            failed += 1
+            first_error = first_error or str(group)
+            continue
+        if isinstance(group, BaseException):  # no server left, ...: not this request's failure
+            raise group
         if group.HasField("error"):
             failed += 1
             first_error = first_error or (

@@ -210,6 +210,32 @@ def test_a_server_that_takes_groups_and_never_answers_leaves_the_pool(tmp_path, 
     assert time.monotonic() - start < 30
 
 
+class CrashingEngine(ArithmeticEngine):
+    """Fails every request with an error of its own (the server answers INTERNAL)."""
+
+    def generate(self, prompt_ids, params, request_id):
+        self.requests.append((request_id, list(prompt_ids), params))
+        raise RuntimeError("a defect of this server")
+
+
+def test_a_server_failing_every_group_leaves_the_pool_and_is_logged_once(tmp_path, caplog):
+    # Answering at once, it had the fewest groups in flight and got most new ones: 330 of
+    # them over 20 versions, each a warning here and a traceback there, for the whole run.
+    prompts = items(200)
+    trainer = RecordingTrainer(exports_dir(tmp_path), train_s=0.05)
+    broken = CrashingEngine()
+    run_on_servers(tmp_path, [broken, ArithmeticEngine(step_s=0.005)],
+                   config(tmp_path, {"max_staleness": 2}), trainer, prompts, 20,
+                   options=PoolOptions(rejoin_interval_s=0.1, max_attempts=3))
+    assert trainer.version == 20
+    groups = len({rid for rid, _, _ in broken.requests})
+    assert groups <= 3 * 8, groups  # three strikes, each at most the in-flight cap
+    warned = caplog.text.count("sending it again")
+    assert 1 <= warned <= 3, warned
+    assert "was taken out of the pool 3 times in a row; it stays out" in caplog.text
+    assert_nothing_lost(tmp_path / "ledger.jsonl", prompts)
+
+
 @pytest.mark.parametrize("policy", ["drop", "train"])
 def test_overstale_groups_at_batch_formation(tmp_path, policy):
     prompts = items(200)
@@ -699,14 +725,14 @@ def test_an_evaluation_request_failing_after_its_attempts_is_counted_not_raised(
 
     prompts = items(4)
 
-    class CrashingEngine(ArithmeticEngine):
+    class OnePromptCrashes(ArithmeticEngine):
         def generate(self, prompt_ids, params, request_id):
             if list(prompt_ids) == prompts[2].prompt_ids:
                 raise RuntimeError("decoding this answer crashes")
             return super().generate(prompt_ids, params, request_id)
 
     async def main():
-        servers = await start_servers(tmp_path, [CrashingEngine()])
+        servers = await start_servers(tmp_path, [OnePromptCrashes()])
         pool = RolloutPool(addresses(servers), options=PoolOptions(max_attempts=2))
         await pool.start(ready_timeout_s=10)
         try:

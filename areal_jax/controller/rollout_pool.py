@@ -14,8 +14,10 @@ a guarantee that no accepted request is lost.
   a dead host, a partition) while its stream stays open: it is taken out of the pool.
 * A server that holds groups, sends none back and generates no token for ``stall_timeout_s``
   (up to twice that: its token count is read once per period), its process alive (a wedged
-  engine), is taken out of the pool the same way, its groups charged a failed send; it rejoins
-  after a backoff that doubles with each stall in a row, and not after ``max_attempts``.
+  engine), is taken out of the pool the same way, its groups charged a failed send; so is one
+  that answers ``max_attempts`` groups in a row with a server fault (it answers at once, so
+  least-loaded routing would send it most new groups). Either rejoins after a backoff that
+  doubles with each such strike in a row, and not after ``max_attempts``.
 * With no live server, requests wait; a supervisor task tries dead servers every
   ``rejoin_interval_s`` and brings one that answers SERVING again back to the current weights
   (a forced update) before it gets work. Each server's try runs on its own, and publishing
@@ -114,7 +116,9 @@ class _Server:
     next_rejoin: float = 0.0  # monotonic time of its next rejoin try
     progress_at: float = 0.0  # monotonic time it last showed progress (or got work when idle)
     tokens_seen: int = -1  # its tokens_generated at that time (-1: not asked yet)
-    stalls: int = 0  # times in a row it left the pool for no progress
+    strikes: int = 0  # times in a row it left the pool for stalling or failing every group
+    faults: int = 0  # groups in a row it answered with a server fault (INTERNAL, ...)
+    fault_error: str | None = None  # the last of those faults, logged once while it repeats
 
 
 class RolloutPool:
@@ -338,7 +342,7 @@ class RolloutPool:
         if request is None:
             return  # already sent elsewhere
         server.busy.remove()
-        server.progress_at, server.stalls = time.monotonic(), 0
+        server.progress_at = time.monotonic()
         if group.request_id not in self._futures:
             return
         code = group.error.code if group.HasField("error") else 0
@@ -355,13 +359,20 @@ class RolloutPool:
             self._mark_dead(server, reason)
         elif code in _SERVER_FAULT:
             reason = f"{_code_enum(code).name}: {group.error.message}"
-            if self._failed_for_good(group.request_id, server, reason):
-                return
-            log.warning("request %s failed on %s (%s); sending it again", group.request_id,
-                        server.address, reason)
-            self.resubmitted += 1
-            self._route(request, avoid=server)
+            server.faults += 1
+            if reason != server.fault_error:  # once while the same fault repeats
+                log.warning("request %s failed on %s (%s); sending it again", group.request_id,
+                            server.address, reason)
+                server.fault_error = reason
+            if not self._failed_for_good(group.request_id, server, reason):
+                self.resubmitted += 1
+                self._route(request, avoid=server)
+            if server.faults >= self.options.max_attempts:
+                # It answers at once, so least-loaded routing would send it most new groups.
+                self._strike(server, f"{server.faults} groups in a row failed there, the "
+                                     f"last: {reason}")
         else:
+            server.strikes, server.faults, server.fault_error = 0, 0, None
             self._resolve(group.request_id, group)
 
     def _failed_for_good(self, request_id: str, server: _Server, reason: str) -> bool:
@@ -434,11 +445,18 @@ class RolloutPool:
         if status is not None and (status.paused or status.tokens_generated > server.tokens_seen):
             server.progress_at, server.tokens_seen = time.monotonic(), status.tokens_generated
             return
-        reason = (f"no group back and no token generated for {self.options.stall_timeout_s:g} "
-                  f"s with {len(server.in_flight)} groups in flight (rollout.stall_timeout_s)")
-        self._mark_dead(server, reason, charge=True)
-        server.stalls += 1
-        self._hold_back(server, server.stalls, "stalled", reason)
+        self._strike(server, f"no group back and no token generated for "
+                             f"{self.options.stall_timeout_s:g} s with {len(server.in_flight)} "
+                             "groups in flight (rollout.stall_timeout_s)", charge=True)
+
+    def _strike(self, server: _Server, reason: str, charge: bool = False) -> None:
+        """Take ``server`` out of the pool for failing at its work (``_mark_dead``), to rejoin
+        after a backoff that doubles with each such strike in a row (a group it completes
+        ends the row)."""
+        self._mark_dead(server, reason, charge=charge)
+        server.faults, server.fault_error = 0, None
+        server.strikes += 1
+        self._hold_back(server, server.strikes, "was taken out of the pool", reason)
 
     def _addresses(self) -> list[str]:
         return [s.address for s in self._servers]

@@ -36,6 +36,7 @@ from rollout.workflows import RewardScorer, Tokenizer, load_workflow
 log = logging.getLogger(__name__)
 ENGINE_POLL_S = 0.1  # how often the server looks at engine.failure
 PARENT_POLL_S = 0.5  # how often it checks that parent_pid is still its parent
+STOP_MARGIN_S = 30.0  # past shutdown_grace_s, how long a stop may take before the process exits
 
 
 class RolloutServer:
@@ -255,8 +256,23 @@ async def _serve(config: ServerConfig, **components) -> int:
         for watcher in watchers:
             watcher.cancel()
     log.info("shutting down (grace %.0f s)", config.shutdown_grace_s)
-    await server.stop(config.shutdown_grace_s)
+    for sig in (signal.SIGTERM, signal.SIGINT):  # a second one ends the process at once
+        loop.add_signal_handler(sig, _exit_now, f"signal {sig.name} during the shutdown")
+    limit = config.shutdown_grace_s + STOP_MARGIN_S
+    try:
+        await asyncio.wait_for(server.stop(config.shutdown_grace_s), limit)
+    except TimeoutError:  # an engine stuck in a device call: the process must not outlive it
+        _exit_now(f"the shutdown did not finish within {limit:g} s (shutdown_grace_s + "
+                  f"{STOP_MARGIN_S:g} s)")
     return 1 if server.failure is not None else 0
+
+
+def _exit_now(why: str) -> None:
+    """End the process without waiting for anything more (a thread stuck in the engine would
+    hold a normal exit for ever); exit code 1."""
+    log.error("exiting now: %s", why)
+    logging.shutdown()
+    os._exit(1)
 
 
 def _log_status(server: RolloutServer) -> None:

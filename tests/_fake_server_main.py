@@ -1,7 +1,7 @@
 """A real rollout-server process over the arithmetic engine double, for fault-injection tests.
 
 ``python tests/_fake_server_main.py DIR PORT [--step-s S] [--version V] [--die-after N]
-[--hang-update] [--max-concurrent N]``: serves on 127.0.0.1:PORT until SIGTERM (graceful) or
+[--hang-update] [--max-concurrent N] [--hang-shutdown] [--stop-margin-s S]``: serves on 127.0.0.1:PORT until SIGTERM (graceful) or
 the engine fails (exit 1); the base checkpoint and exports live under DIR/exports.
 """
 
@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import logging
 import sys
+import threading
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -18,15 +19,24 @@ from _rollout_fakes import write_checkpoint  # noqa: E402
 
 from areal_jax.config import from_dict  # noqa: E402
 from rollout.config import ServerConfig  # noqa: E402
+from rollout import server  # noqa: E402
 from rollout.server import serve  # noqa: E402
 
 
 class FaultyEngine(ArithmeticEngine):
-    """Dies for good after ``die_after`` requests; or never finishes a weight update."""
+    """Dies for good after ``die_after`` requests; or never finishes a weight update, or its
+    shutdown (a thread stuck in a device call)."""
 
-    def __init__(self, die_after: int | None, hang_update: bool, **kwargs):
+    def __init__(self, die_after: int | None, hang_update: bool, hang_shutdown: bool = False,
+                 **kwargs):
         super().__init__(**kwargs)
         self.die_after, self.hang_update = die_after, hang_update
+        self.hang_shutdown = hang_shutdown
+
+    async def shutdown(self):
+        if self.hang_shutdown:
+            await asyncio.to_thread(threading.Event().wait)
+        await super().shutdown()
 
     def generate(self, prompt_ids, params, request_id):
         if self.die_after is not None and len(self.requests) >= self.die_after:
@@ -48,7 +58,11 @@ def main() -> int:
     p.add_argument("--die-after", type=int)
     p.add_argument("--hang-update", action="store_true")
     p.add_argument("--max-concurrent", type=int, default=64)
+    p.add_argument("--hang-shutdown", action="store_true")
+    p.add_argument("--stop-margin-s", type=float)
     args = p.parse_args()
+    if args.stop_margin_s is not None:
+        server.STOP_MARGIN_S = args.stop_margin_s
     logging.basicConfig(level=logging.INFO)
     tok = make_tokenizer_dir(args.dir / "tok")
     base = write_checkpoint(args.dir / "exports" / "base", "base")
@@ -56,8 +70,8 @@ def main() -> int:
         "engine": {"model_path": str(base), "tokenizer_path": str(tok)}, "port": args.port,
         "push_dir": str(args.dir / f"push{args.port}"), "shutdown_grace_s": 5,
         "max_concurrent_groups": args.max_concurrent})
-    engine = FaultyEngine(args.die_after, args.hang_update, step_s=args.step_s,
-                          version=args.version)
+    engine = FaultyEngine(args.die_after, args.hang_update, args.hang_shutdown,
+                          step_s=args.step_s, version=args.version)
     scorer = ExactAnswerScorer()
     return serve(cfg, engine=engine, scorer=scorer, reward_names=scorer.names)
 

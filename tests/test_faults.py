@@ -171,3 +171,43 @@ def test_a_ledger_torn_by_a_crash_keeps_every_event_of_the_resumed_run(tmp_path)
     # and reading stopped there.
     assert [(e["event"], e["version"]) for e in read_ledger(path)] == [
         ("start", 0), ("train", 1), ("start", 1), ("train", 2)]
+
+
+def _serving(proc: subprocess.Popen, log: Path, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while b"rollout server on" not in log.read_bytes():
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+        time.sleep(0.1)
+
+
+def test_a_server_whose_engine_hangs_in_its_shutdown_still_exits(tmp_path):
+    # The stop waited on the engine without a limit: a server whose trainer was SIGKILLed (a
+    # parent-death signal or parent_pid starting the stop) kept its process, and its
+    # accelerator memory, for good; a second SIGTERM only asked again.
+    proc, address = _server(tmp_path, "--hang-shutdown", "--stop-margin-s", "1")
+    log = tmp_path / f"server_{address.rsplit(':', 1)[1]}.log"
+    try:
+        _serving(proc, log)
+        began = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 1
+        took = time.monotonic() - began
+        # the fake server's shutdown_grace_s is 5; the stop is cut at 5 + 1 s
+        assert 5 < took < 20, took
+        assert "exiting now: the shutdown did not finish within 6 s" in log.read_text()
+    finally:
+        _reap(proc)
+    proc, address = _server(tmp_path, "--hang-shutdown")
+    log = tmp_path / f"server_{address.rsplit(':', 1)[1]}.log"
+    try:
+        _serving(proc, log)
+        proc.send_signal(signal.SIGTERM)
+        while b"shutting down" not in log.read_bytes():
+            time.sleep(0.05)
+        began = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 1
+        assert time.monotonic() - began < 5
+        assert "exiting now: signal SIGTERM during the shutdown" in log.read_text()
+    finally:
+        _reap(proc)

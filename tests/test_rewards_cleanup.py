@@ -24,6 +24,48 @@ def sandboxed(completion: str, metadata: dict) -> float:
     return float(run_python(completion, limits=SandboxLimits(timeout_s=120)).ok)
 
 
+def hang(completion: str, metadata: dict) -> float:
+    """A reward that never returns."""
+    time.sleep(3600)
+    return 0.0
+
+
+def test_a_worker_inside_a_hanging_reward_dies_with_its_killed_pool(tmp_path):
+    # An idle worker ends on its pipe's EOF; one inside a reward that hangs outlived the
+    # SIGKILLed rollout server that started it, for good.
+    code = textwrap.dedent(f"""
+        import asyncio, sys
+        sys.path[:0] = {sys.path!r}
+        from areal_jax.rewards import RewardPool
+        pool = RewardPool(1, timeout_s=600, custom={{"hang": "test_rewards_cleanup:hang"}})
+        print(pool._idle[0].process.pid, flush=True)
+        asyncio.run(pool.score("hang", "", {{}}))
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                            cwd=os.path.dirname(__file__))
+    worker = int(proc.stdout.readline())
+    try:
+        time.sleep(2)  # the call is inside the reward by now
+        assert _alive(worker)
+        proc.kill()
+        proc.wait(10)
+        deadline = time.monotonic() + 10
+        while _alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(worker)
+    finally:
+        if _alive(worker):
+            os.kill(worker, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
 def _sleepers(mark: str, escape: bool) -> str:
     """A program that becomes a marked sleeper, after forking one that leaves its session."""
     return textwrap.dedent(

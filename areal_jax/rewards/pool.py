@@ -25,6 +25,7 @@ import os
 import signal
 import tempfile
 
+from areal_jax.processes import die_with_parent
 from areal_jax.rewards.registry import (
     RewardFn,
     RewardNotFoundError,
@@ -75,8 +76,11 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _worker_main(conn, scratch: str) -> None:
-    """Serve (reward path, completion, metadata) requests with ("ok", float) or ("error", msg)."""
+def _worker_main(conn, scratch: str, parent: int) -> None:
+    """Serve (reward path, completion, metadata) requests with ("ok", float) or ("error", msg).
+    Dies with ``parent`` (an idle worker ends on its pipe's EOF; one inside a reward that hangs
+    would not)."""
+    die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     set_scratch_root(scratch)
     functions = {}
@@ -102,7 +106,8 @@ class _Worker:
         self.scratch = tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-")
         os.chmod(self.scratch, 0o711)  # a sandbox uid must reach its own work directory
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_worker_main, args=(child, self.scratch), daemon=True)
+        self.process = ctx.Process(target=_worker_main, args=(child, self.scratch, os.getpid()),
+                                   daemon=True)
         self.process.start()
         child.close()
 
@@ -124,7 +129,9 @@ class RewardPool:
     Only :attr:`reward_names` can be scored: the built-ins, the registered names and ``custom``
     (name -> ``"pkg.module:function"``, each imported and checked here, in the parent; a
     RewardConfigError carries the real import error). Counters ``num_scored``,
-    ``num_timeouts`` and ``num_errors`` are there for metrics.
+    ``num_timeouts`` and ``num_errors`` are there for metrics. Workers die with the thread
+    that started them (Linux's parent-death signal, which holds when this process is
+    SIGKILLed): create and use a pool in one long-lived thread, such as the event loop's.
     """
 
     def __init__(

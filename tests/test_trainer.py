@@ -281,6 +281,9 @@ def test_pruning_keeps_the_newest_exports_and_the_multiples_of_keep_every(tmp_pa
     assert [v for v, _ in list_exports(tmp_path)] == [0, 4, 5, 8, 9]
     assert prune_exports(tmp_path, keep=1) == [tmp_path / f"v{v:06d}" for v in (0, 4, 5, 8)]
     assert (tmp_path / "v000003.tmp").is_dir()
+    with pytest.raises(ConfigError, match="export_keep must be >= 2, got 1: the export the "
+                                          "servers serve must outlive"):
+        TrainerConfig(export_keep=1)
     with pytest.raises(ConfigError, match="export_keep_every must be >= 0"):
         TrainerConfig(export_keep_every=-1)
 
@@ -336,7 +339,7 @@ def test_publish_exports_what_transformers_loads_and_prunes_old_versions(tmp_pat
 
 
 def test_a_publish_snapshot_keeps_its_version_while_the_next_step_trains(model, tmp_path):
-    trainer = _trainer(model, run_dir=str(tmp_path), export_keep=1)
+    trainer = _trainer(model, run_dir=str(tmp_path), export_keep=2)
     examples = [([5, 6, 7], [8, 9, 10, 11]), ([20, 21], [22, 23, 24])]
     trainer.sft_on_batch(examples)
     at_one = host_params(trainer)

@@ -88,8 +88,11 @@ class TrainerConfig:
                 f"temperature: {self.temperature:g} is below {GREEDY_TEMPERATURE:g}, which "
                 "samples greedily and reports log-probs at temperature 1: set 1.0")
         _at_least(self, 0, "warmup_steps", "total_steps", "weight_decay", "export_keep_every")
-        _at_least(self, 1, "ppo_n_minibatches", "logprob_chunk_size", "checkpoint_keep",
-                  "export_keep")
+        _at_least(self, 1, "ppo_n_minibatches", "logprob_chunk_size", "checkpoint_keep")
+        if self.export_keep < 2:  # with one, writing the next export removed the one served
+            raise ConfigError(f"export_keep must be >= 2, got {self.export_keep}: the export "
+                              "the servers serve must outlive the writing of the next one (a "
+                              "server rejoining meanwhile loads it)")
         if self.lr_schedule == "cosine" and self.total_steps <= self.warmup_steps:
             raise ConfigError(
                 f"total_steps ({self.total_steps}) must exceed warmup_steps "

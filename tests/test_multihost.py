@@ -44,6 +44,11 @@ def _worker(process_id: int, port: int, run_dir: Path, out: Path, mode: str) -> 
     heartbeat_s = 5 if mode == "follower_killed" else 100
     initialize_distributed(f"127.0.0.1:{port}", 2, process_id, heartbeat_timeout_s=heartbeat_s)
     if mode == "sigterm":  # each process sends itself SIGTERM: it must end at once
+        # Both joined first: a coordinator gone before the other process connected left that
+        # one retrying for minutes (a loaded machine starts them far apart).
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("joined")
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(60)
         return

@@ -180,6 +180,10 @@ class GenerationEngine(abc.ABC):
     """Base class of generation engines; the module docstring states the contract."""
 
     kind: str = ""
+    # Whether ``generate`` yields tokens as they are generated (False: a sequence's tokens come
+    # when it ends, as with SGLang's non-streamed answers): a client watching the token count
+    # for progress can rely on it only then.
+    tokens_as_generated: bool = True
 
     @property
     @abc.abstractmethod

@@ -453,6 +453,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
     def status(self) -> pb.ServerStatus:
         engine = self._engine
         stats = {k: float(v) for k, v in engine.stats().items()}
+        stats["tokens_as_generated"] = float(engine.tokens_as_generated)
         return pb.ServerStatus(
             version=engine.version,
             running_requests=self._admission.running,

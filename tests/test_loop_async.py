@@ -20,7 +20,7 @@ from areal_jax.controller.requests import rollout_request
 from areal_jax.controller.rollout_pool import PoolOptions, RequestFailedError, RolloutPool
 from areal_jax.controller.rollout_pool import WeightsRejectedError
 from areal_jax.controller.servers import sync_servers
-from rollout.engine import WeightLoadError
+from rollout.engine import GenerationChunk, WeightLoadError
 
 
 def test_generation_never_waits_for_the_trainer(tmp_path):
@@ -208,6 +208,46 @@ def test_a_server_that_takes_groups_and_never_answers_leaves_the_pool(tmp_path, 
                        options=PoolOptions(stall_timeout_s=0.5, rejoin_interval_s=0.1,
                                            max_attempts=2))
     assert time.monotonic() - start < 30
+
+
+class WholeSequenceEngine(ArithmeticEngine):
+    """Like SGLang's adapter: a sequence's tokens come in one chunk when it ends (here after
+    ``sequence_s``), so the token count does not move while it generates."""
+
+    tokens_as_generated = False
+
+    def __init__(self, sequence_s: float):
+        super().__init__()
+        self.sequence_s = sequence_s
+
+    async def generate(self, prompt_ids, params, request_id):
+        await asyncio.sleep(self.sequence_s)
+        chunks = [c async for c in super().generate(prompt_ids, params, request_id)]
+        yield GenerationChunk(tuple(t for c in chunks for t in c.token_ids),
+                              tuple(p for c in chunks for p in c.logprobs),
+                              tuple(v for c in chunks for v in c.versions), chunks[-1].finish_reason)
+
+
+def test_a_server_whose_tokens_come_as_sequences_end_is_not_taken_for_stalled(tmp_path, caplog):
+    # Its token count stays put while long sequences generate: read as a stall, a healthy
+    # SGLang server lost its groups and was taken out of the pool, again after each rejoin.
+    async def main():
+        servers = await start_servers(tmp_path, [WholeSequenceEngine(sequence_s=2.5)])
+        pool = RolloutPool(addresses(servers), options=PoolOptions(
+            stall_timeout_s=0.5, rejoin_interval_s=0.1))
+        await pool.start()
+        pool.record_weights(exports_dir(tmp_path) / "base", 0)
+        try:
+            futures = [pool.submit(rollout_request(item, f"0:{item.id}", "exact", 2, 6, 1.0,
+                                                   seed=0)) for item in items(4)]
+            return await asyncio.wait_for(asyncio.gather(*futures), 30)
+        finally:
+            await pool.close()
+            await asyncio.gather(*(s.stop(grace=0) for s in servers))
+
+    groups = asyncio.run(main())
+    assert all(not g.HasField("error") for g in groups)
+    assert "left the pool" not in caplog.text
 
 
 class CrashingEngine(ArithmeticEngine):

@@ -14,7 +14,8 @@ a guarantee that no accepted request is lost.
   a dead host, a partition) while its stream stays open: it is taken out of the pool.
 * A server that holds groups, sends none back and generates no token for ``stall_timeout_s``
   (up to twice that: its token count is read once per period), its process alive (a wedged
-  engine), is taken out of the pool the same way, its groups charged a failed send; so is one
+  engine), is taken out of the pool the same way (not a server whose engine counts tokens only
+  as sequences end: SGLang), its groups charged a failed send; so is one
   that answers ``max_attempts`` groups in a row with a server fault (it answers at once, so
   least-loaded routing would send it most new groups). Either rejoins after a backoff that
   doubles with each such strike in a row, and not after ``max_attempts``.
@@ -431,9 +432,10 @@ class RolloutPool:
 
     async def _check_progress(self, server: _Server) -> None:
         """``server`` has had groups in flight and sent none back for ``stall_timeout_s``: keep
-        it if it generated tokens since it was last asked (or is paused), else take it out of
-        the pool, its groups charged a failed send (a server that accepts work and never
-        answers, its process alive, held them for good: a wedged engine, a stuck device)."""
+        it if it generated tokens since it was last asked (or is paused, or its engine counts
+        tokens only as sequences end), else take it out of the pool, its groups charged a
+        failed send (a server that accepts work and never answers, its process alive, held them
+        for good: a wedged engine, a stuck device)."""
         try:
             status = await server.stub.GetStatus(pb.GetStatusRequest(),
                                                  timeout=self.options.rpc_timeout_s,
@@ -442,7 +444,9 @@ class RolloutPool:
             status = None
         if not server.alive or time.monotonic() - server.progress_at < self.options.stall_timeout_s:
             return  # it left, or a group came back meanwhile
-        if status is not None and (status.paused or status.tokens_generated > server.tokens_seen):
+        if status is not None and (status.paused or status.tokens_generated > server.tokens_seen
+                                   or not status.engine_stats.get("tokens_as_generated", 1.0)):
+            # paused, progressing, or its count moves only as sequences end (SGLang): kept
             server.progress_at, server.tokens_seen = time.monotonic(), status.tokens_generated
             return
         self._strike(server, f"no group back and no token generated for "

@@ -125,6 +125,7 @@ class SGLangEngine(GenerationEngine):
     """Drives one SGLang server over HTTP; see the module docstring."""
 
     kind = "sglang"
+    tokens_as_generated = False  # one answer per sequence (or per interrupted part of it)
 
     def __init__(self, options: SGLangOptions, model_path: str, version: int):
         self.options = options

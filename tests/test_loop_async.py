@@ -776,11 +776,17 @@ def test_an_evaluation_request_failing_after_its_attempts_is_counted_not_raised(
         pool = RolloutPool(addresses(servers), options=PoolOptions(max_attempts=2))
         await pool.start(ready_timeout_s=10)
         try:
-            return await evaluate(pool, prompts, "exact", max_new_tokens=6, strict=False)
+            alone = await evaluate(pool, prompts[2:3], "exact", max_new_tokens=6, strict=False)
+            assert alone["eval/failed"] == 1
+            live = pool.live_servers
+            return await evaluate(pool, prompts, "exact", max_new_tokens=6, strict=False), live
         finally:
             await pool.close()
             for server in servers:
                 await server.stop(grace=0)
 
-    result = asyncio.run(main())
+    result, live = asyncio.run(main())
     assert result["eval/failed"] == 1 and result["eval/num_prompts"] == 3, result
+    # One group failing again and again (here alone) is that group's failure, not its
+    # server's: the only server stayed in the pool.
+    assert len(live) == 1

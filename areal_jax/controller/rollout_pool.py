@@ -16,7 +16,7 @@ a guarantee that no accepted request is lost.
   (up to twice that: its token count is read once per period), its process alive (a wedged
   engine), is taken out of the pool the same way (not a server whose engine counts tokens only
   as sequences end: SGLang), its groups charged a failed send; so is one
-  that answers ``max_attempts`` groups in a row with a server fault (it answers at once, so
+  that answers ``max_attempts`` distinct groups in a row with a server fault (it answers at once, so
   least-loaded routing would send it most new groups). Either rejoins after a backoff that
   doubles with each such strike in a row, and not after ``max_attempts``.
 * With no live server, requests wait; a supervisor task tries dead servers every
@@ -118,7 +118,8 @@ class _Server:
     progress_at: float = 0.0  # monotonic time it last showed progress (or got work when idle)
     tokens_seen: int = -1  # its tokens_generated at that time (-1: not asked yet)
     strikes: int = 0  # times in a row it left the pool for stalling or failing every group
-    faults: int = 0  # groups in a row it answered with a server fault (INTERNAL, ...)
+    faults: set[str] = dataclasses.field(default_factory=set)  # the distinct groups it failed
+    # in a row with a server fault (INTERNAL, ...): one group failing again counts once
     fault_error: str | None = None  # the last of those faults, logged once while it repeats
 
 
@@ -360,7 +361,7 @@ class RolloutPool:
             self._mark_dead(server, reason)
         elif code in _SERVER_FAULT:
             reason = f"{_code_enum(code).name}: {group.error.message}"
-            server.faults += 1
+            server.faults.add(group.request_id)
             if reason != server.fault_error:  # once while the same fault repeats
                 log.warning("request %s failed on %s (%s); sending it again", group.request_id,
                             server.address, reason)
@@ -368,12 +369,13 @@ class RolloutPool:
             if not self._failed_for_good(group.request_id, server, reason):
                 self.resubmitted += 1
                 self._route(request, avoid=server)
-            if server.faults >= self.options.max_attempts:
+            if len(server.faults) >= self.options.max_attempts:
                 # It answers at once, so least-loaded routing would send it most new groups.
-                self._strike(server, f"{server.faults} groups in a row failed there, the "
+                self._strike(server, f"{len(server.faults)} groups in a row failed there, the "
                                      f"last: {reason}")
         else:
-            server.strikes, server.faults, server.fault_error = 0, 0, None
+            server.strikes, server.fault_error = 0, None
+            server.faults.clear()
             self._resolve(group.request_id, group)
 
     def _failed_for_good(self, request_id: str, server: _Server, reason: str) -> bool:
@@ -458,7 +460,8 @@ class RolloutPool:
         after a backoff that doubles with each such strike in a row (a group it completes
         ends the row)."""
         self._mark_dead(server, reason, charge=charge)
-        server.faults, server.fault_error = 0, None
+        server.faults.clear()
+        server.fault_error = None
         server.strikes += 1
         self._hold_back(server, server.strikes, "was taken out of the pool", reason)
 

@@ -39,7 +39,7 @@ from rollout.engine import (
 from rollout.timing import ActivityClock, ThroughputMeter, TimedEngine, TimedScorer
 from rollout.validation import MAX_REQUEST_ID_CHARS, Limits, check_version_range
 from rollout.validation import generate_args_from_proto, rollout_task_from_proto
-from rollout.weight_intake import PushStalledError, WeightIntake
+from rollout.weight_intake import PushStalledError, PushStream, WeightIntake
 from rollout.workflows.base import RewardScorer, RolloutTask, Workflow
 
 log = logging.getLogger(__name__)
@@ -48,17 +48,6 @@ _DONE = object()
 
 MAX_UNREAD_REPLIES = 256  # per Rollout stream, before the server stops reading its requests
 PUSH_DRAIN_S = 2.0  # how long the rest of a rejected push is read before the status is sent
-
-
-async def _drain(requests, timeout_s: float) -> None:
-    """Consume and drop what remains of a client stream, for at most ``timeout_s``."""
-
-    async def consume():
-        async for _ in requests:
-            pass
-
-    with contextlib.suppress(Exception):
-        await asyncio.wait_for(consume(), timeout_s)
 
 
 async def _until_read(replies: asyncio.Queue) -> None:
@@ -411,10 +400,11 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             await context.abort(e.code, str(e))
 
     async def PushWeights(self, request_iterator, context):
+        stream = PushStream(request_iterator)
         try:
             # Received outside the update lock: a slow stream holds back no other update.
             directory, header = await self._intake.receive(
-                request_iterator,
+                stream,
                 lambda h: self._check_version(h.version, h.force, "header.version"),
             )
             return await self._update(str(directory), header.version, header.force,
@@ -429,7 +419,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             code, message = grpc.StatusCode.RESOURCE_EXHAUSTED, f"writing weights: {e}"
         # Read what the client still sends (for a bounded time) before answering: a status
         # sent while it is mid-stream can reach it as a transport error instead.
-        await _drain(request_iterator, PUSH_DRAIN_S)
+        await stream.drain(PUSH_DRAIN_S)
         await context.abort(code, message)
 
     # Control ---------------------------------------------------------------------------------

@@ -36,6 +36,39 @@ class PushStalledError(Exception):
     """A push stream sent nothing for the idle timeout, or missed its deadline."""
 
 
+class PushStream:
+    """A client's push stream, read with timeouts that never cancel a read in progress:
+    cancelled, gRPC's request iterator closes, and what the client still sends could no longer
+    be read before the status goes back (a status sent mid-stream can reach the client as a
+    transport error instead)."""
+
+    def __init__(self, messages: AsyncIterator[pb.PushWeightsRequest]):
+        self._messages = aiter(messages)
+        self._pending: asyncio.Future | None = None
+
+    async def next(self, timeout: float) -> pb.PushWeightsRequest | None:
+        """The next message, or None at the stream's end; ``TimeoutError`` after ``timeout``
+        seconds (the read goes on, for the next call)."""
+        if self._pending is None:
+            self._pending = asyncio.ensure_future(anext(self._messages, None))
+        done, _ = await asyncio.wait({self._pending}, timeout=max(timeout, 0.0))
+        if not done:
+            raise TimeoutError
+        read, self._pending = self._pending, None
+        return read.result()
+
+    async def drain(self, timeout: float) -> None:
+        """Read and drop what remains, for at most ``timeout`` seconds."""
+        end = asyncio.get_running_loop().time() + timeout
+        try:
+            while await self.next(end - asyncio.get_running_loop().time()) is not None:
+                pass
+        except Exception:  # noqa: BLE001 - timed out, or the client went away
+            pass
+        if self._pending is not None:
+            self._pending.cancel()
+
+
 class WeightIntake:
     """Writes pushed checkpoints under ``root``; keeps only the last one that was loaded.
 
@@ -53,15 +86,14 @@ class WeightIntake:
         self.min_bytes_per_s = min_bytes_per_s
         self.reserved = 0  # bytes the streams being received announced and have not sent yet
 
-    async def _next(self, messages: AsyncIterator[pb.PushWeightsRequest],
-                    deadline: float | None = None):
+    async def _next(self, stream: PushStream, deadline: float | None = None):
         """The stream's next message, or None at its end; ``PushStalledError`` past the idle
         timeout or the stream's ``deadline`` (event-loop time)."""
         timeout = self.idle_timeout_s
         if deadline is not None:
             timeout = min(timeout, deadline - asyncio.get_running_loop().time())
         try:
-            return await asyncio.wait_for(anext(messages, None), max(timeout, 0.0))
+            return await stream.next(timeout)
         except TimeoutError:
             if timeout < self.idle_timeout_s:
                 raise PushStalledError(
@@ -73,14 +105,13 @@ class WeightIntake:
 
     async def receive(
         self,
-        requests: AsyncIterator[pb.PushWeightsRequest],
+        requests: PushStream,
         check_header: Callable[[pb.WeightsHeader], None],
     ) -> tuple[Path, pb.WeightsHeader]:
         """Write the stream's files; return ``(directory, header)``.
 
         ``check_header`` runs on the header (version, force) before any byte is written.
         """
-        requests = aiter(requests)
         header = await self._next(requests)
         if header is None or header.WhichOneof("item") != "header":
             raise InvalidParamError("header", "the first message must be the header")
@@ -142,7 +173,7 @@ class WeightIntake:
                 raise InvalidParamError(f"header.files[{i}].size", f"must be >= 0, got {f.size}")
 
     async def _write_files(
-        self, requests: AsyncIterator[pb.PushWeightsRequest], directory: Path,
+        self, requests: PushStream, directory: Path,
         sizes: dict[str, int], written: dict[str, int], deadline: float
     ) -> None:
         """Write the chunks into ``directory``, counting each file's bytes in ``written`` (and

@@ -241,3 +241,11 @@ def test_removal_that_keeps_meeting_vanished_entries_stops_with_the_error(tmp_pa
         reap_scratch_root(str(root))
     assert len(passes) == sandbox._REMOVE_ATTEMPTS and root.exists()
 
+
+
+def test_workers_started_by_a_fork_server_serve():
+    # A worker's parent is then the fork server, not the pool's process: the parent-death check
+    # made every worker exit at once, each call scoring 0 with "worker died".
+    with RewardPool(1, timeout_s=30, start_method="forkserver") as pool:
+        assert pool.score_sync("synthetic_arith", "Answer: 4", {"answer": "4"}) == 1.0
+        assert pool.num_errors == 0

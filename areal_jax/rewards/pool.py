@@ -76,11 +76,11 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _worker_main(conn, scratch: str, parent: int) -> None:
+def _worker_main(conn, scratch: str, parent: int | None) -> None:
     """Serve (reward path, completion, metadata) requests with ("ok", float) or ("error", msg).
-    Dies with ``parent`` (an idle worker ends on its pipe's EOF; one inside a reward that hangs
-    would not)."""
-    die_with_parent(parent)
+    Dies with ``parent`` (None: the process that forked it, a fork server), as an idle worker
+    does on its pipe's EOF and one inside a reward that hangs would not."""
+    die_with_parent(os.getppid() if parent is None else parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     set_scratch_root(scratch)
     functions = {}
@@ -106,7 +106,9 @@ class _Worker:
         self.scratch = tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-")
         os.chmod(self.scratch, 0o711)  # a sandbox uid must reach its own work directory
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_worker_main, args=(child, self.scratch, os.getpid()),
+        # Under forkserver its parent is the fork server, which ends with this process.
+        parent = None if ctx.get_start_method() == "forkserver" else os.getpid()
+        self.process = ctx.Process(target=_worker_main, args=(child, self.scratch, parent),
                                    daemon=True)
         self.process.start()
         child.close()

@@ -28,20 +28,20 @@ def stop_on_sigterm() -> None:
 
 def run_stoppable(coro: Coroutine[Any, Any, T]) -> T:
     """``asyncio.run(coro)``; after ``stop_on_sigterm``, a SIGTERM cancels the main task and
-    ``KeyboardInterrupt`` is raised once it has unwound."""
+    ``KeyboardInterrupt`` is raised once it has unwound and the loop is closed. Later SIGTERMs
+    change nothing: the unwinding (servers stopped, checkpoint writes finished) goes on."""
     if signal.getsignal(signal.SIGTERM) is not _interrupt:
         return asyncio.run(coro)
     stopped = False
 
+    def note(signum=None, frame=None) -> bool:
+        nonlocal stopped
+        first, stopped = not stopped, True
+        return first
+
     async def main() -> T:
         loop, task = asyncio.get_running_loop(), asyncio.current_task()
-
-        def stop() -> None:
-            nonlocal stopped
-            stopped = True
-            task.cancel()
-
-        loop.add_signal_handler(signal.SIGTERM, stop)
+        loop.add_signal_handler(signal.SIGTERM, lambda: note() and task.cancel())
         try:
             return await coro
         except asyncio.CancelledError:
@@ -50,9 +50,12 @@ def run_stoppable(coro: Coroutine[Any, Any, T]) -> T:
             return None
         finally:
             loop.remove_signal_handler(signal.SIGTERM)  # which leaves SIGTERM at SIG_DFL
-            stop_on_sigterm()
+            signal.signal(signal.SIGTERM, note)  # while the loop closes: noted, nothing raised
 
-    result = asyncio.run(main())
+    try:
+        result = asyncio.run(main())
+    finally:
+        stop_on_sigterm()
     if stopped:
         raise KeyboardInterrupt
     return result

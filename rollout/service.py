@@ -367,8 +367,9 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         remove a pushed directory."""
         self._update_lock.release()
         failed = load is None or load.cancelled() or load.exception() is not None
-        if failed and load is not None and not load.cancelled():
-            log.warning("loading %s as version %d failed: %s", path, version, load.exception())
+        error = None if load is None or load.cancelled() else load.exception()
+        if isinstance(error, Rejected) and error.code != grpc.StatusCode.INTERNAL:  # (INTERNAL:
+            log.warning("loading %s as version %d failed: %s", path, version, error)  # logged)
         if pushed is not None:
             (self._intake.discard if failed else self._intake.keep)(pushed)
 

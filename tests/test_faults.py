@@ -202,7 +202,9 @@ def test_a_server_whose_engine_hangs_in_its_shutdown_still_exits(tmp_path):
     try:
         _serving(proc, log)
         proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 30
         while b"shutting down" not in log.read_bytes():
+            assert time.monotonic() < deadline, log.read_text()[-2000:]
             time.sleep(0.05)
         began = time.monotonic()
         proc.send_signal(signal.SIGTERM)

@@ -760,18 +760,18 @@ def test_an_update_whose_caller_gave_up_loads_to_its_end_before_the_next(tmp_pat
     first = write_checkpoint(tmp_path / "first", "first")
     second = write_checkpoint(tmp_path / "second", "second")
     pushed = write_checkpoint(tmp_path / "pushed", "pushed")
-    engine = SlowLoadingEngine(load_s=0.5)
+    engine = SlowLoadingEngine(load_s=2.0)  # each deadline below falls inside a load
 
     async def scenario():
         async with serving(tmp_path, tok_dir, engine=engine) as h:
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await h.stub.UpdateWeights(pb.UpdateWeightsRequest(path=str(first), version=1),
-                                           timeout=0.1)
+                                           timeout=0.5)
             assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             update = await h.stub.UpdateWeights(
                 pb.UpdateWeightsRequest(path=str(second), version=2))
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await h.stub.PushWeights(push_weight_requests(pushed, 3), timeout=0.3)
+                await h.stub.PushWeights(push_weight_requests(pushed, 3), timeout=1.0)
             assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             await until(lambda: engine.version == 3)
             return update.version, os.listdir(tmp_path / "push")
@@ -1082,8 +1082,8 @@ def test_a_server_stops_reading_requests_past_its_byte_budget(tmp_path, tok_dir)
         engine = ArithmeticEngine(step_s=0.02)
         async with serving(tmp_path, tok_dir, engine=engine, max_admitted_mb=3) as h:
             call = h.stub.Rollout()
-            for i in range(6):
-                request = rollout_request(f"big{i}", max_new_tokens=20)
+            for i in range(6):  # twenty tokens each (no sum to answer): 0.4 s a group
+                request = rollout_request(f"big{i}", prompt="no sum", max_new_tokens=20)
                 request.metadata.update(big)
                 await call.write(request)
             await call.done_writing()

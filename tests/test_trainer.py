@@ -281,8 +281,8 @@ def test_pruning_keeps_the_newest_exports_and_the_multiples_of_keep_every(tmp_pa
     assert [v for v, _ in list_exports(tmp_path)] == [0, 4, 5, 8, 9]
     assert prune_exports(tmp_path, keep=1) == [tmp_path / f"v{v:06d}" for v in (0, 4, 5, 8)]
     assert (tmp_path / "v000003.tmp").is_dir()
-    with pytest.raises(ConfigError, match="export_keep must be >= 2, got 1: the export the "
-                                          "servers serve must outlive"):
+    with pytest.raises(ConfigError, match="export_keep must be >= 2, got 1: with 1, writing "
+                                          "the next export removes the one the servers serve"):
         TrainerConfig(export_keep=1)
     with pytest.raises(ConfigError, match="export_keep_every must be >= 0"):
         TrainerConfig(export_keep_every=-1)

@@ -286,17 +286,16 @@ def _isolation() -> _Isolation:
     if sys.platform != "linux":
         return _Isolation(as_root, 0)
     libc()  # load before forking
-    # An IPC namespace where the kernel gives one, else the same without it.
-    ipc = _CLONE_NEWIPC if _probe(lambda _: _unshare(_CLONE_NEWIPC | _own_user(as_root))) else 0
-    if as_root and _probe(functools.partial(_probe_jail, _CLONE_NEWNET | _CLONE_NEWNS | ipc)):
-        return _Isolation(as_root, _CLONE_NEWNET | _CLONE_NEWNS | ipc)
-    flags = _CLONE_NEWNET | ipc | _own_user(as_root)
-    return _Isolation(as_root, flags if _probe(lambda _: _unshare(flags)) else 0)
-
-
-def _own_user(as_root: bool) -> int:
-    """The user-namespace flag a user other than root needs to create the other namespaces."""
-    return 0 if as_root else _CLONE_NEWUSER
+    # Each with an IPC namespace where the kernel gives one, else the same without it.
+    for ipc in (_CLONE_NEWIPC, 0):
+        flags = _CLONE_NEWNET | _CLONE_NEWNS | ipc
+        if as_root and _probe(functools.partial(_probe_jail, flags)):
+            return _Isolation(as_root, flags)
+    for ipc in (_CLONE_NEWIPC, 0):
+        flags = _CLONE_NEWNET | ipc | (0 if as_root else _CLONE_NEWUSER)
+        if _probe(lambda _, flags=flags: _unshare(flags)):
+            return _Isolation(as_root, flags)
+    return _Isolation(as_root, 0)
 
 
 def _probe(setup: Callable[[str], None]) -> bool:

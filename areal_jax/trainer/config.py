@@ -90,8 +90,8 @@ class TrainerConfig:
         _at_least(self, 0, "warmup_steps", "total_steps", "weight_decay", "export_keep_every")
         _at_least(self, 1, "ppo_n_minibatches", "logprob_chunk_size", "checkpoint_keep")
         if self.export_keep < 2:  # with one, writing the next export removed the one served
-            raise ConfigError(f"export_keep must be >= 2, got {self.export_keep}: the export "
-                              "the servers serve must outlive the writing of the next one (a "
+            raise ConfigError(f"export_keep must be >= 2, got {self.export_keep}: with 1, "
+                              "writing the next export removes the one the servers serve (a "
                               "server rejoining meanwhile loads it)")
         if self.lr_schedule == "cosine" and self.total_steps <= self.warmup_steps:
             raise ConfigError(

@@ -1,8 +1,9 @@
 """A real rollout-server process over the arithmetic engine double, for fault-injection tests.
 
 ``python tests/_fake_server_main.py DIR PORT [--step-s S] [--version V] [--die-after N]
-[--hang-update] [--max-concurrent N] [--hang-shutdown] [--stop-margin-s S]``: serves on 127.0.0.1:PORT until SIGTERM (graceful) or
-the engine fails (exit 1); the base checkpoint and exports live under DIR/exports.
+[--hang-update] [--max-concurrent N] [--hang-shutdown] [--stop-margin-s S]``: serves on
+127.0.0.1:PORT until SIGTERM (graceful) or the engine fails (exit 1); the base checkpoint and
+exports live under DIR/exports.
 """
 
 import argparse

@@ -15,8 +15,8 @@ a guarantee that no accepted request is lost.
 * A server that holds groups, sends none back and generates no token for ``stall_timeout_s``
   (up to twice that: its token count is read once per period), its process alive (a wedged
   engine), is taken out of the pool the same way (not a server whose engine counts tokens only
-  as sequences end: SGLang), its groups charged a failed send; so is one
-  that answers ``max_attempts`` distinct groups in a row with a server fault (it answers at once, so
+  as sequences end: SGLang), its groups charged a failed send; so is one that answers
+  ``max_attempts`` distinct groups in a row with a server fault (it answers at once, so
   least-loaded routing would send it most new groups). Either rejoins after a backoff that
   doubles with each such strike in a row, and not after ``max_attempts``.
 * With no live server, requests wait; a supervisor task tries dead servers every

@@ -368,8 +368,9 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         self._update_lock.release()
         failed = load is None or load.cancelled() or load.exception() is not None
         error = None if load is None or load.cancelled() else load.exception()
-        if isinstance(error, Rejected) and error.code != grpc.StatusCode.INTERNAL:  # (INTERNAL:
-            log.warning("loading %s as version %d failed: %s", path, version, error)  # logged)
+        # (an INTERNAL one, an engine's own defect, was logged with its traceback by _load)
+        if isinstance(error, Rejected) and error.code != grpc.StatusCode.INTERNAL:
+            log.warning("loading %s as version %d failed: %s", path, version, error)
         if pushed is not None:
             (self._intake.discard if failed else self._intake.keep)(pushed)
 

@@ -296,6 +296,26 @@ def test_shared_memory_the_code_leaves_goes_with_the_run():
     assert size not in _host_shm_sizes()
 
 
+def test_an_isolation_probe_that_fails_once_is_tried_again(tmp_path):
+    # The probes run once per process and their answer holds for its life: one failing once
+    # (seen on a loaded machine) left every later run without that isolation.
+    from areal_jax.rewards.sandbox import _probe
+
+    marker = tmp_path / "failed once"
+
+    def fails_the_first_time(scratch):
+        if not marker.exists():
+            marker.touch()
+            raise OSError("passing condition")
+
+    assert _probe(fails_the_first_time) and marker.exists()
+
+    def always_fails(scratch):
+        raise OSError("no such namespace")
+
+    assert not _probe(always_fails)
+
+
 def test_limits_are_validated():
     with pytest.raises(ValueError, match="timeout_s"):
         SandboxLimits(timeout_s=0)

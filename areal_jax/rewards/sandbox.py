@@ -298,22 +298,29 @@ def _isolation() -> _Isolation:
     return _Isolation(as_root, 0)
 
 
+PROBE_TRIES = 2  # a failed probe is tried again before this process goes without that isolation
+
+
 def _probe(setup: Callable[[str], None]) -> bool:
-    """Whether this interpreter starts after ``setup(scratch dir)`` ran in the child."""
-    with tempfile.TemporaryDirectory(prefix="areal-sandbox-probe-") as d:
-        try:
-            subprocess.run(
-                [sys.executable, "-I", "-c", ""],
-                cwd=d,
-                preexec_fn=functools.partial(setup, d),
-                env={"PATH": MINIMAL_PATH},
-                check=True,
-                capture_output=True,
-                timeout=30,
-            )
-        except (OSError, subprocess.SubprocessError):
-            return False
-    return True
+    """Whether this interpreter starts after ``setup(scratch dir)`` ran in the child, in one of
+    ``PROBE_TRIES`` tries: the answer holds for the process's life, and one probe of the jail
+    with the IPC namespace was once seen to fail on a loaded machine."""
+    for _ in range(PROBE_TRIES):
+        with tempfile.TemporaryDirectory(prefix="areal-sandbox-probe-") as d:
+            try:
+                subprocess.run(
+                    [sys.executable, "-I", "-c", ""],
+                    cwd=d,
+                    preexec_fn=functools.partial(setup, d),
+                    env={"PATH": MINIMAL_PATH},
+                    check=True,
+                    capture_output=True,
+                    timeout=30,
+                )
+                return True
+            except (OSError, subprocess.SubprocessError):
+                continue
+    return False
 
 
 def _probe_jail(flags: int, scratch: str) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from _procs import alive
 from areal_jax.trainer.ahead import AheadCompiler
 from areal_jax.trainer.compile_helper import NICE, HelperGone
 
@@ -112,17 +113,9 @@ def test_the_helper_runs_at_the_lowest_priority_and_dies_with_its_parent(tmp_pat
         parent.kill()
         parent.wait()
     deadline = time.monotonic() + 10
-    while _alive(pid) and time.monotonic() < deadline:
+    while alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _alive(pid), "the compile helper outlived its SIGKILLed parent"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
-        return False
-    return "State:\tZ" not in status
+    assert not alive(pid), "the compile helper outlived its SIGKILLed parent"
 
 
 def test_jobs_run_in_the_helper_without_waiting_for_a_window():

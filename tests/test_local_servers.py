@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from _procs import alive
 
 LAUNCHER = """
 import json, sys, time
@@ -36,14 +37,6 @@ def _environ(pid: int) -> dict[str, str]:
         time.sleep(0.05)
 
 
-def _gone(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0]
-    except (FileNotFoundError, ProcessLookupError):
-        return True
-    return state in "ZX"
-
-
 def test_local_servers_get_their_devices_and_die_with_a_killed_trainer(tmp_path):
     from areal_jax.models.tiny import TinyModelSpec, build_tiny_model
 
@@ -61,14 +54,14 @@ def test_local_servers_get_their_devices_and_die_with_a_killed_trainer(tmp_path)
         launcher.send_signal(signal.SIGKILL)
         launcher.wait(10)
         deadline = time.monotonic() + 60
-        while not all(_gone(pid) for pid in pids):
+        while any(alive(pid) for pid in pids):
             assert time.monotonic() < deadline, "a rollout server outlived its trainer"
             time.sleep(0.2)
     finally:
         if launcher.poll() is None:
             launcher.kill()
         for pid in locals().get("pids", []):
-            if not _gone(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
 
 
@@ -106,14 +99,14 @@ def test_a_tied_command_runs_pinned_in_the_launched_pid_and_dies_with_its_killed
         parent.send_signal(signal.SIGKILL)
         parent.wait(10)
         deadline = time.monotonic() + 20
-        while not _gone(child["pid"]):
+        while alive(child["pid"]):
             assert time.monotonic() < deadline, "a tied command outlived its SIGKILLed parent"
             time.sleep(0.1)
     finally:
         if parent.poll() is None:
             parent.kill()
         child_pid = locals().get("child", {}).get("pid")
-        if child_pid and not _gone(child_pid):
+        if child_pid and alive(child_pid):
             os.kill(child_pid, signal.SIGKILL)
 
 

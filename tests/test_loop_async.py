@@ -190,9 +190,9 @@ def test_a_server_that_takes_groups_and_never_answers_leaves_the_pool(tmp_path, 
     trainer = RecordingTrainer(exports_dir(tmp_path), train_s=0.1)
     stuck = ArithmeticEngine(step_s=10_000)
     start = time.monotonic()
-    loop = run_on_servers(tmp_path, [stuck, ArithmeticEngine(step_s=0.005)],
-                          config(tmp_path, {"max_staleness": 2}), trainer, prompts, 40,
-                          options=PoolOptions(stall_timeout_s=1.0, rejoin_interval_s=0.2))
+    run_on_servers(tmp_path, [stuck, ArithmeticEngine(step_s=0.005)],
+                   config(tmp_path, {"max_staleness": 2}), trainer, prompts, 40,
+                   options=PoolOptions(stall_timeout_s=1.0, rejoin_interval_s=0.2))
     assert time.monotonic() - start < 30
     assert stuck.requests and trainer.version == 40
     assert "no group back and no token generated for 1 s" in caplog.text

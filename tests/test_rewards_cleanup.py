@@ -13,6 +13,7 @@ import uuid
 
 import pytest
 
+from _procs import alive
 from areal_jax.rewards import RewardPool, sandbox
 from areal_jax.rewards.pool import SCRATCH_PREFIX
 from areal_jax.rewards.code_tests import time_budget_s
@@ -46,24 +47,16 @@ def test_a_worker_inside_a_hanging_reward_dies_with_its_killed_pool(tmp_path):
     worker = int(proc.stdout.readline())
     try:
         time.sleep(2)  # the call is inside the reward by now
-        assert _alive(worker)
+        assert alive(worker)
         proc.kill()
         proc.wait(10)
         deadline = time.monotonic() + 10
-        while _alive(worker) and time.monotonic() < deadline:
+        while alive(worker) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not _alive(worker)
+        assert not alive(worker)
     finally:
-        if _alive(worker):
+        if alive(worker):
             os.kill(worker, signal.SIGKILL)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
 
 
 def _sleepers(mark: str, escape: bool) -> str:

@@ -7,6 +7,7 @@ import textwrap
 
 import pytest
 
+from _procs import alive
 from areal_jax.rewards.code_tests import code_fraction_reward, code_reward, extract_code, run_tests
 from areal_jax.rewards.sandbox import (
     MINIMAL_PATH,
@@ -19,15 +20,6 @@ from areal_jax.rewards.sandbox import (
 FAST = SandboxLimits(timeout_s=3.0)
 
 SQUARE_CASES = [{"input": "3\n", "output": "9\n"}, {"input": "12\n", "output": "144"}]
-
-
-def _alive(pid: int) -> bool:
-    """True while ``pid`` exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return False
 
 
 def _group_members(pgid: int) -> list[int]:
@@ -207,7 +199,7 @@ def test_child_left_behind_is_killed_with_the_group():
     result = run_python(code, limits=FAST)
     assert result.ok and not result.timed_out
     assert result.elapsed_s < FAST.timeout_s
-    assert not _alive(int(result.stdout))
+    assert not alive(int(result.stdout))
 
 
 def test_process_that_leaves_the_group_is_killed_when_uid_isolated():
@@ -226,7 +218,7 @@ def test_process_that_leaves_the_group_is_killed_when_uid_isolated():
     result = run_python(code, limits=FAST)
     if not result.uid_isolated:
         pytest.skip("the sandbox runs under the caller's uid here (not root)")
-    assert not _alive(int(result.stdout))
+    assert not alive(int(result.stdout))
 
 
 def test_caller_files_are_not_writable_when_uid_isolated(tmp_path):

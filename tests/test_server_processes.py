@@ -14,21 +14,13 @@ import yaml
 from _rollout_fakes import make_tokenizer_dir
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from _procs import alive
 from rollout.engines.sglang_launch import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="reads /proc, uses prctl")
-
-
-def _alive(pid: int) -> bool:
-    """Running (a zombie waiting to be reaped counts as gone)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return False
-    return fields[0] != "Z"
 
 
 def _children(pid: int) -> set[int]:
@@ -81,7 +73,7 @@ def _wait_serving(port: int, pid: int, timeout_s: float = 120) -> None:
         health = health_pb2_grpc.HealthStub(channel)
         deadline = time.monotonic() + timeout_s
         while True:
-            assert _alive(pid), "the server exited"
+            assert alive(pid), "the server exited"
             assert time.monotonic() < deadline, "the server never served"
             try:
                 answer = health.Check(health_pb2.HealthCheckRequest(), timeout=1)
@@ -104,7 +96,7 @@ def test_a_sigkilled_server_takes_sglang_and_reward_workers_with_it(server_setup
         assert len(children) >= 2  # the SGLang process and the reward worker
         server.send_signal(signal.SIGKILL)
         server.wait()
-        _wait(lambda: not any(_alive(c) for c in children), 30, "a child outlived the server")
+        _wait(lambda: not any(alive(c) for c in children), 30, "a child outlived the server")
     finally:
         if server.poll() is None:
             server.kill()
@@ -125,8 +117,8 @@ def test_the_server_stops_when_its_parent_dies(server_setup):
         assert children
         parent.send_signal(signal.SIGKILL)
         parent.wait()
-        _wait(lambda: not _alive(server_pid), 30, "the server outlived its parent")
-        _wait(lambda: not any(_alive(c) for c in children), 30, "a child outlived the server")
+        _wait(lambda: not alive(server_pid), 30, "the server outlived its parent")
+        _wait(lambda: not any(alive(c) for c in children), 30, "a child outlived the server")
     finally:
-        if _alive(server_pid):
+        if alive(server_pid):
             os.kill(server_pid, signal.SIGKILL)

@@ -16,13 +16,13 @@ from pathlib import Path
 
 import jax
 
-from areal_jax.config import ConfigError
+from areal_jax.config import ConfigError, from_dict
 from areal_jax.controller.local_servers import LocalServers, ServerExitedError
 from areal_jax.controller.local_servers import with_deterministic_ops
 from areal_jax.controller.rollout_pool import PoolOptions, RolloutPool
 from areal_jax.experiment import ExperimentConfig
 from areal_jax.trainer.publish import list_exports
-from rollout.config import ServerConfig
+from rollout.config import EngineConfig, ServerConfig
 
 log = logging.getLogger(__name__)
 
@@ -79,28 +79,23 @@ def check_local_engine_context(cfg: ExperimentConfig, model_path: Path, *,
                                training: list[int] = (), held_out: list[int] = ()) -> None:
     """Refuse, before anything runs, a local engine's context beyond the model's positions
     (each server would exit at its start) or too short for the longest prompts and their
-    ``max_new_tokens`` (see ``_check_context``). The JAX engine's context is
-    ``max_seq_len``; SGLang's ``context_length`` (less one: it refuses a request that reaches
-    it), which its KV pool may lower further once it starts (``check_served_context``)."""
-    engine = cfg.rollout.server.get("engine", {})
-    kind = engine.get("kind", "jax")
-    if cfg.rollout.addresses or kind not in ("jax", "sglang"):
+    ``max_new_tokens`` (see ``_check_context``): the engine options' ``served_context``
+    (SGLang's KV pool may lower it further once it starts: ``check_served_context``)."""
+    if cfg.rollout.addresses:
         return
     from areal_jax.models.config import ModelConfig
-    from rollout.engines.jax_engine import DEFAULT_MAX_SEQ_LEN
+    from rollout.engines import check_engine_options
 
-    option = "max_seq_len" if kind == "jax" else "context_length"
-    key = f"rollout.server.engine.options.{option}"
+    engine = cfg.rollout.server.get("engine", {})
+    options = check_engine_options(from_dict(EngineConfig, {"model_path": str(model_path),
+                                                            **engine}))
+    key = f"rollout.server.engine.options.{options.context_option}"
     positions = ModelConfig.from_pretrained(model_path).max_position_embeddings
-    set_len = (engine.get("options") or {}).get(option)
-    if kind == "jax" and set_len is not None and set_len > positions:
-        raise ConfigError(f"{key}: {set_len} exceeds the model's max_position_embeddings "
-                          f"{positions} ({model_path / 'config.json'})")
-    if kind == "jax":
-        context = set_len or min(positions, DEFAULT_MAX_SEQ_LEN)
-    else:
-        context = (set_len or positions) - 1
-    unset = "" if set_len else "unset: "
+    try:
+        context = options.served_context(positions)
+    except ConfigError as e:
+        raise ConfigError(f"rollout.server.{e} ({model_path / 'config.json'})") from e
+    unset = "" if getattr(options, options.context_option) else "unset: "
     _check_context(cfg, context, f"{key} ({unset}{context})",
                    f"raise it (the model holds {positions})", list(training), list(held_out))
 

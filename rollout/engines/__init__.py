@@ -2,12 +2,15 @@
 
 Each kind lives in its own module, imported only when selected, which exposes
 ``build_engine(config: EngineConfig) -> GenerationEngine`` and ``OPTIONS``, the dataclass of
-its ``engine.options``.
+its ``engine.options``; ``OPTIONS.served_context(positions)`` is the longest prompt + output it
+serves for a model of that many positions (``OPTIONS.context_option`` names the option that
+sets it).
 """
 
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 from areal_jax.config import ConfigError, from_dict
 from rollout.config import EngineConfig
@@ -31,10 +34,11 @@ def create_engine(config: EngineConfig) -> GenerationEngine:
     return engine
 
 
-def check_engine_options(config: EngineConfig) -> None:
-    """Raise the ``ConfigError`` (naming the key) that ``config.options`` would raise when the
-    engine is built, without building it: a typo is found before a run's long work."""
-    from_dict(_engine_module(config.kind)[1].OPTIONS, config.options, prefix="engine.options")
+def check_engine_options(config: EngineConfig) -> Any:
+    """``config.options`` as the engine's ``OPTIONS``, without building the engine: the
+    ``ConfigError`` (naming the key) it would raise is found before a run's long work."""
+    return from_dict(_engine_module(config.kind)[1].OPTIONS, config.options,
+                     prefix="engine.options")
 
 
 def _engine_module(kind: str):

@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Collection
-from typing import Literal
+from typing import ClassVar, Literal
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +45,8 @@ CPU_DECODE_STEPS, ACCELERATOR_DECODE_STEPS = 8, 32  # decode_steps_per_call when
 @dataclasses.dataclass
 class JaxEngineOptions:
     """``engine.options`` for ``engine.kind: jax``."""
+
+    context_option: ClassVar[str] = "max_seq_len"
 
     num_slots: int = 8  # sequences decoded together
     # decode batch sizes: a call computes the smallest that holds every active slot;
@@ -88,6 +90,15 @@ class JaxEngineOptions:
         if self.seed < 0:
             raise ConfigError(f"engine.options.seed: must be >= 0, got {self.seed}")
 
+    def served_context(self, positions: int) -> int:
+        """``max_seq_len``, by default the model's ``positions`` up to ``DEFAULT_MAX_SEQ_LEN``;
+        ``ConfigError`` beyond ``positions``."""
+        max_len = self.max_seq_len or min(positions, DEFAULT_MAX_SEQ_LEN)
+        if max_len > positions:
+            raise ConfigError(f"engine.options.max_seq_len: {max_len} exceeds the model's "
+                              f"max_position_embeddings {positions}")
+        return max_len
+
     def resolved(self, cfg: ModelConfig) -> JaxEngineOptions:
         """These options with ``max_seq_len``, the buckets, ``dtype`` and
         ``decode_steps_per_call`` made concrete.
@@ -95,12 +106,7 @@ class JaxEngineOptions:
         The prefill buckets always end with ``max_seq_len`` so that every context fits one,
         the batch buckets with ``num_slots``.
         """
-        max_len = self.max_seq_len or min(cfg.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
-        if max_len > cfg.max_position_embeddings:
-            raise ConfigError(
-                f"engine.options.max_seq_len: {max_len} exceeds the model's "
-                f"max_position_embeddings {cfg.max_position_embeddings}"
-            )
+        max_len = self.served_context(cfg.max_position_embeddings)
         buckets = self.prefill_buckets
         if buckets is None:
             buckets = _powers_of_two(SMALLEST_BUCKET, below=max_len)

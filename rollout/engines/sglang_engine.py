@@ -31,6 +31,7 @@ import random
 import secrets
 import sys
 import tempfile
+from typing import ClassVar
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -74,6 +75,13 @@ class SGLangOptions:
     request_timeout_s: float = 3600.0
     shutdown_timeout_s: float = 30.0
     max_connections: int = 512
+    context_option: ClassVar[str] = "context_length"
+
+    def served_context(self, positions: int) -> int:
+        """``context_length`` (by default the model's ``positions``) less one: SGLang refuses a
+        request whose prompt plus ``max_new_tokens`` reaches it. Its KV pool may allow less
+        (read from the server once it runs)."""
+        return (self.context_length or positions) - 1
 
     def __post_init__(self):
         for name in ("tp_size", "dp_size", "max_connections"):
@@ -88,12 +96,10 @@ class SGLangOptions:
             )
 
 
-def _model_dims(model_path: str, context_length: int | None) -> tuple[int, int, set[int]]:
+def _model_dims(model_path: str, options: SGLangOptions) -> tuple[int, int, set[int]]:
     """``(vocab_size, max_context_len, end-of-sequence ids)`` from the checkpoint's
-    ``config.json`` (and ``generation_config.json``, whose end ids SGLang stops on too).
-
-    SGLang refuses a request whose prompt plus ``max_new_tokens`` reaches its context length,
-    so the longest total it takes is one less."""
+    ``config.json`` (and ``generation_config.json``, whose end ids SGLang stops on too) and
+    ``options.served_context``."""
     path = Path(model_path) / "config.json"
     try:
         cfg = json.loads(path.read_text())
@@ -102,8 +108,8 @@ def _model_dims(model_path: str, context_length: int | None) -> tuple[int, int, 
     cfg = cfg.get("text_config", cfg)
     if "vocab_size" not in cfg:
         raise ConfigError(f"engine.model_path: {path} has no vocab_size")
-    context = context_length or cfg.get("max_position_embeddings")
-    if not context:
+    positions = cfg.get("max_position_embeddings")
+    if not (options.context_length or positions):
         raise ConfigError(
             f"engine.options.context_length: required, {path} has no max_position_embeddings"
         )
@@ -112,7 +118,7 @@ def _model_dims(model_path: str, context_length: int | None) -> tuple[int, int, 
         eos = _ids(cfg.get("eos_token_id")) | set(generation_eos_ids(model_path, vocab_size))
     except ModelConfigError as e:
         raise ConfigError(f"engine.model_path: {e}") from e
-    return vocab_size, int(context) - 1, eos
+    return vocab_size, options.served_context(int(positions or 0)), eos
 
 
 def _ids(value) -> set[int]:
@@ -132,8 +138,7 @@ class SGLangEngine(GenerationEngine):
         self._model_path = model_path  # the checkpoint SGLang serves, as ``_version``
         self._version = version
         self._failure: EngineError | None = None
-        self._vocab_size, self._context_len, self._eos_ids = _model_dims(
-            model_path, options.context_length)
+        self._vocab_size, self._context_len, self._eos_ids = _model_dims(model_path, options)
         self.process: SGLangProcess | None = None
         self._client: JsonHttpClient | None = None
         self._control = asyncio.Lock()  # pause / resume / update run one at a time

@@ -63,6 +63,7 @@ class RewardConfig:
     num_workers: int = 4
     timeout_s: float = 30.0
     max_call_s: float = 600.0
+    timeouts_to_probe: int = 8
     custom: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
@@ -73,6 +74,9 @@ class RewardConfig:
         if not self.max_call_s >= self.timeout_s:
             raise ConfigError(f"rewards.max_call_s: must be >= rewards.timeout_s "
                               f"({self.timeout_s}), got {self.max_call_s}")
+        if self.timeouts_to_probe < 1:
+            raise ConfigError(f"rewards.timeouts_to_probe: must be >= 1, got "
+                              f"{self.timeouts_to_probe}")
 
 
 @dataclasses.dataclass

@@ -155,7 +155,8 @@ def _reward_pool(config: RewardConfig) -> tuple[RewardScorer, Collection[str]]:
 
     try:
         pool = RewardPool(config.num_workers, config.timeout_s, custom=config.custom,
-                          max_call_s=config.max_call_s)
+                          max_call_s=config.max_call_s,
+                          timeouts_to_probe=config.timeouts_to_probe)
     except RewardConfigError as e:
         raise ConfigError(f"rewards.custom: {e}") from e
     return pool, pool.reward_names

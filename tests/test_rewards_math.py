@@ -25,6 +25,12 @@ def hanging_reward(completion: str, metadata: dict) -> float:
     return 1.0
 
 
+def hanging_on_request_reward(completion: str, metadata: dict) -> float:
+    if completion == "hang":
+        time.sleep(600)
+    return 1.0
+
+
 def crashing_reward(completion: str, metadata: dict) -> float:
     os._exit(3)
 
@@ -109,7 +115,7 @@ def test_math_reward_needs_a_usable_gold_answer():
 CUSTOM = {
     name: f"{__name__}:{name}"
     for name in ("constant_reward", "raising_reward", "nan_reward", "hanging_reward",
-                 "crashing_reward")
+                 "hanging_on_request_reward", "crashing_reward")
 }
 
 
@@ -183,6 +189,37 @@ def test_a_hung_call_does_not_block_concurrent_calls():
         assert asyncio.run(main(pool)) == ([0.0, 1.0, 2.0], 0.0)
 
 
+def test_a_reward_that_keeps_hanging_is_probed_one_call_at_a_time():
+    name = "hanging_on_request_reward"
+
+    async def main(pool):
+        # Twelve calls queued on one worker: two time out, the ten still waiting are not run.
+        queued = await asyncio.gather(*(pool.score_with_error(name, "hang", {})
+                                        for _ in range(12)))
+        counts = pool.num_timeouts, pool.num_skipped
+        # A probe runs alone: a call beside it is skipped at once.
+        probe = asyncio.ensure_future(pool.score_with_error(name, "hang", {}))
+        await asyncio.sleep(0)
+        beside = await pool.score_with_error(name, "hang", {})
+        await probe
+        # A probe ending in time lifts it: calls run side by side again.
+        recovered = await pool.score_with_error(name, "ok", {})
+        after = await asyncio.gather(*(pool.score_with_error(name, "ok", {}) for _ in range(3)))
+        return queued, counts, beside, recovered, after
+
+    with RewardPool(num_workers=1, timeout_s=0.5, custom=CUSTOM, timeouts_to_probe=2) as pool:
+        queued, counts, beside, recovered, after = asyncio.run(main(pool))
+        assert counts == (2, 10)
+        assert [value for value, _ in queued] == [0.0] * 12
+        assert sum("timed out after" in error for _, error in queued) == 2
+        assert sum("skipped: its last 2 calls in a row timed out" in error
+                   for _, error in queued) == 10
+        assert beside[0] == 0.0 and "skipped: its last 2 calls" in beside[1]
+        assert pool.num_timeouts == 3 and pool.num_skipped == 11
+        assert recovered == (1.0, None) and after == [(1.0, None)] * 3
+        assert pool.num_skipped == 11
+
+
 def test_closed_pool_refuses_calls_and_stops_workers():
     pool = RewardPool(num_workers=2, timeout_s=5.0)
     processes = [w.process for w in pool._idle]
@@ -197,3 +234,5 @@ def test_pool_arguments_are_validated():
         RewardPool(num_workers=0, timeout_s=1.0)
     with pytest.raises(ValueError, match="timeout_s"):
         RewardPool(num_workers=1, timeout_s=0)
+    with pytest.raises(ValueError, match="timeouts_to_probe"):
+        RewardPool(num_workers=1, timeout_s=1.0, timeouts_to_probe=0)

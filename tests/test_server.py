@@ -39,7 +39,7 @@ from rollout.weight_intake import PushStream
 from rollout.admission import Admission, AdmissionClosed
 from rollout.config import EngineConfig
 from rollout.engine import InvalidParamError, SamplingParams
-from rollout.server import serve, start_server
+from rollout.server import _reward_pool, serve, start_server
 from rollout.timing import ActivityClock
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
@@ -984,6 +984,12 @@ def test_server_config_errors_name_the_key(tmp_path, tok_dir):
         server_config(tmp_path, tok_dir, engine={"kind": "sglang"})
     with pytest.raises(ConfigError, match=r"rewards.max_call_s: must be >= rewards.timeout_s"):
         server_config(tmp_path, tok_dir, rewards={"timeout_s": 30, "max_call_s": 10})
+    with pytest.raises(ConfigError, match=r"rewards.timeouts_to_probe: must be >= 1, got 0"):
+        server_config(tmp_path, tok_dir, rewards={"timeouts_to_probe": 0})
+    pool, _ = _reward_pool(
+        server_config(tmp_path, tok_dir, rewards={"num_workers": 1, "timeouts_to_probe": 3}).rewards)
+    with pool:
+        assert pool.timeouts_to_probe == 3
 
 
 def test_cli_reports_config_errors(capsys):

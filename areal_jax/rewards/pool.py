@@ -143,6 +143,7 @@ class RewardPool:
         custom: dict[str, str] | None = None,
         start_method: str = "spawn",
         max_call_s: float = 600.0,
+        timeouts_to_probe: int = 8,
     ):
         if num_workers < 1:
             raise ValueError(f"RewardPool num_workers must be >= 1, got {num_workers}")
@@ -151,8 +152,13 @@ class RewardPool:
         if not max_call_s >= timeout_s:
             raise ValueError(f"RewardPool max_call_s must be >= timeout_s ({timeout_s}), "
                              f"got {max_call_s}")
+        if timeouts_to_probe < 1:
+            raise ValueError(f"RewardPool timeouts_to_probe must be >= 1, got {timeouts_to_probe}")
         self.timeout_s = float(timeout_s)
         self.max_call_s = float(max_call_s)
+        self.timeouts_to_probe = timeouts_to_probe
+        self._timeouts_in_a_row: collections.Counter[str] = collections.Counter()
+        self._probing: set[str] = set()  # rewards with a probe call running
         self._custom = check_custom(custom)
         self._functions: dict[str, tuple[RewardFn, str]] = {}
         self._ctx = multiprocessing.get_context(start_method)
@@ -164,6 +170,7 @@ class RewardPool:
         self.num_scored = 0
         self.num_timeouts = 0
         self.num_errors = 0
+        self.num_skipped = 0
 
     @property
     def reward_names(self) -> frozenset[str]:
@@ -180,17 +187,30 @@ class RewardPool:
     async def score_with_error(self, reward_name: str, completion: str, metadata: dict
                                ) -> tuple[float, str | None]:
         """(reward, None), or (0.0, what went wrong) when the call timed out, its worker
-        crashed or the reward raised: :meth:`score` that tells a failure from a 0."""
+        crashed, the reward raised or it was skipped (the reward is being probed): :meth:`score`
+        that tells a failure from a 0."""
         fn, path = self._resolve(reward_name)
         limit = min(self.timeout_s + _time_budget(fn, metadata), self.max_call_s)
-        worker = await self._acquire()
-        healthy = False
+        probe = self._hanging(reward_name)
+        if probe:
+            if reward_name in self._probing:
+                return 0.0, self._skipped(reward_name)
+            self._probing.add(reward_name)
         try:
-            value, healthy, error = await self._call(
-                worker, reward_name, path, completion, metadata, limit
-            )
+            worker = await self._acquire()
+            if not probe and self._hanging(reward_name):  # it began hanging while this waited
+                self._release(worker, healthy=True)
+                return 0.0, self._skipped(reward_name)
+            healthy = False
+            try:
+                value, healthy, error = await self._call(
+                    worker, reward_name, path, completion, metadata, limit
+                )
+            finally:
+                self._release(worker, healthy)
         finally:
-            self._release(worker, healthy)
+            if probe:
+                self._probing.discard(reward_name)
         return value, error
 
     def score_sync(self, reward_name: str, completion: str, metadata: dict) -> float:
@@ -223,6 +243,16 @@ class RewardPool:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def _hanging(self, reward_name: str) -> bool:
+        """Whether ``reward_name``'s last ``timeouts_to_probe`` calls all timed out."""
+        return self._timeouts_in_a_row[reward_name] >= self.timeouts_to_probe
+
+    def _skipped(self, reward_name: str) -> str:
+        """Counts a call not run while ``reward_name`` is probed; the failure it reports."""
+        self.num_skipped += 1
+        return (f"reward {reward_name} skipped: its last {self._timeouts_in_a_row[reward_name]} "
+                "calls in a row timed out, so it runs one call at a time until one ends in time")
 
     def _resolve(self, reward_name: str) -> tuple[RewardFn, str]:
         """(function, importable path) of a configured reward; others raise."""
@@ -293,14 +323,23 @@ class RewardPool:
             status, value = worker.conn.recv()
         except TimeoutError:
             self.num_timeouts += 1
+            self._timeouts_in_a_row[reward_name] += 1
             error = f"reward {reward_name} timed out after {limit:.1f}s"
-            logger.warning("%s; worker restarted", error)
+            if self._timeouts_in_a_row[reward_name] == self.timeouts_to_probe:
+                logger.warning("%s; worker restarted; %d calls in a row timed out: from now on "
+                               "one call at a time runs, the others score 0", error,
+                               self.timeouts_to_probe)
+            else:
+                logger.warning("%s; worker restarted", error)
             return 0.0, False, error
         except (EOFError, OSError) as e:
+            self._timeouts_in_a_row.pop(reward_name, None)  # it ended, if badly
             self.num_errors += 1
             error = f"reward {reward_name} worker died ({e!r})"
             logger.warning("%s; worker restarted", error)
             return 0.0, False, error
+        if self._timeouts_in_a_row.pop(reward_name, 0) >= self.timeouts_to_probe:
+            logger.warning("reward %s ended in time again: every call runs", reward_name)
         if status == "error":
             self.num_errors += 1
             error = f"reward {reward_name} failed: {value}"

@@ -80,6 +80,40 @@ def test_a_reward_failing_in_every_call_stops_the_run(tmp_path, caplog):
     assert len(warnings) == 1 and "KeyError" in warnings[0].getMessage()  # once per message
 
 
+def hanging_reward(completion: str, metadata: dict) -> float:
+    time.sleep(600)
+    return 1.0
+
+
+def test_a_reward_that_hangs_stops_the_run_after_a_few_timeouts(tmp_path):
+    # A real reward pool with one worker, its reward hanging on every call: without probing,
+    # each of the three failing batches' 6 calls (and the in-flight ones) waits its timeout
+    # in turn; with it, once 4 calls in a row timed out, one call at a time runs.
+    from areal_jax.rewards import RewardPool
+
+    pools = []
+
+    def scorer():
+        pool = RewardPool(num_workers=1, timeout_s=0.3, timeouts_to_probe=4,
+                          custom={"exact": f"{__name__}:hanging_reward"})
+        pool.names = pool.reward_names
+        pools.append(pool)
+        return pool
+
+    trainer = RecordingTrainer(exports_dir(tmp_path))
+    try:
+        with pytest.raises(RewardFailingError, match="failed in every call of 3 batches"):
+            run_on_servers(tmp_path, [ArithmeticEngine()], config(tmp_path), trainer, items(100),
+                           10, scorer=scorer)
+        (pool,) = pools
+        assert pool.num_timeouts <= 4 + 3 and pool.num_skipped >= 10, (
+            pool.num_timeouts, pool.num_skipped)
+    finally:
+        for pool in pools:
+            pool.close()
+    assert len(trainer.batches) == 2
+
+
 def test_a_workflow_whose_extra_reward_calls_fail_is_not_stopped():
     # A workflow scoring a draft and a final answer, the draft's call failing: every answer
     # still has a reward. Failures are counted against calls, not answers.

@@ -305,6 +305,8 @@ def test_launches_sglang_waits_until_ready_and_stops_it(model_dir, tmp_path, mon
     assert result.output_ids == expected_tokens(PROMPT, 3)
     assert result.versions == [4, 4, 4]  # launched with --weight-version 4
     assert engine.max_context_len == 127  # SGLang refuses prompt + max_new_tokens >= 128
+    # The checkpoint names no dtype, which SGLang's auto would serve in float16.
+    assert engine.process.argv[engine.process.argv.index("--dtype") + 1] == "bfloat16"
     assert engine.process.exit_code() is not None  # stopped with the engine
 
 
@@ -329,6 +331,27 @@ def test_launch_command_sets_the_rl_flags():
         "--dtype", "bfloat16", "--weight-version", "2", "--context-length", "4096",
         "--mem-fraction-static", "0.8", "--random-seed", "1", "--log-level", "warning",
     ]  # fmt: skip
+
+
+@pytest.mark.parametrize("option, named, launched", [
+    ("auto", "float32", "bfloat16"),  # SGLang's auto: float16, where bf16-trained models overflow
+    ("auto", None, "bfloat16"),  # SGLang takes a config naming none for float32
+    ("auto", "bfloat16", "bfloat16"),
+    ("auto", "float16", "float16"),
+    ("float32", "float32", "float32"),  # a choice is kept
+    ("float16", "bfloat16", "float16"),
+])
+def test_auto_dtype_never_means_float16_for_a_float32_checkpoint(tmp_path, option, named,
+                                                                   launched, caplog):
+    from rollout.engines.sglang_engine import _served_dtype
+
+    config = {"vocab_size": VOCAB, "max_position_embeddings": 256}
+    key = "torch_dtype" if named == "float32" else "dtype"  # transformers 4 and 5 spellings
+    (tmp_path / "config.json").write_text(json.dumps({**config, key: named} if named else config))
+    assert api.launch_dtype(option, named) == launched
+    assert _served_dtype(str(tmp_path), option) == launched
+    warned = any("SGLang would serve this" in r.getMessage() for r in caplog.records)
+    assert warned == (option == "auto" and launched != named)
 
 
 def test_generate_response_parsing():

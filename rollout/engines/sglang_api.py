@@ -41,6 +41,19 @@ class LaunchFlags:
     deterministic_inference: bool = False
 
 
+HALF_DTYPES = ("bfloat16", "float16")
+
+
+def launch_dtype(option: str, checkpoint_dtype: str | None) -> str:
+    """``--dtype`` for ``engine.options.dtype`` = ``option`` and a checkpoint whose config names
+    ``checkpoint_dtype``. SGLang's ``auto`` (as vLLM's) serves a float32 checkpoint, or one
+    naming no dtype, in float16, where a model trained in bfloat16 can overflow (Qwen2 does):
+    ``auto`` is the checkpoint's own half type, else ``bfloat16``; any other option is kept."""
+    if option != "auto":
+        return option
+    return checkpoint_dtype if checkpoint_dtype in HALF_DTYPES else "bfloat16"
+
+
 def launch_command(python: str, flags: LaunchFlags, extra_args: list[str] = ()) -> list[str]:
     """argv of an SGLang server that takes and returns token ids (no tokenizer)."""
     argv = [

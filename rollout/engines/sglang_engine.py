@@ -96,16 +96,25 @@ class SGLangOptions:
             )
 
 
-def _model_dims(model_path: str, options: SGLangOptions) -> tuple[int, int, set[int]]:
-    """``(vocab_size, max_context_len, end-of-sequence ids)`` from the checkpoint's
-    ``config.json`` (and ``generation_config.json``, whose end ids SGLang stops on too) and
-    ``options.served_context``."""
+def _read_config(model_path: str) -> dict:
+    """The checkpoint's ``config.json`` (its ``text_config`` for a multimodal one)."""
     path = Path(model_path) / "config.json"
     try:
         cfg = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise ConfigError(f"engine.model_path: cannot read {path}: {e}") from e
-    cfg = cfg.get("text_config", cfg)
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"engine.model_path: {path} is not a JSON object")
+    text = cfg.get("text_config", cfg)
+    return {**text, **{k: cfg[k] for k in ("torch_dtype", "dtype") if k in cfg and k not in text}}
+
+
+def _model_dims(model_path: str, options: SGLangOptions) -> tuple[int, int, set[int]]:
+    """``(vocab_size, max_context_len, end-of-sequence ids)`` from the checkpoint's
+    ``config.json`` (and ``generation_config.json``, whose end ids SGLang stops on too) and
+    ``options.served_context``."""
+    cfg = _read_config(model_path)
+    path = Path(model_path) / "config.json"
     if "vocab_size" not in cfg:
         raise ConfigError(f"engine.model_path: {path} has no vocab_size")
     positions = cfg.get("max_position_embeddings")
@@ -119,6 +128,19 @@ def _model_dims(model_path: str, options: SGLangOptions) -> tuple[int, int, set[
     except ModelConfigError as e:
         raise ConfigError(f"engine.model_path: {e}") from e
     return vocab_size, options.served_context(int(positions or 0)), eos
+
+
+def _served_dtype(model_path: str, option: str) -> str:
+    """``--dtype`` for the checkpoint at ``model_path`` (``api.launch_dtype``), saying so when
+    ``auto`` does not mean what SGLang would make of it."""
+    cfg = _read_config(model_path)
+    named = cfg.get("dtype", cfg.get("torch_dtype"))
+    dtype = api.launch_dtype(option, named if isinstance(named, str) else None)
+    if option == "auto" and dtype != named:
+        log.warning("engine.options.dtype auto: SGLang would serve this %s checkpoint in float16; "
+                    "serving it in %s (set engine.options.dtype to choose)",
+                    named or "dtype-less", dtype)
+    return dtype
 
 
 def _ids(value) -> set[int]:
@@ -197,7 +219,7 @@ class SGLangEngine(GenerationEngine):
                 weight_version=self._version,
                 tp_size=opts.tp_size,
                 dp_size=opts.dp_size,
-                dtype=opts.dtype,
+                dtype=_served_dtype(self._model_path, opts.dtype),
                 context_length=opts.context_length,
                 mem_fraction_static=opts.mem_fraction_static,
                 max_running_requests=opts.max_running_requests,

@@ -8,8 +8,9 @@ Conventions:
   full vocabulary, taken before top-k/top-p filtering; greedy rows (temperature below
   ``areal_jax.protocol.GREEDY_TEMPERATURE``, 0 included) report ``log_softmax(logits)``. The
   trainer recomputes exactly this.
-- Top-k is applied first, then top-p on the top-k distribution renormalised (as SGLang and
-  vLLM do). Tokens tied with the last kept one are kept too.
+- Top-k is applied first, then top-p on the top-k distribution renormalised (as vLLM does;
+  SGLang measures the top-p mass over the whole distribution, so with both set it may keep
+  more tokens). Tokens tied with the last kept one are kept too.
 - The random key of a token depends only on the request's seed and the token's position in
   the sequence, so a seeded request samples the same tokens whatever else shares the batch.
 """

@@ -160,6 +160,7 @@ class SGLangEngine(GenerationEngine):
         self._model_path = model_path  # the checkpoint SGLang serves, as ``_version``
         self._version = version
         self._failure: EngineError | None = None
+        self._warned_top_p = False
         self._vocab_size, self._context_len, self._eos_ids = _model_dims(model_path, options)
         self.process: SGLangProcess | None = None
         self._client: JsonHttpClient | None = None
@@ -292,6 +293,12 @@ class SGLangEngine(GenerationEngine):
             # SGLang honours seeds only with deterministic inference, and there it gives every
             # unseeded request the same one: a group's samples would all be alike.
             params = dataclasses.replace(params, seed=random.getrandbits(31))
+        if params.top_p < 1.0 and not self._warned_top_p:
+            self._warned_top_p = True
+            log.warning("top_p %s < 1 on SGLang: some SGLang versions return log-probs "
+                        "renormalised over the top-p nucleus, not the full-vocabulary ones the "
+                        "trainer weights tokens by; check that ppo/behav_weight_mean stays near 1 "
+                        "at staleness 0 (docs/rollout.md)", params.top_p)
         while True:
             await self._running.wait()
             if self._closed:

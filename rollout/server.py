@@ -122,6 +122,9 @@ async def _start_grpc(config: ServerConfig, servicer: RolloutServicer, token, cr
             ("grpc.http2.min_ping_interval_without_data_ms", 1000),
             ("grpc.http2.max_ping_strikes", 0),
             ("grpc.keepalive_permit_without_calls", 1),
+            # gRPC sets SO_REUSEPORT by default: a second server started on a busy port (a
+            # duplicate launch) would take a share of its connections, unseen.
+            ("grpc.so_reuseport", 0),
         ],
     )
     add_rollout_service(servicer, server)
@@ -132,10 +135,14 @@ async def _start_grpc(config: ServerConfig, servicer: RolloutServicer, token, cr
     )
     host = f"[{config.host}]" if ":" in config.host else config.host
     address = f"{host}:{config.port}"
-    if credentials is not None:
-        port = server.add_secure_port(address, credentials)
-    else:
-        port = server.add_insecure_port(address)
+    try:
+        if credentials is not None:
+            port = server.add_secure_port(address, credentials)
+        else:
+            port = server.add_insecure_port(address)
+    except RuntimeError as e:  # gRPC's "Failed to bind to address ..."
+        raise ConfigError(f"port: cannot listen on {address} (another process listens "
+                          f"there?): {e}") from e
     await server.start()
     return server, port, health_servicer
 

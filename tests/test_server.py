@@ -992,6 +992,19 @@ def test_server_config_errors_name_the_key(tmp_path, tok_dir):
         assert pool.timeouts_to_probe == 3
 
 
+def test_a_second_server_on_a_busy_port_fails_instead_of_sharing_it(tmp_path, tok_dir):
+    # gRPC's default SO_REUSEPORT let two servers listen on one port, each taking a share of
+    # the connections: a duplicate launch served part of the trainer's requests unseen.
+    async def main():
+        async with serving(tmp_path, tok_dir) as h:
+            with pytest.raises(ConfigError, match=f"port: cannot listen on 127.0.0.1:{h.server.port}"):
+                await start_server(server_config(tmp_path / "b", tok_dir, port=h.server.port),
+                                   engine=ArithmeticEngine(), scorer=ExactAnswerScorer(),
+                                   reward_names=ExactAnswerScorer().names)
+
+    asyncio.run(main())
+
+
 def test_cli_reports_config_errors(capsys):
     assert cli.main(["serve", "engine.kind=sglang", "port=-1"]) == 2
     assert "engine.model_path: required" in capsys.readouterr().err

@@ -285,7 +285,10 @@ def test_sft_failing_kills_the_servers_compile(compile_cfg, tmp_path, monkeypatc
 def test_an_exited_server_restarts_on_the_newest_export(tmp_path):
     # The checkpoint a server was launched with is pruned once newer versions are published:
     # restarted with it, the server exited again at once and the run ended after three tries.
+    # And the newest export may be pruned in turn before the restarted server has read it (two
+    # more versions published while it starts): it starts on a copy.
     import asyncio
+    import shutil
 
     from areal_jax.controller.local_servers import LocalServers
     from areal_jax.controller.rollout_pool import RolloutPool
@@ -297,8 +300,15 @@ def test_an_exited_server_restarts_on_the_newest_export(tmp_path):
     build_tiny_model(export_path(exports, 7), TinyModelSpec(
         hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
         max_position_embeddings=128, tokenizer_vocab_size=300))
-    servers = LocalServers({"engine": {"model_path": str(export_path(exports, 0))}}, 1,
-                           tmp_path / "logs")
+
+    class PrunedAsItRestarts(LocalServers):
+        def restart_exited(self, max_restarts, weights=None):
+            restarted = super().restart_exited(max_restarts, weights)
+            shutil.rmtree(export_path(exports, 7), ignore_errors=True)
+            return restarted
+
+    servers = PrunedAsItRestarts({"engine": {"model_path": str(export_path(exports, 0))}}, 1,
+                                 tmp_path / "logs")
 
     async def main():
         (address,) = servers.start()
@@ -315,8 +325,56 @@ def test_an_exited_server_restarts_on_the_newest_export(tmp_path):
         assert asyncio.run(main()) == [7]
         log = (tmp_path / "logs" / "rollout_server_0.log").read_text()
         assert "config error" in log and "(jax engine, version 7" in log  # exited, restarted
+        assert log.count("config error") == 1  # the copy was there after the export was gone
     finally:
         servers.stop()
+    assert not list(exports.glob(".restart-*"))  # the copies go with the supervision
+
+
+def test_work_under_supervision_is_cut_short_by_a_server_that_keeps_exiting(tmp_path):
+    import asyncio
+
+    from areal_jax.controller.local_servers import ServerExitedError
+    from areal_jax.controller.servers import MAX_LOCAL_RESTARTS, Supervision
+
+    class KeepsExiting:  # what Supervision uses of LocalServers
+        restarts = 0
+
+        def exited(self):
+            return [0]
+
+        def restart_exited(self, max_restarts, weights):
+            if self.restarts >= max_restarts:
+                raise ServerExitedError(f"rollout server 0 exited {self.restarts + 1} times")
+            self.restarts += 1
+            return [0]
+
+    exports = tmp_path / "exports"
+    (exports / "v000003").mkdir(parents=True)
+    servers = KeepsExiting()
+
+    async def main():
+        cancelled = []
+
+        async def work():
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                cancelled.append(True)
+                raise
+
+        async with Supervision(servers, exports, interval_s=0.01) as supervision:
+            with pytest.raises(ServerExitedError, match="exited 4 times"):
+                await supervision.run(work())
+            with pytest.raises(ServerExitedError):  # and any work after it
+                await supervision.run(asyncio.sleep(1))
+        async with Supervision(None, exports) as without_servers:
+            assert await without_servers.run(asyncio.sleep(0, "done")) == "done"
+        return cancelled
+
+    assert asyncio.run(main()) == [True]
+    assert servers.restarts == MAX_LOCAL_RESTARTS
+    assert not list(exports.glob(".restart-*"))
 
 
 def test_a_users_own_rollout_module_neither_runs_as_a_server_nor_hides_the_package(tmp_path):

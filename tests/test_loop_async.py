@@ -572,6 +572,49 @@ def test_publishing_never_waits_for_a_server_hanging_in_its_rejoin(tmp_path):
     assert live == [f"127.0.0.1:{port_a}"]
 
 
+class _SlowUpdates(ArithmeticEngine):
+    async def update_weights(self, path: str, version: int) -> None:
+        await asyncio.sleep(1.5)  # a large model, a slow disk
+        await super().update_weights(path, version)
+
+
+def test_the_export_a_server_rejoins_with_is_not_pruned_while_it_loads(tmp_path):
+    # A rejoin sends the current weights outside the publishing lock; publishing went on and
+    # pruned the export the server was still reading: its rejoin failed, again each try.
+    from areal_jax.trainer import export_path, prune_exports
+
+    exports = exports_dir(tmp_path)
+
+    async def main():
+        a, b = await start_servers(tmp_path, [ArithmeticEngine(), ArithmeticEngine()])
+        pool = RolloutPool([f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}"],
+                           options=PoolOptions(rejoin_interval_s=0.1))
+        await pool.start()
+        await pool.update_weights(write_checkpoint(export_path(exports, 1), "v1"), 1)
+        port = b.port
+        await b.stop(grace=0)
+        while len(pool.live_servers) == 2:
+            await asyncio.sleep(0.01)
+        slow = _SlowUpdates()
+        (b,) = await start_servers(tmp_path, [slow], port=port)
+        await asyncio.sleep(0.8)  # its rejoin is loading version 1
+        for v in (2, 3):
+            write_checkpoint(export_path(exports, v), f"v{v}")
+        pruned = prune_exports(exports, keep=1)
+        deadline = time.monotonic() + 10
+        while len(pool.live_servers) < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await pool.close()
+        for server in (a, b):
+            await server.stop(grace=0)
+        return pruned, slow.loaded
+
+    pruned, loaded = asyncio.run(main())
+    assert export_path(exports, 1) not in pruned  # in use by the rejoin
+    assert [(Path(path).name, version) for path, version, _ in loaded] == [("v000001", 1)]
+    assert prune_exports(exports, keep=1) == [export_path(exports, 1)]  # once it is done
+
+
 def test_a_defect_handling_a_result_stops_the_run_instead_of_hanging_it(tmp_path, monkeypatch):
     # Raised in a future's done-callback, the error vanished into the event loop's log: the
     # group was neither buffered nor pending, and the loop waited for it forever.

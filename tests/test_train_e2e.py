@@ -30,6 +30,13 @@ def _evaluations(run_dir):
     return [r["step"] for r in rows if "eval/accuracy" in r]
 
 
+def _command_line(pid) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:  # ended meanwhile
+        return ""
+
+
 def _steps(run_dir):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [r["step"] for r in rows if "loss" in r]
@@ -203,12 +210,45 @@ def test_sigterm_stops_a_run_like_ctrl_c(tmp_path):
     assert "stopped; the same command resumes from the last checkpoint" in err
     time.sleep(1)
 
-    def command_line(pid):
-        try:
-            return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-        except OSError:  # ended meanwhile
-            return ""
-
     left = [pid for pid in os.listdir("/proc") if pid.isdigit() and str(tmp_path) in
-            command_line(pid)]
+            _command_line(pid)]
     assert not left  # its rollout server and helpers ended with it
+
+
+def test_a_local_server_killed_during_the_evaluation_before_rl_is_restarted(tmp_path):
+    # Local servers were restarted only inside the RL loop: one that died during the held-out
+    # evaluation before (or after) RL was not, and the run waited out no_server_timeout_s and
+    # failed.
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    cfg = tiny_experiment(tmp_path, total_steps=2)
+    cfg["synthetic"]["num_test"] = 64
+    cfg["eval"]["max_new_tokens"] = 48
+    cfg["rollout"]["no_server_timeout_s"] = 30
+    path = write_experiment(tmp_path / "exp.yaml", cfg)
+    run_dir = tmp_path / "run"
+    log = run_dir / "logs" / "rollout_server_0.log"
+    proc = subprocess.Popen([sys.executable, "-m", "areal_jax.cli", "train", "--config", str(path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (log.is_file() and "rollout server on" in log.read_text(errors="replace")):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
+        time.sleep(1.0)  # connected; the evaluation before RL is under way
+        server = next(int(pid) for pid in os.listdir("/proc") if pid.isdigit()
+                      and "rollout_server_0.yaml" in _command_line(pid))
+        os.kill(server, signal.SIGKILL)
+        metrics = run_dir / "metrics.jsonl"
+        assert not (metrics.is_file() and _evaluations(run_dir))  # killed before it ended
+        out, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert "local rollout server 0 exited; restarted it" in err
+    results = json.loads((run_dir / "results.json").read_text())
+    assert results["before"]["eval/num_prompts"] == 64 and "after" in results

@@ -271,6 +271,37 @@ def test_kl_to_the_frozen_initial_policy(model):
     assert m["kl_ref/mean"] == pytest.approx(expected, rel=1e-4)
 
 
+def test_an_export_in_use_is_not_pruned_and_a_linked_copy_outlives_pruning(tmp_path):
+    from areal_jax.trainer.publish import export_in_use, link_newest_export, remove_restart_copies
+
+    exports = tmp_path / "exports"
+    for v in range(4):
+        (exports / f"v{v:06d}").mkdir(parents=True)
+        (exports / f"v{v:06d}" / "model.safetensors").write_bytes(bytes([v]) * 64)
+    with export_in_use(exports / "v000001"):  # a server loading it
+        assert prune_exports(exports, keep=2) == [exports / "v000000"]
+        assert (exports / "v000001").is_dir()
+    assert prune_exports(exports, keep=2) == [exports / "v000001"]  # once the load is over
+    with pytest.raises(FileNotFoundError, match="v000001 is gone"):
+        with export_in_use(exports / "v000001"):
+            pass
+
+    version, copy = link_newest_export(exports)
+    assert (version, copy) == (3, exports / ".restart-v000003")
+    same = (copy / "model.safetensors").stat().st_ino
+    assert same == (exports / "v000003" / "model.safetensors").stat().st_ino  # a link, no copy
+    (exports / "v000004").mkdir()
+    (exports / "v000005").mkdir()
+    prune_exports(exports, keep=2)
+    assert not (exports / "v000003").exists()
+    assert (copy / "model.safetensors").read_bytes() == bytes([3]) * 64
+    assert list_exports(exports) == [(4, exports / "v000004"), (5, exports / "v000005")]
+    remove_restart_copies(exports)
+    assert not copy.exists()
+    (tmp_path / "no_exports").mkdir()
+    assert link_newest_export(tmp_path / "no_exports") is None
+
+
 def test_pruning_keeps_the_newest_exports_and_the_multiples_of_keep_every(tmp_path):
     for v in range(10):
         (tmp_path / f"v{v:06d}").mkdir()

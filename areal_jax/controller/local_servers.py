@@ -144,6 +144,10 @@ class LocalServers:
                 raise ServerExitedError(f"rollout server {e.index} exited with code "
                                    f"{e.proc.returncode}; log tail:\n{self._log_tail(e.index)}")
 
+    def exited(self) -> list[int]:
+        """Indices of the servers whose process has exited."""
+        return [e.index for e in self._procs if e.proc.poll() is not None]
+
     def restart_exited(self, max_restarts: int,
                        weights: tuple[int, Path] | None = None) -> list[int]:
         """Start again, on the same port, every server that exited; returns their indices.

@@ -4,7 +4,6 @@ held-out accuracy before, the asynchronous loop (with local servers supervised),
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import json
@@ -17,7 +16,7 @@ from areal_jax.controller.ledger import RunLedger
 from areal_jax.controller.loop import RLLoop
 from areal_jax.controller.progress import TrainingProgress
 from areal_jax.controller.servers import rollout_servers, servers_spare_the_trainer
-from areal_jax.controller.servers import supervise_local, sync_servers
+from areal_jax.controller.servers import Supervision, sync_servers
 from areal_jax.controller.sketches import first_batch_sketches
 from areal_jax.data.dataset import PromptDataset
 from areal_jax.experiment import ExperimentConfig
@@ -107,26 +106,6 @@ def compiles_first_batches(cfg: ExperimentConfig, in_helper: bool) -> bool:
     return bool(cfg.rollout.addresses) or servers_spare_the_trainer(cfg) or in_helper
 
 
-async def _run_until_done(loop_run, servers, exports_dir: Path) -> None:
-    """The loop, with local servers restarted (on the newest export in ``exports_dir``) when
-    they exit; the first failure ends both."""
-    loop_task = asyncio.create_task(loop_run)
-    if servers is None:
-        await loop_task
-        return
-    watch = asyncio.create_task(supervise_local(servers, exports_dir))
-    try:
-        done, _ = await asyncio.wait({loop_task, watch}, return_when=asyncio.FIRST_COMPLETED)
-        if watch in done:
-            loop_task.cancel()
-            await asyncio.gather(loop_task, return_exceptions=True)
-            watch.result()
-        await loop_task
-    finally:
-        watch.cancel()
-        await asyncio.gather(watch, return_exceptions=True)
-
-
 async def run_rl(cfg: ExperimentConfig, trainer, tokenizer, train_set: PromptDataset,
                  eval_items: list, progress: TrainingProgress, extra: dict | None) -> dict:
     """Train on ``train_set`` to ``schedule.total_steps`` versions, evaluating on
@@ -163,7 +142,9 @@ async def run_rl(cfg: ExperimentConfig, trainer, tokenizer, train_set: PromptDat
                                     else "starting rollout servers", None)
         async with rollout_servers(
                 cfg, published, version, training=prompt_lengths,
-                held_out=[len(item.prompt_ids) for item in eval_items]) as (pool, servers):
+                held_out=[len(item.prompt_ids) for item in eval_items]) as (pool, servers), \
+                Supervision(servers, published.parent) as supervision:
+            # local servers that exit are restarted, in the evaluations as in the loop
             progress.end_phase(task)
             if servers is None:
                 await sync_servers(pool, published, version, cfg)
@@ -185,10 +166,10 @@ async def run_rl(cfg: ExperimentConfig, trainer, tokenizer, train_set: PromptDat
             if eval_items:
                 token_counts: list[int] = []
                 # before RL, an evaluation answering nothing stops the run (nothing trained yet)
-                results["before"] = await _accuracy_before_rl(
+                results["before"] = await supervision.run(_accuracy_before_rl(
                     cfg, version,
                     functools.partial(run_eval, token_counts=token_counts, strict=True),
-                    metrics_log)
+                    metrics_log))
                 token_counts = [n for n in token_counts if n >= 2]  # answers, not bare prompts
                 if sketching and token_counts:  # the policy's own lengths: a better forecast
                     trainer.expect_lengths(token_counts,
@@ -206,14 +187,14 @@ async def run_rl(cfg: ExperimentConfig, trainer, tokenizer, train_set: PromptDat
                 progress.advance(task, m)
 
             loop.on_step = on_step
-            await _run_until_done(loop.run(total, trainer.save), servers, published.parent)
+            await supervision.run(loop.run(total, trainer.save))
             progress.end_phase(task)
             if eval_items:
                 final = trainer.version
                 if final in evaluated and final != version:  # the loop's own, at its last step
                     results["after"] = evaluated[final]
                 else:
-                    results["after"] = await run_eval(final)
+                    results["after"] = await supervision.run(run_eval(final))
                     if not _evaluation_logged(run_dir, final):  # a finished run run again
                         metrics_log.log(final, results["after"])
                 _print_eval(f"held-out accuracy at version {final} (after RL)",

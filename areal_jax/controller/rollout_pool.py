@@ -50,6 +50,7 @@ from areal_jax.controller.busy import BusyClock
 from areal_jax.protocol import SERVICE_NAME, push_weight_requests
 from areal_jax.protocol.v1 import rollout_pb2 as pb
 from areal_jax.protocol.v1 import rollout_pb2_grpc as pb_grpc
+from areal_jax.trainer.publish import export_in_use
 
 log = logging.getLogger(__name__)
 
@@ -490,7 +491,13 @@ class RolloutPool:
             while True:
                 w = self._weights
                 if w is not None and serving != w.version:
-                    await self._send_weights(stub, w, force=True)
+                    try:
+                        with export_in_use(w.path):  # not pruned while the server reads it
+                            await self._send_weights(stub, w, force=True)
+                    except FileNotFoundError:  # pruned before: a newer version was published
+                        if self._weights is w:
+                            raise
+                        continue
                     serving = w.version
                 async with self._weights_lock:
                     if self._weights is None or self._weights.version == serving:

@@ -11,7 +11,8 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
+from typing import TypeVar
 from pathlib import Path
 
 import jax
@@ -21,10 +22,11 @@ from areal_jax.controller.local_servers import LocalServers, ServerExitedError
 from areal_jax.controller.local_servers import with_deterministic_ops
 from areal_jax.controller.rollout_pool import PoolOptions, RolloutPool
 from areal_jax.experiment import ExperimentConfig
-from areal_jax.trainer.publish import list_exports
+from areal_jax.trainer.publish import link_newest_export, remove_restart_copies
 from rollout.config import EngineConfig, ServerConfig
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 MAX_LOCAL_RESTARTS = 3  # per local server and run; more means it is failing, not flaking
 SERVER_COMPILE_WAIT_S = 900.0  # after SFT, the longest wait for the servers' compile to end
@@ -272,15 +274,58 @@ async def rollout_servers(cfg: ExperimentConfig, model_path: Path, version: int,
 
 async def supervise_local(servers: LocalServers, exports_dir: Path,
                           interval_s: float = 2.0) -> None:
-    """Restart local servers that exit, on the newest export in ``exports_dir`` (the one they
-    were launched with may be pruned by now; the pool lets them rejoin and brings them to its
-    version); raises when one keeps exiting."""
-    while True:
-        await asyncio.sleep(interval_s)
-        exports = list_exports(exports_dir)
-        newest = exports[-1] if exports else None
-        for index in servers.restart_exited(MAX_LOCAL_RESTARTS, newest):
-            log.warning("local rollout server %d exited; restarted it", index)
+    """Restart local servers that exit, on a copy of the newest export in ``exports_dir`` (the
+    one they were launched with may be pruned by now, and the newest may be pruned while they
+    start; the pool lets them rejoin and brings them to its version); raises
+    ``ServerExitedError`` when one keeps exiting."""
+    remove_restart_copies(exports_dir)  # of a run that was killed
+    try:
+        while True:
+            await asyncio.sleep(interval_s)
+            if not servers.exited():
+                continue
+            weights = await asyncio.to_thread(link_newest_export, exports_dir)
+            for index in servers.restart_exited(MAX_LOCAL_RESTARTS, weights):
+                log.warning("local rollout server %d exited; restarted it", index)
+    finally:
+        remove_restart_copies(exports_dir)
+
+
+class Supervision:
+    """Local servers restarted when they exit (``supervise_local``) while it is open (an
+    async context manager); ``run(work)`` awaits ``work``, or, should a server keep exiting,
+    cancels it and raises the ``ServerExitedError``. With no local servers, ``run`` only
+    awaits."""
+
+    def __init__(self, servers: LocalServers | None, exports_dir: Path, interval_s: float = 2.0):
+        self._servers, self._exports_dir, self._interval_s = servers, exports_dir, interval_s
+        self._watch: asyncio.Task | None = None
+
+    async def __aenter__(self) -> Supervision:
+        if self._servers is not None:
+            self._watch = asyncio.create_task(
+                supervise_local(self._servers, self._exports_dir, self._interval_s))
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            await asyncio.gather(self._watch, return_exceptions=True)
+
+    async def run(self, work: Awaitable[T]) -> T:
+        """``await work``, cut short by a server that keeps exiting."""
+        if self._watch is None:
+            return await work
+        task = asyncio.ensure_future(work)
+        try:
+            await asyncio.wait({task, self._watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                if self._watch.done():
+                    self._watch.result()  # the ServerExitedError
+        return task.result()
 
 
 async def sync_servers(pool: RolloutPool, path: Path, version: int, cfg: ExperimentConfig) -> None:

@@ -3,13 +3,19 @@
 Exports live in ``<exports_dir>/v{version:06d}``; rollout servers load them by path. A
 directory only appears once complete (the export writes a temporary sibling and renames).
 Publishing can be split: ``hf_state_dict`` snapshots the parameters to host arrays on the
-training thread, and ``publish_tensors`` writes and prunes on another thread.
+training thread, and ``publish_tensors`` writes and prunes on another thread. An export this
+process is sending to a server or copying (``export_in_use``) is not pruned meanwhile.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import os
 import re
 import shutil
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +24,8 @@ from areal_jax.models import ModelConfig, Transformer, export_hf_tensors, hf_sta
 from areal_jax.models.hf_export import remove_unfinished_exports
 
 _EXPORT_NAME = re.compile(r"v(\d{6,})")
+_in_use: collections.Counter[str] = collections.Counter()  # resolved export path -> holders
+_in_use_lock = threading.Lock()  # also held by prune_exports while it deletes
 
 
 def export_path(exports_dir: str | Path, version: int) -> Path:
@@ -96,11 +104,73 @@ def discard_exports_after(exports_dir: str | Path, version: int) -> list[Path]:
 def prune_exports(
     exports_dir: str | Path, keep: int, protect: Path | None = None, keep_every: int = 0
 ) -> list[Path]:
-    """Delete version exports beyond the ``keep`` highest, except ``protect`` and, with
-    ``keep_every`` > 0, the versions that are multiples of it (kept for an accuracy curve after
-    the run, see ``areal-jax eval --curve``); returns the deleted paths."""
-    doomed = [p for v, p in list_exports(exports_dir)[:-keep]
-              if p != protect and not (keep_every and v % keep_every == 0)]
-    for path in doomed:
-        shutil.rmtree(path, ignore_errors=True)
+    """Delete version exports beyond the ``keep`` highest, except ``protect``, those in use
+    (``export_in_use``) and, with ``keep_every`` > 0, the versions that are multiples of it
+    (kept for an accuracy curve after the run, see ``areal-jax eval --curve``); returns the
+    deleted paths."""
+    with _in_use_lock:
+        doomed = [p for v, p in list_exports(exports_dir)[:-keep]
+                  if p != protect and not (keep_every and v % keep_every == 0)
+                  and not _in_use[str(p.resolve())]]
+        for path in doomed:
+            shutil.rmtree(path, ignore_errors=True)
     return doomed
+
+
+@contextlib.contextmanager
+def export_in_use(path: str | Path) -> Iterator[Path]:
+    """While the block runs, ``prune_exports`` (in this process) leaves the directory ``path``
+    alone: a server is loading it, or it is being copied. Raises ``FileNotFoundError`` when it
+    is gone already (pruned: a newer version was published)."""
+    key = str(Path(path).resolve())
+    with _in_use_lock:
+        if not os.path.isdir(key):
+            raise FileNotFoundError(f"{path} is gone (pruned after a newer version?)")
+        _in_use[key] += 1
+    try:
+        yield Path(path)
+    finally:
+        with _in_use_lock:
+            _in_use[key] -= 1
+            if not _in_use[key]:
+                del _in_use[key]
+
+
+RESTART_COPY_PREFIX = ".restart-"  # then the export's name: never listed, never pruned
+
+
+def link_newest_export(exports_dir: str | Path) -> tuple[int, Path] | None:
+    """(version, copy) of the newest export in ``exports_dir``, its files hard-linked (copied
+    across filesystems) into ``exports_dir/.restart-v{version:06d}``, which pruning never
+    touches: for a server that may take longer to read it than the run takes to publish two
+    more versions (a sibling of the exports, so that the server's default
+    ``weights_allowed_roots``, its checkpoint's directory, is still the exports directory).
+    None when there is no export. ``remove_restart_copies`` deletes them."""
+    while exports := list_exports(exports_dir):
+        version, path = exports[-1]
+        copy = path.with_name(RESTART_COPY_PREFIX + path.name)
+        with contextlib.ExitStack() as pinned:
+            try:
+                pinned.enter_context(export_in_use(path))
+            except FileNotFoundError:
+                continue  # pruned meanwhile: a newer one is there
+            if not copy.is_dir():
+                partial = copy.with_name(copy.name + ".partial")
+                shutil.rmtree(partial, ignore_errors=True)
+                shutil.copytree(path, partial, copy_function=_link_or_copy)
+                partial.rename(copy)
+        return version, copy
+    return None
+
+
+def remove_restart_copies(exports_dir: str | Path) -> None:
+    """Delete what ``link_newest_export`` made in ``exports_dir``."""
+    for path in Path(exports_dir).glob(RESTART_COPY_PREFIX + "*"):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:  # another filesystem, or links not allowed
+        shutil.copy2(src, dst)

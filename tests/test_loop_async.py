@@ -14,6 +14,7 @@ from _loop_kit import RecordingTrainer, assert_nothing_lost, config, exports_dir
 from _loop_kit import addresses, run_on_servers, start_servers, trained_ids
 from _rollout_fakes import ArithmeticEngine, FailingScorer, encode, write_checkpoint
 
+from areal_jax.controller.ledger import read_ledger
 from areal_jax.controller.loop import RolloutRejectedError
 from areal_jax.controller.reward_watch import RewardFailingError
 from areal_jax.controller.requests import rollout_request
@@ -534,6 +535,82 @@ def test_versions_kept_for_the_curve_are_written_even_when_superseded(tmp_path):
     assert {2, 4, 6, 8} <= set(written) and written == sorted(written)
     assert delivered == sorted(delivered) and delivered[-1] == 8
     assert set(delivered) < set(written)  # the superseded kept ones written, not delivered
+
+
+def test_a_failure_after_a_version_is_delivered_is_reported_as_itself(tmp_path):
+    # The callback after a delivery (the loop's ledger write) raising ENOSPC surfaced as "the
+    # publishing task ended unexpectedly", the real error only in an asyncio warning.
+    from areal_jax.controller.publisher import Publisher
+
+    class Snap:
+        version = 1
+
+        def write(self):
+            return tmp_path / "v1"
+
+    class Pool:
+        async def update_weights(self, path, version, push=False):
+            pass
+
+    def full_disk(version, timings):
+        raise OSError(28, "No space left on device")
+
+    async def main():
+        publisher = Publisher(Pool(), published=0, on_published=full_disk)
+        publisher.submit(Snap())
+        try:
+            with pytest.raises(OSError, match="No space left on device"):
+                await publisher.flush()
+        finally:
+            await publisher.close()
+
+    asyncio.run(main())
+
+
+def test_a_request_the_ledger_cannot_record_is_not_sent_and_stays_pending(tmp_path,
+                                                                         monkeypatch):
+    # The ledger's "submit" line was written after the request was sent: a write failing (a
+    # full disk) left a group running that no callback would handle and the ledger never saw.
+    from areal_jax.controller.ledger import RunLedger
+
+    class FullDiskLedger(RunLedger):
+        submits = 0
+
+        def record(self, event, **fields):
+            if event == "submit":
+                self.submits += 1
+                if self.submits == 6:
+                    raise OSError(28, "No space left on device")
+            super().record(event, **fields)
+
+    sent, loops = [], []
+    submit = RolloutPool.submit
+    monkeypatch.setattr(RolloutPool, "submit",
+                        lambda pool, request: sent.append(request.request_id) or submit(pool, request))
+
+    async def main():
+        servers = await start_servers(tmp_path, [ArithmeticEngine()])
+        ledger = FullDiskLedger(tmp_path / "ledger.jsonl")
+        try:
+            return await run_loop(tmp_path, config(tmp_path), RecordingTrainer(exports_dir(tmp_path)),
+                                  servers, items(50), 5, ledger=ledger,
+                                  during=lambda loop, pool: _keep(loops, loop))
+        finally:
+            ledger.close()
+            for s in servers:
+                await s.stop(grace=0)
+
+    with pytest.raises(OSError, match="No space left on device"):
+        asyncio.run(main())
+    recorded = [e["request"] for e in read_ledger(tmp_path / "ledger.jsonl")
+                if e["event"] == "submit"]
+    assert len(recorded) == 5 and sent == recorded  # the sixth was not sent
+    (loop,) = loops
+    assert loop.pending_ids()[-1] not in {r.split(":", 1)[1] for r in recorded}  # kept
+
+
+async def _keep(found: list, loop) -> None:
+    found.append(loop)
 
 
 class _HangingUpdates(ArithmeticEngine):

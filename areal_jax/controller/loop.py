@@ -139,12 +139,16 @@ class RLLoop:
             request = rollout_request(item, rid, self.cfg.dataset.reward,
                                       sp.group_size, sp.max_new_tokens, sp.temperature,
                                       sp.top_p, sp.top_k, seed=self.cfg.seed * 1_000_003 + index)
+            if self.ledger is not None:  # first: a request the ledger cannot record is not sent
+                try:
+                    self.ledger.record("submit", request=rid, prompt=item.id,
+                                       version=self.served_version)
+                except BaseException:
+                    self._retry.insert(0, item)  # kept for the checkpoint
+                    raise
             future = self.pool.submit(request)
             self.gate.on_submit()
             self._in_flight[index] = item
-            if self.ledger is not None:
-                self.ledger.record("submit", request=rid, prompt=item.id,
-                                   version=self.served_version)
             future.add_done_callback(lambda f, i=index: self._on_done(i, f))
 
     def _on_done(self, index: int, future: asyncio.Future) -> None:

@@ -93,6 +93,10 @@ class Publisher:
                 t1 = time.monotonic()
                 await self._pool.update_weights(path, snapshot.version, push=self._push)
                 t2 = time.monotonic()
+                self.published = snapshot.version
+                self.last_timings = {"timing/export_s": t1 - t0, "timing/deliver_s": t2 - t1}
+                if self._on_published is not None:  # its failure (a full disk) is ours
+                    self._on_published(snapshot.version, self.last_timings)
             except (Exception, asyncio.CancelledError) as e:  # surfaced by raise_error/flush
                 if isinstance(e, asyncio.CancelledError) and asyncio.current_task().cancelling():
                     raise  # close()
@@ -101,10 +105,6 @@ class Publisher:
                     f"publishing version {snapshot.version} was cancelled")
                 self._idle.set()
                 return
-            self.published = snapshot.version
-            self.last_timings = {"timing/export_s": t1 - t0, "timing/deliver_s": t2 - t1}
-            if self._on_published is not None:
-                self._on_published(snapshot.version, self.last_timings)
             if self._pending is None:
                 self._idle.set()
 

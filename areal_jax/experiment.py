@@ -184,11 +184,16 @@ class ProcessGroupConfig:
     process_id: int | None = None
     # a process not answering this long (killed, host down) ends the whole group
     heartbeat_timeout_s: int = 100
+    # the longest wait at start for every process (then this one is aborted)
+    join_timeout_s: int = 300
 
     def __post_init__(self):
         if self.heartbeat_timeout_s < 2:
             raise ConfigError(f"process_group.heartbeat_timeout_s: must be >= 2, got "
                               f"{self.heartbeat_timeout_s}")
+        if self.join_timeout_s < 1:
+            raise ConfigError(f"process_group.join_timeout_s: must be >= 1, got "
+                              f"{self.join_timeout_s}")
         n, i = self.num_processes, self.process_id
         if n is not None and n < 1:
             raise ConfigError(f"process_group.num_processes: must be >= 1, got {n}")

@@ -50,6 +50,8 @@ def test_trainer_temperature_must_match_sampling():
     ("sampling.temperature=.nan", "sampling.temperature: expected a finite number, got nan"),
     ("trainer.advantage.estimator=rloo sampling.group_size=1", "rloo needs sampling.group_size"),
     ("process_group.process_id=1", "process_group: set, but distributed is false"),
+    ("distributed=true process_group.join_timeout_s=0",
+     "process_group.join_timeout_s: must be >= 1, got 0"),
     # the quickstart's batch: 8 prompts x 8 answers; the first step would fail
     ("trainer.ppo_n_minibatches=65", r"trainer.ppo_n_minibatches \(65\) is more than the 64 "),
     ("sft.trainer.lr=-1", r"sft.trainer: lr must be > 0, got -1"),

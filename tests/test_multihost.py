@@ -210,6 +210,22 @@ def test_sigterm_ends_a_process_of_the_group(tmp_path):
     assert took < 50  # each would sleep 60 s after its SIGTERM
 
 
+def test_a_process_whose_group_never_forms_says_what_it_waits_for_and_ends(tmp_path):
+    # Alone (the other process never started), a process waited jax.distributed's fixed 300 s
+    # and was aborted with a bare DEADLINE_EXCEEDED and a C++ stack trace.
+    code = ("from areal_jax.parallel.multihost import initialize_distributed; "
+            f"initialize_distributed('127.0.0.1:{_free_port()}', 2, 0, join_timeout_s=3)")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode != 0
+    assert ("joining the trainer's process group as process 0 of 2, coordinator 127.0.0.1:"
+            in done.stderr) and "waiting up to 3 s for every process" in done.stderr
+    assert "DEADLINE_EXCEEDED" in done.stderr
+    assert time.monotonic() - start < 60
+
+
 def test_with_one_process_the_group_is_the_trainer(tmp_path):
     from areal_jax.parallel import TrainerGroup
 
@@ -281,6 +297,7 @@ def test_a_process_of_a_slurm_job_keeps_every_device_it_sees(monkeypatch):
     assert (seen["coordinator_address"], seen["num_processes"], seen["process_id"]) == (
         "10.0.0.1:1234", 4, 2)
     assert seen["heartbeat_timeout_seconds"] == 100  # process_group.heartbeat_timeout_s
+    assert seen["initialization_timeout"] == 300  # process_group.join_timeout_s
 
 
 def test_trajectory_groups_cross_the_wire_unchanged():

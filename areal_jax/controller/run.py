@@ -88,7 +88,7 @@ def train(cfg: ExperimentConfig) -> dict:
     if cfg.distributed:
         pg = cfg.process_group  # unset fields: from the cluster's environment
         initialize_distributed(pg.coordinator_address, pg.num_processes, pg.process_id,
-                               pg.heartbeat_timeout_s)
+                               pg.heartbeat_timeout_s, pg.join_timeout_s)
     leader = is_leader()  # JAX's backends start here and read the claim
     release_memory_fraction()
     if leader:

@@ -21,12 +21,16 @@ _FAILURES = "areal_jax/failures/"  # coordination-service keys: why a process ga
 
 def initialize_distributed(
     coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None,
-    heartbeat_timeout_s: int = 100,
+    heartbeat_timeout_s: int = 100, join_timeout_s: int = 300,
 ) -> None:
     """Join the process group; call before any JAX computation.
 
     ``heartbeat_timeout_s``: how long a process may stop answering (SIGKILLed, its host down)
     before ``jax.distributed`` ends every process of the group (a fatal error naming it).
+    ``join_timeout_s``: how long to wait for the whole group (every process started, the
+    coordinator reachable); past it ``jax.distributed`` aborts this process (SIGABRT, a
+    ``DEADLINE_EXCEEDED`` from ``RegisterTask``), which cannot be caught, so what it waits for
+    is said on stderr first.
 
     Arguments left out are read from the cluster's environment by ``jax.distributed`` (TPU pod
     metadata, SLURM ``SLURM_*`` variables, Open MPI). CPU processes exchange collectives over
@@ -38,10 +42,16 @@ def initialize_distributed(
     # JAX's preemption service would take SIGTERM over (a `kill`, `scancel` or `docker stop`
     # did nothing until the scheduler's SIGKILL); the run handles it like a single process.
     jax.config.update("jax_enable_preemption_service", False)
+    who = (f"process {process_id} of {num_processes}" if process_id is not None
+           else "a process (rank from the cluster's environment)")
+    print(f"joining the trainer's process group as {who}, coordinator "
+          f"{coordinator or 'from the environment'}: waiting up to {join_timeout_s} s for every "
+          "process (process_group.join_timeout_s); past it this process is aborted with "
+          "DEADLINE_EXCEEDED", file=sys.stderr, flush=True)
     jax.distributed.initialize(
         coordinator_address=coordinator, num_processes=num_processes, process_id=process_id,
         local_device_ids=[],  # not None: no device restriction (None means the local rank's)
-        heartbeat_timeout_seconds=heartbeat_timeout_s,
+        heartbeat_timeout_seconds=heartbeat_timeout_s, initialization_timeout=join_timeout_s,
     )
 
 

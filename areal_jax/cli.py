@@ -6,6 +6,7 @@ Each command module defines ``NAME``, ``HELP``, ``add_arguments(parser)`` and ``
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import pkgutil
 import sys
@@ -74,10 +75,28 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args._run(args) or 0)
     except Exception as e:
+        full = _disk_full(e)
+        if full is not None:
+            print(f"areal-jax {args.command}: error: {full.strerror}"
+                  f"{f': {full.filename}' if full.filename else ''} (free space, then run the "
+                  "same command again: it resumes from the last checkpoint)", file=sys.stderr)
+            return 1
         if not isinstance(e, _user_errors()):
             raise
         print(f"areal-jax {args.command}: error: {e}", file=sys.stderr)
         return 2
+
+
+def _disk_full(error: BaseException | None) -> OSError | None:
+    """The out-of-space ``OSError`` (ENOSPC, EDQUOT) behind ``error``, if any (followed
+    through its causes: a checkpoint or publishing error wraps it)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            return error
+        error = error.__cause__ or error.__context__
+    return None
 
 
 if __name__ == "__main__":

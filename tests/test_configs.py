@@ -74,6 +74,26 @@ def test_cli_reports_config_errors_without_traceback(capsys):
     assert "Traceback" not in err
 
 
+def test_a_full_disk_is_one_line_saying_how_to_go_on(capsys, monkeypatch, tmp_path):
+    # It was a traceback, the ENOSPC at its end, often under a checkpoint or publishing error.
+    from areal_jax import cli
+    from areal_jax.controller import run
+
+    def full_disk(cfg):
+        try:
+            raise OSError(28, "No space left on device", str(tmp_path / "exports" / "v000035"))
+        except OSError as e:
+            raise RuntimeError("publishing version 35 failed") from e
+
+    monkeypatch.setattr(run, "train", full_disk)
+    monkeypatch.setattr("areal_jax.commands._preflight.preflight", lambda cfg: None)
+    assert cli.main(["train", "--config", str(QUICKSTART), f"run_dir={tmp_path}"]) == 1
+    err = capsys.readouterr().err
+    assert err == (f"areal-jax train: error: No space left on device: {tmp_path}/exports/v000035 "
+                   "(free space, then run the same command again: it resumes from the last "
+                   "checkpoint)\n")
+
+
 @pytest.mark.parametrize("overrides,message", [
     (["trainer_memory_fraction=0.5", "rollout.server_memory_fraction=0.6"],
      r"trainer_memory_fraction \(0.5\) \+ rollout.server_memory_fraction \(0.6\) on every "

@@ -331,6 +331,36 @@ def test_an_exited_server_restarts_on_the_newest_export(tmp_path):
     assert not list(exports.glob(".restart-*"))  # the copies go with the supervision
 
 
+def test_only_the_last_hours_restarts_count_against_the_limit(tmp_path, monkeypatch):
+    # The count never went down: four crashes over a run of days ended it.
+    from areal_jax.controller import local_servers
+    from areal_jax.controller.local_servers import LocalServers, ServerExitedError
+
+    class Exited:
+        returncode = 1
+
+        def poll(self):
+            return 1
+
+    class AlwaysExiting(LocalServers):
+        def _launch(self, entry):
+            entry.proc = Exited()
+
+    now = [0.0]
+    monkeypatch.setattr(local_servers.time, "monotonic", lambda: now[0])
+    servers = AlwaysExiting({"engine": {}}, 1, tmp_path / "logs")
+    servers.start()
+    for _ in range(6):  # one exit every 40 minutes: restarted each time
+        now[0] += 2400
+        assert servers.restart_exited(3) == [0]
+    now[0] += 60  # a third within the hour (the last two 40 minutes and 1 minute ago)
+    assert servers.restart_exited(3) == [0]
+    (tmp_path / "logs" / "rollout_server_0.log").write_text("boom")
+    now[0] += 60  # a fourth
+    with pytest.raises(ServerExitedError, match="exited 4 times within 60 minutes"):
+        servers.restart_exited(3)
+
+
 def test_work_under_supervision_is_cut_short_by_a_server_that_keeps_exiting(tmp_path):
     import asyncio
 

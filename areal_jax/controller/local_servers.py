@@ -62,12 +62,15 @@ def device_env(devices: list[int] | None, memory_fraction: float | None) -> dict
     return env
 
 
+RESTART_WINDOW_S = 3600.0  # restarts of a server counted against the limit: the last hour's
+
+
 @dataclasses.dataclass
 class _Proc:
     index: int
     port: int
     proc: subprocess.Popen | None = None
-    restarts: int = 0
+    restarts: list[float] = dataclasses.field(default_factory=list)  # when, the last hour's
 
 
 class LocalServers:
@@ -155,22 +158,26 @@ class LocalServers:
         ``weights`` (version, checkpoint): what a restarted server loads as it starts instead of
         the checkpoint it was launched with, which the run may have pruned since. Raises
         ``ServerExitedError`` with the log's tail for a server that exited more than
-        ``max_restarts`` times: it is failing, not flaking.
+        ``max_restarts`` times within ``RESTART_WINDOW_S``: it is failing, not flaking (rare
+        crashes over a run of days are restarted each time).
         """
         restarted = []
+        now = time.monotonic()
         for e in self._procs:
             if e.proc.poll() is None:
                 continue
-            if e.restarts >= max_restarts:
+            e.restarts = [t for t in e.restarts if now - t < RESTART_WINDOW_S]
+            if len(e.restarts) >= max_restarts:
                 raise ServerExitedError(
-                    f"rollout server {e.index} exited {e.restarts + 1} times (last code "
-                    f"{e.proc.returncode}); log tail:\n{self._log_tail(e.index)}")
+                    f"rollout server {e.index} exited {len(e.restarts) + 1} times within "
+                    f"{RESTART_WINDOW_S / 60:g} minutes (last code {e.proc.returncode}); log "
+                    f"tail:\n{self._log_tail(e.index)}")
             if weights is not None:
                 version, path = weights
                 engine = {**self._config["engine"], "model_path": str(path),
                           "initial_version": version}
                 self._config = {**self._config, "engine": engine}
-            e.restarts += 1
+            e.restarts.append(now)
             self._launch(e)
             restarted.append(e.index)
         return restarted

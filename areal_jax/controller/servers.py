@@ -28,7 +28,7 @@ from rollout.config import EngineConfig, ServerConfig
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-MAX_LOCAL_RESTARTS = 3  # per local server and run; more means it is failing, not flaking
+MAX_LOCAL_RESTARTS = 3  # per local server within an hour; more means it is failing, not flaking
 SERVER_COMPILE_WAIT_S = 900.0  # after SFT, the longest wait for the servers' compile to end
 
 

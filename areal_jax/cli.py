@@ -77,9 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         full = _disk_full(e)
         if full is not None:
+            again = ("run the same command again: it resumes from the last checkpoint"
+                     if args.command == "train" else "run the command again")
             print(f"areal-jax {args.command}: error: {full.strerror}"
-                  f"{f': {full.filename}' if full.filename else ''} (free space, then run the "
-                  "same command again: it resumes from the last checkpoint)", file=sys.stderr)
+                  f"{f': {full.filename}' if full.filename else ''} (free space, then {again})",
+                  file=sys.stderr)
             return 1
         if not isinstance(e, _user_errors()):
             raise

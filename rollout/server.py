@@ -10,11 +10,13 @@ as an ABORTED error group, then the gRPC server and the engine shut down.
 from __future__ import annotations
 
 import asyncio
+import errno
 import inspect
 import logging
 import os
 import shutil
 import signal
+import socket
 import tempfile
 from collections.abc import Collection
 from pathlib import Path
@@ -109,6 +111,27 @@ def _fresh_push_dir() -> str:
     return tempfile.mkdtemp(prefix=f"{_PUSH_PREFIX}{os.getpid()}-")
 
 
+def _check_port_free(host: str, port: int) -> None:
+    """Raise ``ConfigError`` naming ``port`` when something listens on ``host:port`` already
+    (a duplicate launch); the bind in ``_start_grpc`` stays the authority."""
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError:
+        return  # unresolvable: gRPC's bind reports it
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC does
+            try:
+                probe.bind(address)
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    raise ConfigError(f"port: cannot listen on {host}:{port} (another process "
+                                      f"listens there?): {e.strerror}") from e
+                return
+
+
 async def _start_grpc(config: ServerConfig, servicer: RolloutServicer, token, credentials):
     """Bind and start the gRPC server; return ``(server, port, health_servicer)``."""
     limit = config.max_message_mb * 1024 * 1024
@@ -197,6 +220,7 @@ async def start_server(
         raise ValueError("pass scorer and reward_names together")
     token = config.resolve_auth_token()
     credentials = _read_tls(config) if config.tls_cert_path else None
+    _check_port_free(config.host, config.port)  # before the engine loads, compiles, takes memory
     workflow = load_workflow(
         config.workflow, tokenizer or _load_tokenizer(config.engine)
     )

@@ -92,6 +92,9 @@ def test_a_full_disk_is_one_line_saying_how_to_go_on(capsys, monkeypatch, tmp_pa
     assert err == (f"areal-jax train: error: No space left on device: {tmp_path}/exports/v000035 "
                    "(free space, then run the same command again: it resumes from the last "
                    "checkpoint)\n")
+    monkeypatch.setattr("areal_jax.commands.eval.run", lambda args: full_disk(None))
+    assert cli.main(["eval", "--config", str(QUICKSTART), "--model", str(tmp_path)]) == 1
+    assert capsys.readouterr().err.endswith("(free space, then run the command again)\n")
 
 
 @pytest.mark.parametrize("overrides,message", [

@@ -302,7 +302,7 @@ def test_an_exited_server_restarts_on_the_newest_export(tmp_path):
         max_position_embeddings=128, tokenizer_vocab_size=300))
 
     class PrunedAsItRestarts(LocalServers):
-        def restart_exited(self, max_restarts, weights=None):
+        def restart_exited(self, max_restarts, weights):
             restarted = super().restart_exited(max_restarts, weights)
             shutil.rmtree(export_path(exports, 7), ignore_errors=True)
             return restarted
@@ -343,7 +343,7 @@ def test_only_the_last_hours_restarts_count_against_the_limit(tmp_path, monkeypa
             return 1
 
     class AlwaysExiting(LocalServers):
-        def _launch(self, entry):
+        def _launch(self, entry, weights=None):
             entry.proc = Exited()
 
     now = [0.0]

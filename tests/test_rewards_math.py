@@ -207,7 +207,8 @@ def test_a_reward_that_keeps_hanging_is_probed_one_call_at_a_time():
         after = await asyncio.gather(*(pool.score_with_error(name, "ok", {}) for _ in range(3)))
         return queued, counts, beside, recovered, after
 
-    with RewardPool(num_workers=1, timeout_s=0.5, custom=CUSTOM, timeouts_to_probe=2) as pool:
+    # timeout_s leaves a fresh worker (restarted after each timeout) time to start under load
+    with RewardPool(num_workers=1, timeout_s=2.0, custom=CUSTOM, timeouts_to_probe=2) as pool:
         queued, counts, beside, recovered, after = asyncio.run(main(pool))
         assert counts == (2, 10)
         assert [value for value, _ in queued] == [0.0] * 12

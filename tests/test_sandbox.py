@@ -74,9 +74,9 @@ def test_infinite_loop_is_killed_within_the_timeout():
     limits = SandboxLimits(timeout_s=1.0)
     result = run_python("while True:\n    pass\n", limits=limits)
     assert result.timed_out and not result.ok
-    assert result.elapsed_s < limits.timeout_s + 1.0
+    assert result.elapsed_s < limits.timeout_s + 3.0  # the margin: starting the jail under load
     sleeper = run_python("import time\ntime.sleep(60)\n", limits=limits)
-    assert sleeper.timed_out and sleeper.elapsed_s < limits.timeout_s + 1.0
+    assert sleeper.timed_out and sleeper.elapsed_s < limits.timeout_s + 3.0
     slow = code_reward("while True: pass", {"tests": SQUARE_CASES, "timeout_s": 1})
     assert slow == 0.0
 

@@ -995,14 +995,17 @@ def test_server_config_errors_name_the_key(tmp_path, tok_dir):
 def test_a_second_server_on_a_busy_port_fails_instead_of_sharing_it(tmp_path, tok_dir):
     # gRPC's default SO_REUSEPORT let two servers listen on one port, each taking a share of
     # the connections: a duplicate launch served part of the trainer's requests unseen.
+    second = ArithmeticEngine()
+
     async def main():
         async with serving(tmp_path, tok_dir) as h:
             with pytest.raises(ConfigError, match=f"port: cannot listen on 127.0.0.1:{h.server.port}"):
                 await start_server(server_config(tmp_path / "b", tok_dir, port=h.server.port),
-                                   engine=ArithmeticEngine(), scorer=ExactAnswerScorer(),
+                                   engine=second, scorer=ExactAnswerScorer(),
                                    reward_names=ExactAnswerScorer().names)
 
     asyncio.run(main())
+    assert not second.started  # found before its engine loaded (and compiled, took memory)
 
 
 def test_cli_reports_config_errors(capsys):

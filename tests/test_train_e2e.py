@@ -7,6 +7,7 @@ import re
 import shutil
 from pathlib import Path
 
+import grpc
 import numpy as np
 import yaml
 from _e2e_kit import tiny_experiment, write_experiment
@@ -14,6 +15,7 @@ from _loop_kit import assert_nothing_lost
 from _trainer_kit import truncate_checkpoint
 
 from areal_jax.cli import main
+from areal_jax.protocol.v1 import rollout_pb2, rollout_pb2_grpc
 from areal_jax.config import from_dict
 
 
@@ -239,7 +241,12 @@ def test_a_local_server_killed_during_the_evaluation_before_rl_is_restarted(tmp_
         while not (log.is_file() and "rollout server on" in log.read_text(errors="replace")):
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.1)
-        time.sleep(1.0)  # connected; the evaluation before RL is under way
+        port = yaml.safe_load((log.parent / "rollout_server_0.yaml").read_text())["port"]
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            status = rollout_pb2_grpc.RolloutServiceStub(channel).GetStatus
+            while not status(rollout_pb2.GetStatusRequest(), timeout=10).running_requests:
+                assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+                time.sleep(0.05)  # until the evaluation's requests run
         server = next(int(pid) for pid in os.listdir("/proc") if pid.isdigit()
                       and "rollout_server_0.yaml" in _command_line(pid))
         os.kill(server, signal.SIGKILL)

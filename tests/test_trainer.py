@@ -286,8 +286,8 @@ def test_an_export_in_use_is_not_pruned_and_a_linked_copy_outlives_pruning(tmp_p
         with export_in_use(exports / "v000001"):
             pass
 
-    version, copy = link_newest_export(exports)
-    assert (version, copy) == (3, exports / ".restart-v000003")
+    version, copy = link_newest_export(exports, "server0")
+    assert (version, copy) == (3, exports / ".restart-server0")
     same = (copy / "model.safetensors").stat().st_ino
     assert same == (exports / "v000003" / "model.safetensors").stat().st_ino  # a link, no copy
     (exports / "v000004").mkdir()
@@ -296,10 +296,13 @@ def test_an_export_in_use_is_not_pruned_and_a_linked_copy_outlives_pruning(tmp_p
     assert not (exports / "v000003").exists()
     assert (copy / "model.safetensors").read_bytes() == bytes([3]) * 64
     assert list_exports(exports) == [(4, exports / "v000004"), (5, exports / "v000005")]
+    assert not list(exports.glob(".pruned-*"))  # pruned exports are renamed, then deleted
+    assert link_newest_export(exports, "server0") == (5, copy)  # its previous copy replaced
+    assert not (copy / "model.safetensors").exists()
     remove_restart_copies(exports)
     assert not copy.exists()
     (tmp_path / "no_exports").mkdir()
-    assert link_newest_export(tmp_path / "no_exports") is None
+    assert link_newest_export(tmp_path / "no_exports", "server0") is None
 
 
 def test_pruning_keeps_the_newest_exports_and_the_multiples_of_keep_every(tmp_path):

@@ -17,7 +17,9 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 
 import yaml
 
@@ -104,8 +106,11 @@ class LocalServers:
             self.addresses.append(f"127.0.0.1:{entry.port}")
         return self.addresses
 
-    def _launch(self, entry: _Proc) -> None:
+    def _launch(self, entry: _Proc, weights: tuple[int, Path] | None = None) -> None:
         cfg = {**self._config, "host": "127.0.0.1", "port": entry.port, "parent_pid": os.getpid()}
+        if weights is not None:
+            version, path = weights
+            cfg["engine"] = {**cfg["engine"], "model_path": str(path), "initial_version": version}
         entry.proc = self._spawn(entry.index, cfg, f"rollout_server_{entry.index}")
 
     def _spawn(self, i: int, cfg: dict, name: str, *args: str) -> subprocess.Popen:
@@ -152,11 +157,12 @@ class LocalServers:
         return [e.index for e in self._procs if e.proc.poll() is not None]
 
     def restart_exited(self, max_restarts: int,
-                       weights: tuple[int, Path] | None = None) -> list[int]:
+                       weights: Mapping[int, tuple[int, Path] | None] = MappingProxyType({})
+                       ) -> list[int]:
         """Start again, on the same port, every server that exited; returns their indices.
 
-        ``weights`` (version, checkpoint): what a restarted server loads as it starts instead of
-        the checkpoint it was launched with, which the run may have pruned since. Raises
+        ``weights[index]`` (version, checkpoint): what that server loads as it starts instead
+        of the checkpoint it was launched with, which the run may have pruned since. Raises
         ``ServerExitedError`` with the log's tail for a server that exited more than
         ``max_restarts`` times within ``RESTART_WINDOW_S``: it is failing, not flaking (rare
         crashes over a run of days are restarted each time).
@@ -172,13 +178,8 @@ class LocalServers:
                     f"rollout server {e.index} exited {len(e.restarts) + 1} times within "
                     f"{RESTART_WINDOW_S / 60:g} minutes (last code {e.proc.returncode}); log "
                     f"tail:\n{self._log_tail(e.index)}")
-            if weights is not None:
-                version, path = weights
-                engine = {**self._config["engine"], "model_path": str(path),
-                          "initial_version": version}
-                self._config = {**self._config, "engine": engine}
             e.restarts.append(now)
-            self._launch(e)
+            self._launch(e, weights.get(e.index))
             restarted.append(e.index)
         return restarted
 

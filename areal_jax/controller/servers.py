@@ -279,15 +279,21 @@ async def supervise_local(servers: LocalServers, exports_dir: Path,
     start; the pool lets them rejoin and brings them to its version); raises
     ``ServerExitedError`` when one keeps exiting."""
     remove_restart_copies(exports_dir)  # of a run that was killed
+    copying = None
     try:
         while True:
             await asyncio.sleep(interval_s)
-            if not servers.exited():
+            exited = servers.exited()
+            if not exited:
                 continue
-            weights = await asyncio.to_thread(link_newest_export, exports_dir)
+            copying = asyncio.ensure_future(asyncio.to_thread(
+                lambda: {i: link_newest_export(exports_dir, f"server{i}") for i in exited}))
+            weights = await asyncio.shield(copying)  # cancelled, it is still waited for below
             for index in servers.restart_exited(MAX_LOCAL_RESTARTS, weights):
                 log.warning("local rollout server %d exited; restarted it", index)
     finally:
+        if copying is not None:
+            await asyncio.gather(copying, return_exceptions=True)
         remove_restart_copies(exports_dir)
 
 

@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import threading
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,7 +26,8 @@ from areal_jax.models.hf_export import remove_unfinished_exports
 
 _EXPORT_NAME = re.compile(r"v(\d{6,})")
 _in_use: collections.Counter[str] = collections.Counter()  # resolved export path -> holders
-_in_use_lock = threading.Lock()  # also held by prune_exports while it deletes
+_in_use_lock = threading.Lock()  # also held by prune_exports while it picks and renames
+_PRUNED_PREFIX = ".pruned-"  # an export being deleted
 
 
 def export_path(exports_dir: str | Path, version: int) -> Path:
@@ -108,12 +110,15 @@ def prune_exports(
     (``export_in_use``) and, with ``keep_every`` > 0, the versions that are multiples of it
     (kept for an accuracy curve after the run, see ``areal-jax eval --curve``); returns the
     deleted paths."""
-    with _in_use_lock:
+    with _in_use_lock:  # only renames under it: a pin taken on the event loop never waits long
         doomed = [p for v, p in list_exports(exports_dir)[:-keep]
                   if p != protect and not (keep_every and v % keep_every == 0)
                   and not _in_use[str(p.resolve())]]
         for path in doomed:
-            shutil.rmtree(path, ignore_errors=True)
+            with contextlib.suppress(OSError):  # left for the next prune
+                os.rename(path, path.with_name(f"{_PRUNED_PREFIX}{path.name}-{uuid.uuid4().hex}"))
+    for path in Path(exports_dir).glob(_PRUNED_PREFIX + "*"):  # a killed process's too
+        shutil.rmtree(path, ignore_errors=True)
     return doomed
 
 
@@ -136,29 +141,30 @@ def export_in_use(path: str | Path) -> Iterator[Path]:
                 del _in_use[key]
 
 
-RESTART_COPY_PREFIX = ".restart-"  # then the export's name: never listed, never pruned
+RESTART_COPY_PREFIX = ".restart-"  # never listed as an export, never pruned
 
 
-def link_newest_export(exports_dir: str | Path) -> tuple[int, Path] | None:
+def link_newest_export(exports_dir: str | Path, name: str) -> tuple[int, Path] | None:
     """(version, copy) of the newest export in ``exports_dir``, its files hard-linked (copied
-    across filesystems) into ``exports_dir/.restart-v{version:06d}``, which pruning never
-    touches: for a server that may take longer to read it than the run takes to publish two
-    more versions (a sibling of the exports, so that the server's default
+    across filesystems) into ``exports_dir/.restart-<name>`` (replacing what was there), which
+    pruning never touches: for a server that may take longer to read it than the run takes to
+    publish two more versions (a sibling of the exports, so that the server's default
     ``weights_allowed_roots``, its checkpoint's directory, is still the exports directory).
-    None when there is no export. ``remove_restart_copies`` deletes them."""
+    One name per server keeps one copy per server: its previous one is no longer read once it
+    is restarted. None when there is no export. ``remove_restart_copies`` deletes them."""
+    copy = Path(exports_dir) / f"{RESTART_COPY_PREFIX}{name}"
     while exports := list_exports(exports_dir):
         version, path = exports[-1]
-        copy = path.with_name(RESTART_COPY_PREFIX + path.name)
         with contextlib.ExitStack() as pinned:
             try:
                 pinned.enter_context(export_in_use(path))
             except FileNotFoundError:
                 continue  # pruned meanwhile: a newer one is there
-            if not copy.is_dir():
-                partial = copy.with_name(copy.name + ".partial")
-                shutil.rmtree(partial, ignore_errors=True)
-                shutil.copytree(path, partial, copy_function=_link_or_copy)
-                partial.rename(copy)
+            partial = copy.with_name(copy.name + ".partial")
+            for stale in (partial, copy):
+                shutil.rmtree(stale, ignore_errors=True)
+            shutil.copytree(path, partial, copy_function=_link_or_copy)
+            partial.rename(copy)
         return version, copy
     return None
 

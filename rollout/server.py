@@ -26,6 +26,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from areal_jax.config import ConfigError
+from areal_jax.models.config import ModelConfigError
+from areal_jax.models.tokenizer import VOCABULARY_FILES, check_tokenizer, has_vocabulary
 from areal_jax.protocol import SERVICE_NAME
 from rollout.auth import TokenAuthInterceptor
 from rollout.config import RewardConfig, ServerConfig
@@ -197,14 +199,29 @@ def _load_tokenizer(engine) -> Tokenizer:
     from transformers import AutoTokenizer
 
     path = engine.tokenizer_path
-    key = "engine.tokenizer_path" if path != engine.model_path else "engine.model_path"
+    key = _tokenizer_key(engine)
     if not Path(path).is_dir():
         raise ConfigError(f"{key}: {path} is not a directory (a local Hugging Face model or "
                           "tokenizer directory; nothing is downloaded)")
+    if not has_vocabulary(path):
+        raise ConfigError(f"{key}: {path} has no tokenizer vocabulary (any of "
+                          f"{', '.join(VOCABULARY_FILES)}; vocab.json with merges.txt)")
     try:
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
         raise ConfigError(f"{key}: cannot load a tokenizer from {path}: {e}") from e
+
+
+def _tokenizer_key(engine) -> str:
+    return "engine.tokenizer_path" if engine.tokenizer_path != engine.model_path else "engine.model_path"
+
+
+def _check_tokenizer(tokenizer, vocab_size: int, engine) -> None:
+    """``check_tokenizer`` against the served model, as a ``ConfigError`` naming the key."""
+    try:
+        check_tokenizer(tokenizer, vocab_size, _tokenizer_key(engine))
+    except ModelConfigError as e:
+        raise ConfigError(str(e)) from e
 
 
 async def start_server(
@@ -221,9 +238,8 @@ async def start_server(
     token = config.resolve_auth_token()
     credentials = _read_tls(config) if config.tls_cert_path else None
     _check_port_free(config.host, config.port)  # before the engine loads, compiles, takes memory
-    workflow = load_workflow(
-        config.workflow, tokenizer or _load_tokenizer(config.engine)
-    )
+    loaded = tokenizer or _load_tokenizer(config.engine)
+    workflow = load_workflow(config.workflow, loaded)
     engine = engine or create_engine(config.engine)
     closers: list = []
     try:
@@ -236,6 +252,8 @@ async def start_server(
             closers.append(lambda: shutil.rmtree(push_dir, ignore_errors=True))
         await engine.start()
         try:
+            if tokenizer is None:  # the engine's vocabulary is known once it started
+                _check_tokenizer(loaded, engine.vocab_size, config.engine)
             servicer = RolloutServicer(
                 config, engine, workflow, scorer, reward_names, Path(push_dir)
             )

@@ -1,5 +1,6 @@
 """Orbax checkpoints: exact resume, restore onto another mesh, keep-N, damage, errors."""
 
+import json
 import logging
 import re
 import shutil
@@ -111,6 +112,17 @@ def _delete_item(step_dir):
     shutil.rmtree(step_dir / "state")
 
 
+def _meta_without_version(step_dir):
+    meta = json.loads((step_dir / "meta" / "metadata").read_text())
+    del meta["version"]
+    (step_dir / "meta" / "metadata").write_text(json.dumps(meta))
+
+
+def _meta_of_another_version(step_dir):
+    meta = json.loads((step_dir / "meta" / "metadata").read_text())
+    (step_dir / "meta" / "metadata").write_text(json.dumps({**meta, "version": 1 << 40}))
+
+
 @pytest.fixture(scope="module")
 def two_checkpoints(tmp_path_factory):
     """A run directory with checkpoints 1 and 2, and the parameters saved at 1."""
@@ -130,6 +142,9 @@ def two_checkpoints(tmp_path_factory):
     (_flip_bytes, "(cannot be read|holds altered data)"),  # altered data where bytes stay decodable
     (_swap_arrays, r"holds altered data: the checksums written with opt_state\.1\.0\.count, "),
     (_delete_item, "its array metadata cannot be read"),
+    # a KeyError traceback, and a version the servers refused as out of range
+    (_meta_without_version, "its metadata names version None, not the step's 2"),
+    (_meta_of_another_version, "its metadata names version 1099511627776, not the step's 2"),
 ])  # fmt: skip
 def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(
     tmp_path, caplog, two_checkpoints, damage, reason

@@ -224,11 +224,17 @@ def test_ids_and_metadata_must_be_able_to_travel_with_a_request(tmp_path, tokeni
     # reward failure, hours into a run.
     with pytest.raises(DatasetError, match=r"line 2: field 'answer': is null; the reward reads"):
         load([MATH_ROWS[0], {**MATH_ROWS[1], "answer": None}])
+    # NaN (a JSON extension Python reads) went as the text "NaN": that row scored 0.
+    nan = tmp_path / "nan.jsonl"
+    nan.write_text(json.dumps(MATH_ROWS[0]) + "\n" + '{"question": "q", "answer": NaN}\n')
+    with pytest.raises(DatasetError, match=r"line 2: field 'answer': a metadata value must be "
+                                           r"text or JSON data, with finite numbers"):
+        PromptDataset(DatasetConfig(path=str(nan)), tokenizer)
     # A Parquet column of bytes loads, but could not go into a request as text or JSON.
     table = pa.table({"question": ["What is 2+3?"], "answer": [b"\x00\x01"]})
     pq.write_table(table, tmp_path / "b.parquet")
     with pytest.raises(DatasetError, match=r"row 0: field 'answer': a metadata value must be "
-                                           r"text or JSON data \(bytes"):
+                                           r"text or JSON data, with finite numbers \(bytes"):
         PromptDataset(DatasetConfig(path=str(tmp_path / "b.parquet")), tokenizer)
 
 

@@ -2,6 +2,7 @@
 rewards, and that a run directory is not reused with other data or settings."""
 
 import json
+import os
 import re
 
 import pytest
@@ -156,6 +157,15 @@ def test_a_model_replaced_at_its_path_is_detected(tmp_path):
         check_fingerprint(cfg)
     (model / "config.json").write_text('{"model_type": "qwen2"}')
     check_fingerprint(cfg)
+    # Entries named like weights that are not files are no weights: a FIFO hung the hashing,
+    # a directory or a dangling link ended in a traceback.
+    os.mkfifo(model / "extra.safetensors")
+    (model / "old.safetensors").mkdir()
+    (model / "backup.safetensors").symlink_to(tmp_path / "nonexistent")
+    check_fingerprint(cfg)
+    for name in ("extra.safetensors", "backup.safetensors"):
+        (model / name).unlink()
+    (model / "old.safetensors").rmdir()
     # The same model at another path is the same run.
     shutil.copytree(model, tmp_path / "copy")
     copy = _config(tmp_path, model_path=str(tmp_path / "copy"))

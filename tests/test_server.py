@@ -1160,7 +1160,7 @@ def test_an_engine_that_does_not_start_is_one_line_from_serve(tmp_path, capsys):
     # `serve` with engine.kind=sglang where SGLang cannot be launched ended in a traceback.
     from _hf_models import hf_model, save_hf_model
 
-    model = save_hf_model(hf_model("qwen2", seed=1), tmp_path / "m")
+    model = make_tokenizer_dir(save_hf_model(hf_model("qwen2", seed=1), tmp_path / "m"))
     config = tmp_path / "server.yaml"
     config.write_text("port: 0\nengine: {kind: sglang}\n")
     code = cli.main(["serve", "--config", str(config), f"engine.model_path={model}",

@@ -79,11 +79,13 @@ def test_two_step_publish_writes_the_same_bytes_as_export_hf(loaded, tmp_path, m
     tok = tmp_path / "tok"
     tok.mkdir()
     (tok / "tokenizer.json").write_text('{"fake": true}')
+    (tok / "tokenizer.model").write_bytes(b"sentencepiece")  # the vocabulary of Llama 2's
     # Mixed dtypes: bf16 everywhere except layer 1's q_proj and the final norm.
     mixed = {n: "bf16" for n in dtypes}
     mixed.update({"model.layers.1.self_attn.q_proj.weight": "float32", "model.norm.weight": "fp16"})
     one = export_hf(model, tmp_path / "one", dtype=mixed, tokenizer_dir=tok)
     assert [Path(f).name for f in synced] == ["model.safetensors"]
+    assert (one / "tokenizer.model").read_bytes() == b"sentencepiece"
     tensors = hf_state_dict(model, mixed)
     # The snapshot is the model's values at that moment, not a view of its parameters.
     before = {n: t.copy() for n, t in tensors.items()}

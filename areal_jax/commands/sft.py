@@ -15,8 +15,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from transformers import AutoTokenizer
-
     from areal_jax.compilation import enable_compilation_cache
     from areal_jax.config import load_config
     from areal_jax.controller.progress import TrainingProgress
@@ -24,6 +22,8 @@ def run(args: argparse.Namespace) -> int:
     from areal_jax.controller.run import claim_devices
     from areal_jax.controller.sft_phase import run_sft, sft_examples, sft_model_kept
     from areal_jax.experiment import ExperimentConfig
+    from areal_jax.models import ModelConfig
+    from areal_jax.models.tokenizer import load_tokenizer
 
     cfg = load_config(ExperimentConfig, args.config, args.overrides)
     if cfg.sft.steps < 1:
@@ -37,7 +37,8 @@ def run(args: argparse.Namespace) -> int:
     prepare_data(cfg)
     base = prepare_base_model(cfg)
     # a finished SFT is kept (run_sft): its examples are not read again
-    examples = [] if sft_model_kept(cfg) else sft_examples(cfg, AutoTokenizer.from_pretrained(base))
+    examples = [] if sft_model_kept(cfg) else sft_examples(
+        cfg, load_tokenizer(base, ModelConfig.from_pretrained(base).vocab_size, "model_path"))
     check_fingerprint(cfg)  # the SFT model `train` would reuse must be this config's
     with TrainingProgress() as progress:
         out = run_sft(cfg, base, examples, progress)

@@ -102,9 +102,9 @@ async def evaluate_checkpoints(cfg, model_paths) -> list[dict]:
     the first checkpoint's."""
     from pathlib import Path
 
-    from transformers import AutoTokenizer
-
     from areal_jax.config import ConfigError
+    from areal_jax.models import ModelConfig
+    from areal_jax.models.tokenizer import load_tokenizer
     from areal_jax.controller.prepare import prepare_data
     from areal_jax.controller.servers import check_local_engine_context, rollout_servers
 
@@ -114,7 +114,7 @@ async def evaluate_checkpoints(cfg, model_paths) -> list[dict]:
         raise ValueError("model_paths is empty: nothing to evaluate")
     prepare_data(cfg)
     paths = [Path(p) for p in model_paths]
-    tokenizer = AutoTokenizer.from_pretrained(paths[0])
+    tokenizer = load_tokenizer(paths[0], ModelConfig.from_pretrained(paths[0]).vocab_size)
     items = held_out_items(cfg, tokenizer)
     lengths = [len(i.prompt_ids) for i in items]
     check_local_engine_context(cfg, paths[0], held_out=lengths)

@@ -15,6 +15,7 @@ from areal_jax.config import ConfigError, to_dict
 from areal_jax.data.config import DatasetConfig
 from areal_jax.experiment import ExperimentConfig
 from areal_jax.files import read_json, write_atomic
+from areal_jax.models.tokenizer import VOCABULARY_FILES, has_vocabulary
 
 FINGERPRINT_FILE = "fingerprint.json"
 _WEIGHTS_EDGE = 1 << 20  # bytes hashed at each end of a weights file
@@ -36,19 +37,17 @@ def base_model_path(cfg: ExperimentConfig) -> Path:
     return Path(fill_run_dir(cfg.model_path, cfg.run_dir))
 
 
-TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
 def check_model_dir(path: Path, key: str) -> Path:
-    """``path`` if it is a local Hugging Face model directory with its tokenizer, else a
-    ``ConfigError`` naming ``key`` (without tokenizer files transformers would build an empty
-    tokenizer and fail far from the cause)."""
+    """``path`` if it is a local Hugging Face model directory with its tokenizer's vocabulary,
+    else a ``ConfigError`` naming ``key`` (without it transformers builds a tokenizer of a few
+    special tokens from ``tokenizer_config.json`` alone, and every prompt encodes to nothing)."""
     if not (path / "config.json").is_file():
         raise ConfigError(f"{key}: {path} has no config.json; a local Hugging Face model "
                           "directory is expected (nothing is downloaded)")
-    if not any((path / name).is_file() for name in TOKENIZER_MARKERS):
-        raise ConfigError(f"{key}: {path} has no tokenizer files (any of "
-                          f"{', '.join(TOKENIZER_MARKERS)}); copy the model's tokenizer in")
+    if not has_vocabulary(path):
+        raise ConfigError(f"{key}: {path} has no tokenizer vocabulary (any of "
+                          f"{', '.join(VOCABULARY_FILES)}; vocab.json with merges.txt); copy "
+                          "the model's tokenizer files in")
     return path
 
 
@@ -120,7 +119,8 @@ def _model_digest(cfg: ExperimentConfig) -> str:
     if cfg.model_path == "tiny":
         return _path_model_digest(cfg)
     path = base_model_path(cfg)
-    weights = sorted([*path.glob("*.safetensors"), *path.glob("*.safetensors.index.json")])
+    weights = sorted(f for f in [*path.glob("*.safetensors"), *path.glob("*.safetensors.index.json")]
+                     if f.is_file())  # not a FIFO (whose read would hang), directory or dangling link
     return _digest({
         "config": hashlib.sha256((path / "config.json").read_bytes()).hexdigest(),
         "weights": [[f.name, f.stat().st_size, _edges_sha256(f)] for f in weights],

@@ -78,8 +78,9 @@ def train(cfg: ExperimentConfig) -> dict:
     """Run (or resume) the experiment; returns the before/after evaluation results (on the
     leader; other processes return an empty dict)."""
     from jax.experimental.multihost_utils import sync_global_devices as barrier
-    from transformers import AutoTokenizer
 
+    from areal_jax.models import ModelConfig
+    from areal_jax.models.tokenizer import load_tokenizer
     from areal_jax.parallel.multihost import initialize_distributed, is_leader
     from areal_jax.parallel.trainer_group import TrainerGroup
 
@@ -101,7 +102,8 @@ def train(cfg: ExperimentConfig) -> dict:
     barrier("data and base model prepared")
     with TrainingProgress(enabled=leader) as progress:
         base = base_model_path(cfg)
-        tokenizer = AutoTokenizer.from_pretrained(base)
+        tokenizer = load_tokenizer(base, ModelConfig.from_pretrained(base).vocab_size,
+                                   "model_path")
         # Checked before SFT, and before the run directory records this config: a config
         # refused here can be corrected in place.
         train_set = PromptDataset(dataset_config(cfg.dataset, cfg.run_dir), tokenizer)

@@ -168,8 +168,8 @@ def _wire_value(value, where: str):
         _check_text(value, where)
         return value
     try:
-        json.dumps(value)
+        json.dumps(value, allow_nan=False)  # NaN would reach the reward as the text "NaN"
     except (TypeError, ValueError, RecursionError) as e:
-        raise DatasetError(f"{where}: a metadata value must be text or JSON data "
-                           f"({type(value).__name__}: {e})") from None
+        raise DatasetError(f"{where}: a metadata value must be text or JSON data, with finite "
+                           f"numbers ({type(value).__name__}: {e})") from None
     return value

@@ -30,6 +30,7 @@ from areal_jax.parallel.multihost import host_array
 
 TOKENIZER_FILES = (
     "tokenizer.json",
+    "tokenizer.model",  # SentencePiece (Llama 2 style): the vocabulary of such tokenizers
     "tokenizer_config.json",
     "special_tokens_map.json",
     "vocab.json",

@@ -16,6 +16,7 @@ import json
 import logging
 import shutil
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +48,11 @@ class Checkpointer:
     shards; process 0 writes the shared metadata); ``directory`` must be shared by all.
     """
 
-    def __init__(self, directory: str | Path, keep: int, async_save: bool = True):
+    def __init__(self, directory: str | Path, keep: int, async_save: bool = True,
+                 meta_problem: Callable[[dict, int], str | None] | None = None):
+        """``meta_problem(meta, step)``: what is wrong with a restored checkpoint's meta, or
+        None; a checkpoint whose meta has a problem is damaged (a restore falls back)."""
+        self._meta_problem = meta_problem
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, create=True, enable_async_checkpointing=async_save
         )
@@ -185,6 +190,9 @@ class Checkpointer:
             error.__cause__ = e
         if not all_processes(error is None):
             raise error or CheckpointCorruptError(f"{where} cannot be read on another process")
+        problem = self._meta_problem(meta, step) if self._meta_problem else None
+        if problem is not None:
+            raise CheckpointCorruptError(f"{where}: its metadata {problem}")
         expected = meta.pop(_CHECKSUMS, None)
         if expected is not None:
             found = checksums(state)

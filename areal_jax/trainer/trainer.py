@@ -128,7 +128,7 @@ class Trainer:
                           if self._ahead is not None else None)
         self._checkpoints = (
             Checkpointer(Path(config.run_dir) / "checkpoints", config.checkpoint_keep,
-                         config.checkpoint_async)
+                         config.checkpoint_async, meta_problem=_checkpoint_meta_problem)
             if config.run_dir else None
         )  # fmt: skip
         self._queue_batch_independent_programs()
@@ -526,6 +526,16 @@ class Trainer:
         if self._checkpoints is None:
             raise ConfigError("run_dir is not set: checkpoints live in <run_dir>/checkpoints")
         return self._checkpoints
+
+
+def _checkpoint_meta_problem(meta: dict, step: int) -> str | None:
+    """What is wrong with the meta ``save`` wrote for checkpoint ``step`` (see Checkpointer)."""
+    version = meta.get("version")
+    if type(version) is not int or version != step:
+        return f"names version {version!r}, not the step's {step}"
+    if not isinstance(meta.get("extra"), dict):
+        return f"has no 'extra' object (got {type(meta.get('extra')).__name__})"
+    return None
 
 
 def _check_lengths(name: str, lengths: Sequence[int]) -> None:

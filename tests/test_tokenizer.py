@@ -1,0 +1,70 @@
+"""A model directory's tokenizer is checked against its model before anything uses it: one
+without its vocabulary (transformers then builds a few special tokens from
+``tokenizer_config.json`` and encodes every prompt to nothing) or one of a larger vocabulary
+(ids past the embedding: clamped lookups, NaN log-probs) is refused, naming the directory."""
+
+import asyncio
+import shutil
+
+import pytest
+from _rollout_fakes import VOCAB, ArithmeticEngine, ExactAnswerScorer
+from _rollout_harness import server_config
+
+from areal_jax.config import ConfigError
+from areal_jax.controller.prepare import check_model_dir
+from areal_jax.models import ModelConfigError, TinyModelSpec, build_tiny_model
+from areal_jax.models.tokenizer import check_tokenizer, load_tokenizer
+from rollout.server import start_server
+
+SPEC = TinyModelSpec(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+                     num_kv_heads=1, max_position_embeddings=128, tokenizer_vocab_size=300)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("m") / "model", SPEC)
+
+
+def test_a_model_directory_without_its_vocabulary_is_refused(model_dir, tmp_path):
+    # The auditor's run: tokenizer.json removed, tokenizer_config.json kept; every prompt
+    # became [2, 1, 2], and SFT, RL and the evaluations ran to the end at accuracy 0.
+    bare = shutil.copytree(model_dir, tmp_path / "bare")
+    (bare / "tokenizer.json").unlink()
+    assert (bare / "tokenizer_config.json").is_file()
+    with pytest.raises(ConfigError, match=r"model_path: .*bare has no tokenizer vocabulary"):
+        check_model_dir(bare, "model_path")
+    with pytest.raises(ModelConfigError, match="has no tokenizer vocabulary"):
+        load_tokenizer(bare, 300)
+    assert len(load_tokenizer(model_dir, 300)) <= 300  # the whole directory is accepted
+
+
+def test_another_models_larger_tokenizer_is_refused(model_dir):
+    with pytest.raises(ModelConfigError, match=r"model_path: the tokenizer has \d+ tokens, more "
+                                               r"than the model's vocab_size 200"):
+        load_tokenizer(model_dir, 200, "model_path")
+
+
+def test_a_tokenizer_that_encodes_text_to_nothing_is_refused():
+    class Hollow:  # what transformers builds from tokenizer_config.json alone
+        def __len__(self):
+            return 3
+
+        def encode(self, text, add_special_tokens=False):
+            return []
+
+    with pytest.raises(ModelConfigError, match="encodes text to no tokens"):
+        check_tokenizer(Hollow(), 300, "model_path")
+
+
+def test_a_server_refuses_a_tokenizer_larger_than_its_models_vocabulary(model_dir, tmp_path):
+    engine = ArithmeticEngine()  # serves len(VOCAB) token ids
+    config = server_config(tmp_path, model_dir)
+
+    async def main():
+        await start_server(config, engine=engine, scorer=ExactAnswerScorer(),
+                           reward_names=ExactAnswerScorer().names)
+
+    with pytest.raises(ConfigError, match=rf"engine.tokenizer_path: the tokenizer has \d+ "
+                                          rf"tokens, more than the model's vocab_size {len(VOCAB)}"):
+        asyncio.run(main())
+    assert engine.closed  # stopped again

@@ -199,6 +199,12 @@ def test_missing_truncated_and_incomplete_weights_fail_clearly(tmp_path):
     (tmp_path / "m2" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match="missing tensor model.layers.2."):
         load_hf_model(tmp_path / "m2")
+    # A billion layers: the expected names were built first (13.9 GB in a minute, then killed).
+    (tmp_path / "m2" / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 10**9}))
+    with pytest.raises(CheckpointError, match=r"missing tensor model.layers.2.\*: config.json "
+                                              r"has num_hidden_layers 1000000000, and the weights "
+                                              r"hold 2 layers"):
+        load_hf_model(tmp_path / "m2")
 
     with pytest.raises(ModelConfigError, match="no config.json"):
         load_hf_model(tmp_path / "nowhere")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from pathlib import Path
 
 import jax
@@ -124,6 +125,23 @@ def check_tensors(found: dict[str, tuple[tuple[int, ...], np.dtype]],
         )
 
 
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def _check_layer_count(files: WeightFiles, cfg: ModelConfig, path) -> None:
+    """``CheckpointError`` when a layer below ``cfg.num_layers`` has no tensor in the files,
+    before the expected names are built: a config naming a billion layers would otherwise
+    build a billion layers' names first (layers beyond it are reported with the other unused
+    tensors, by name)."""
+    layers = {int(m.group(1)) for n in files.names() if (m := _LAYER.match(n))}
+    held = len(layers & set(range(min(cfg.num_layers, len(layers) + 1))))
+    if held < cfg.num_layers:
+        first = min(set(range(held + 1)) - layers)
+        raise CheckpointError(
+            f"checkpoint {path}: missing tensor model.layers.{first}.*: config.json has "
+            f"num_hidden_layers {cfg.num_layers}, and the weights hold {len(layers)} layers")
+
+
 def _checkpoint_tensors(files: WeightFiles, cfg: ModelConfig) -> dict:
     """{name: (shape, dtype)} of ``files``, less an ``lm_head.weight`` that only repeats the
     tied embedding (some exporters write it)."""
@@ -230,6 +248,7 @@ def load_hf_model(
     """
     cfg = cfg or ModelConfig.from_pretrained(path)
     files = WeightFiles(path)
+    _check_layer_count(files, cfg, path)  # before anything is built per layer
     abstract = abstract_model(cfg, dtype, remat, scan_layers)
     graphdef, abstract_state = nnx.split(abstract)
     if mesh is None:

@@ -253,6 +253,11 @@ def test_end_ids_only_in_generation_config_stop_generation_as_in_transformers(
     with pytest.raises(ConfigError, match=r"engine.model_path: .*generation_config.json: "
                                           r"eos_token_id must hold .* below vocab_size 97"):
         make_engine(path)
+    # One that is there but no file (a directory, a FIFO): its end ids were lost unseen.
+    (Path(path) / "generation_config.json").unlink()
+    (Path(path) / "generation_config.json").mkdir()
+    with pytest.raises(ConfigError, match=r"generation_config.json is not a regular file"):
+        make_engine(path)
 
 
 def test_seeded_sampling_does_not_depend_on_batch_company(model_dir):

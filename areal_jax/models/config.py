@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -250,6 +251,8 @@ def generation_eos_ids(path: str | Path, vocab_size: int) -> tuple[int, ...]:
     the file."""
     file = Path(path) / "generation_config.json"
     if not file.is_file():
+        if os.path.lexists(file):  # its end ids (Llama 3's <|eot_id|>) would be lost unseen
+            raise ModelConfigError(f"{file} is not a regular file")
         return ()
     gen = _read_json(file)
     if not isinstance(gen, dict):

@@ -50,12 +50,14 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from areal_jax.models.safetensors_io import SafetensorsError
     from areal_jax.rewards.registry import RewardNotFoundError
     from areal_jax.trainer.checkpoint import CheckpointCorruptError, CheckpointMismatchError
+    from areal_jax.trainer.trainer import TrainingDivergedError
 
     return (ConfigError, DatasetError, ModelConfigError, CheckpointError, SafetensorsError,
             RewardNotFoundError, CheckpointMismatchError, CheckpointCorruptError,
             ServerExitedError, ExportTargetError,
             RolloutRejectedError, RewardFailingError, NoLiveServerError, RequestFailedError,
-            ServerRefusedError, WeightsRejectedError, EvaluationFailedError)  # fmt: skip
+            ServerRefusedError, WeightsRejectedError, EvaluationFailedError,
+            TrainingDivergedError)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

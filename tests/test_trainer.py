@@ -216,6 +216,18 @@ def test_sft_lowers_the_loss(model):
     assert [m["packing/new_shapes"] for m in steps] == [1.0] + [0.0] * 5
 
 
+def test_a_step_whose_loss_is_not_finite_stops_training(model):
+    # SFT ran all its steps at loss NaN (ids past the embedding) and exported the result.
+    from areal_jax.trainer.trainer import TrainingDivergedError
+
+    trainer = _trainer(model, lr=1e30)
+    examples = [([5, 6, 7], [8, 9, 10, 11]), ([20, 21], [22, 23, 24])]
+    with pytest.raises(TrainingDivergedError, match=r"the step to version \d+ gave (loss|grad_norm) "
+                                                    r"(nan|inf).*nothing of that step was"):
+        for _ in range(5):
+            trainer.sft_on_batch(examples)
+
+
 def test_sft_steps_count_the_shapes_they_compile(model):
     trainer = _trainer(model, micro_batch=MicroBatchConfig(token_budget=256,
                                                            row_buckets=(32, 64, 256)))

@@ -185,6 +185,7 @@ class Trainer:
         metrics.update(loss_metrics(stats, [sum(mb) for mb in losses], updates))
         metrics["version"] = float(self._version)
         metrics["throughput/tokens_per_s"] = metrics["tokens"] / (time.perf_counter() - start)
+        _check_finite(metrics, self._version)
         return metrics
 
     def check_batch(self, groups: Sequence[TrajectoryGroup]) -> None:
@@ -220,6 +221,8 @@ class Trainer:
         losses, update = jax.device_get((losses, update))
         self._version += 1
         tokens = sum(t.length for t in trajs)
+        _check_finite({"loss": float(sum(losses)), "grad_norm": float(update["grad_norm"])},
+                      self._version)
         return {
             "loss": float(sum(losses)),
             "grad_norm": float(update["grad_norm"]),
@@ -526,6 +529,22 @@ class Trainer:
         if self._checkpoints is None:
             raise ConfigError("run_dir is not set: checkpoints live in <run_dir>/checkpoints")
         return self._checkpoints
+
+
+class TrainingDivergedError(ArithmeticError):
+    """A step's loss or gradient norm was not finite."""
+
+
+def _check_finite(metrics: dict[str, float], version: int) -> None:
+    """Raise ``TrainingDivergedError`` when the step that made ``version`` had a non-finite
+    loss or gradient norm: its parameters are not published or checkpointed (the caller stops),
+    so the run resumes from the last checkpoint."""
+    bad = {k: metrics[k] for k in ("loss", "grad_norm") if not math.isfinite(metrics[k])}
+    if bad:
+        raise TrainingDivergedError(
+            f"the step to version {version} gave {', '.join(f'{k} {v}' for k, v in bad.items())}: "
+            "training diverged (lower the learning rate, set grad_clip) or its input is bad; "
+            "nothing of that step was published or checkpointed")
 
 
 def _checkpoint_meta_problem(meta: dict, step: int) -> str | None:

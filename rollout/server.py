@@ -213,7 +213,9 @@ def _load_tokenizer(engine) -> Tokenizer:
 
 
 def _tokenizer_key(engine) -> str:
-    return "engine.tokenizer_path" if engine.tokenizer_path != engine.model_path else "engine.model_path"
+    """The setting that names the tokenizer's directory."""
+    separate = engine.tokenizer_path != engine.model_path
+    return "engine.tokenizer_path" if separate else "engine.model_path"
 
 
 def _check_tokenizer(tokenizer, vocab_size: int, engine) -> None:

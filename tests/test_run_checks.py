@@ -69,7 +69,12 @@ def test_a_model_path_without_a_hugging_face_config_names_the_setting(tmp_path, 
     # Weights and config without the tokenizer: named here, not as an empty tokenizer later.
     (tmp_path / "not_a_model" / "config.json").write_text("{}")
     assert main(["train", "--config", _write(tmp_path, cfg)]) == 2
-    assert f"model_path: {tmp_path / 'not_a_model'} has no tokenizer files" in (
+    assert f"model_path: {tmp_path / 'not_a_model'} has no tokenizer vocabulary" in (
+        capsys.readouterr().err)
+    # tokenizer_config.json alone is no tokenizer: transformers built a 3-token one from it
+    (tmp_path / "not_a_model" / "tokenizer_config.json").write_text("{}")
+    assert main(["train", "--config", _write(tmp_path, cfg)]) == 2
+    assert f"model_path: {tmp_path / 'not_a_model'} has no tokenizer vocabulary" in (
         capsys.readouterr().err)
     # eval checks its --model the same way, before starting any server.
     for model in (tmp_path / "missing", tmp_path / "not_a_model"):

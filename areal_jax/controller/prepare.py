@@ -119,8 +119,9 @@ def _model_digest(cfg: ExperimentConfig) -> str:
     if cfg.model_path == "tiny":
         return _path_model_digest(cfg)
     path = base_model_path(cfg)
-    weights = sorted(f for f in [*path.glob("*.safetensors"), *path.glob("*.safetensors.index.json")]
-                     if f.is_file())  # not a FIFO (whose read would hang), directory or dangling link
+    found = [*path.glob("*.safetensors"), *path.glob("*.safetensors.index.json")]
+    # files only: not a FIFO (whose read would hang), a directory or a dangling link
+    weights = sorted(f for f in found if f.is_file())
     return _digest({
         "config": hashlib.sha256((path / "config.json").read_bytes()).hexdigest(),
         "weights": [[f.name, f.stat().st_size, _edges_sha256(f)] for f in weights],

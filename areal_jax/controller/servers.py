@@ -12,8 +12,8 @@ import signal
 import threading
 import time
 from collections.abc import Awaitable, Iterator
-from typing import TypeVar
 from pathlib import Path
+from typing import TypeVar
 
 import jax
 

@@ -27,7 +27,7 @@ from grpc_reflection.v1alpha import reflection
 
 from areal_jax.config import ConfigError
 from areal_jax.models.config import ModelConfigError
-from areal_jax.models.tokenizer import VOCABULARY_FILES, check_tokenizer, has_vocabulary
+from areal_jax.models.tokenizer import check_tokenizer, load_tokenizer
 from areal_jax.protocol import SERVICE_NAME
 from rollout.auth import TokenAuthInterceptor
 from rollout.config import RewardConfig, ServerConfig
@@ -129,9 +129,13 @@ def _check_port_free(host: str, port: int) -> None:
                 probe.bind(address)
             except OSError as e:
                 if e.errno == errno.EADDRINUSE:
-                    raise ConfigError(f"port: cannot listen on {host}:{port} (another process "
-                                      f"listens there?): {e.strerror}") from e
+                    raise _cannot_listen(f"{host}:{port}", e.strerror) from e
                 return
+
+
+def _cannot_listen(address: str, why: str) -> ConfigError:
+    return ConfigError(f"port: cannot listen on {address} (another process listens there?): "
+                       f"{why}")
 
 
 async def _start_grpc(config: ServerConfig, servicer: RolloutServicer, token, credentials):
@@ -166,8 +170,7 @@ async def _start_grpc(config: ServerConfig, servicer: RolloutServicer, token, cr
         else:
             port = server.add_insecure_port(address)
     except RuntimeError as e:  # gRPC's "Failed to bind to address ..."
-        raise ConfigError(f"port: cannot listen on {address} (another process listens "
-                          f"there?): {e}") from e
+        raise _cannot_listen(address, str(e)) from e
     await server.start()
     return server, port, health_servicer
 
@@ -195,21 +198,18 @@ def _reward_pool(config: RewardConfig) -> tuple[RewardScorer, Collection[str]]:
 
 
 def _load_tokenizer(engine) -> Tokenizer:
-    """The engine's tokenizer (``engine.tokenizer_path``, which defaults to ``model_path``)."""
-    from transformers import AutoTokenizer
-
+    """The engine's tokenizer (``engine.tokenizer_path``, which defaults to ``model_path``),
+    its vocabulary present (``load_tokenizer``; checked against the model once the engine
+    started, ``_check_tokenizer``)."""
     path = engine.tokenizer_path
     key = _tokenizer_key(engine)
     if not Path(path).is_dir():
         raise ConfigError(f"{key}: {path} is not a directory (a local Hugging Face model or "
                           "tokenizer directory; nothing is downloaded)")
-    if not has_vocabulary(path):
-        raise ConfigError(f"{key}: {path} has no tokenizer vocabulary (any of "
-                          f"{', '.join(VOCABULARY_FILES)}; vocab.json with merges.txt)")
     try:
-        return AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{key}: cannot load a tokenizer from {path}: {e}") from e
+        return load_tokenizer(path, None, key)
+    except ModelConfigError as e:
+        raise ConfigError(str(e)) from e
 
 
 def _tokenizer_key(engine) -> str:

@@ -15,7 +15,8 @@ from areal_jax.config import ConfigError, to_dict
 from areal_jax.data.config import DatasetConfig
 from areal_jax.experiment import ExperimentConfig
 from areal_jax.files import read_json, write_atomic
-from areal_jax.models.tokenizer import VOCABULARY_FILES, has_vocabulary
+from areal_jax.models.config import ModelConfigError
+from areal_jax.models.tokenizer import check_vocabulary
 
 FINGERPRINT_FILE = "fingerprint.json"
 _WEIGHTS_EDGE = 1 << 20  # bytes hashed at each end of a weights file
@@ -44,10 +45,10 @@ def check_model_dir(path: Path, key: str) -> Path:
     if not (path / "config.json").is_file():
         raise ConfigError(f"{key}: {path} has no config.json; a local Hugging Face model "
                           "directory is expected (nothing is downloaded)")
-    if not has_vocabulary(path):
-        raise ConfigError(f"{key}: {path} has no tokenizer vocabulary (any of "
-                          f"{', '.join(VOCABULARY_FILES)}; vocab.json with merges.txt); copy "
-                          "the model's tokenizer files in")
+    try:
+        check_vocabulary(path, key)
+    except ModelConfigError as e:
+        raise ConfigError(str(e)) from None
     return path
 
 

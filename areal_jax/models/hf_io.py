@@ -134,9 +134,9 @@ def _check_layer_count(files: WeightFiles, cfg: ModelConfig, path) -> None:
     build a billion layers' names first (layers beyond it are reported with the other unused
     tensors, by name)."""
     layers = {int(m.group(1)) for n in files.names() if (m := _LAYER.match(n))}
-    held = len(layers & set(range(min(cfg.num_layers, len(layers) + 1))))
-    if held < cfg.num_layers:
-        first = min(set(range(held + 1)) - layers)
+    # the first missing index is at most len(layers): never more than that many are looked at
+    first = next((i for i in range(cfg.num_layers) if i not in layers), None)
+    if first is not None:
         raise CheckpointError(
             f"checkpoint {path}: missing tensor model.layers.{first}.*: config.json has "
             f"num_hidden_layers {cfg.num_layers}, and the weights hold {len(layers)} layers")

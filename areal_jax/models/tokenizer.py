@@ -17,9 +17,13 @@ VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # vocab.
 PROBE_TEXT = "Compute 12 + 7, then answer."
 
 
-def has_vocabulary(path: str | Path) -> bool:
-    """Whether ``path`` holds a tokenizer vocabulary file (see ``VOCABULARY_FILES``)."""
-    return any((Path(path) / name).is_file() for name in VOCABULARY_FILES)
+def check_vocabulary(path: str | Path, where: str) -> None:
+    """Raise ``ModelConfigError`` (naming ``where``) unless ``path`` holds a tokenizer
+    vocabulary file (see ``VOCABULARY_FILES``)."""
+    if not any((Path(path) / name).is_file() for name in VOCABULARY_FILES):
+        raise ModelConfigError(
+            f"{where}: {path} has no tokenizer vocabulary (any of {', '.join(VOCABULARY_FILES)}; "
+            "vocab.json with merges.txt): copy the model's tokenizer files in")
 
 
 def check_tokenizer(tokenizer, vocab_size: int, where: str) -> None:
@@ -37,19 +41,18 @@ def check_tokenizer(tokenizer, vocab_size: int, where: str) -> None:
             f"unreadable (any of {', '.join(VOCABULARY_FILES)}, vocab.json with merges.txt)")
 
 
-def load_tokenizer(path: str | Path, vocab_size: int, where: str | None = None):
-    """``AutoTokenizer.from_pretrained(path)``, checked with ``check_tokenizer`` against a model
-    of ``vocab_size`` tokens; errors name ``where`` (default: the path)."""
+def load_tokenizer(path: str | Path, vocab_size: int | None, where: str | None = None):
+    """``AutoTokenizer.from_pretrained(path)``, its vocabulary present (``check_vocabulary``)
+    and, given ``vocab_size``, checked with ``check_tokenizer`` against a model of that many
+    tokens; errors (``ModelConfigError``) name ``where`` (default: the path)."""
     from transformers import AutoTokenizer
 
     where = where or str(path)
-    if not has_vocabulary(path):
-        raise ModelConfigError(
-            f"{where}: {path} has no tokenizer vocabulary (any of {', '.join(VOCABULARY_FILES)}; "
-            "vocab.json with merges.txt): copy the model's tokenizer files in")
+    check_vocabulary(path, where)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
         raise ModelConfigError(f"{where}: cannot load a tokenizer from {path}: {e}") from e
-    check_tokenizer(tokenizer, vocab_size, where)
+    if vocab_size is not None:
+        check_tokenizer(tokenizer, vocab_size, where)
     return tokenizer

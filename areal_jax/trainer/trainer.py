@@ -221,9 +221,7 @@ class Trainer:
         losses, update = jax.device_get((losses, update))
         self._version += 1
         tokens = sum(t.length for t in trajs)
-        _check_finite({"loss": float(sum(losses)), "grad_norm": float(update["grad_norm"])},
-                      self._version)
-        return {
+        metrics = {
             "loss": float(sum(losses)),
             "grad_norm": float(update["grad_norm"]),
             "lr": float(update["lr"]),
@@ -233,6 +231,8 @@ class Trainer:
             "version": float(self._version),
             "throughput/tokens_per_s": tokens / (time.perf_counter() - start),
         }
+        _check_finite(metrics, self._version)
+        return metrics
 
     def compile_ahead_for(self, sketches: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
         """Queue the train programs of batches not yet seen, to compile while the trainer waits

@@ -97,7 +97,7 @@ class SGLangOptions:
 
 
 def _read_config(model_path: str) -> dict:
-    """The checkpoint's ``config.json`` (its ``text_config`` for a multimodal one)."""
+    """The checkpoint's ``config.json``."""
     path = Path(model_path) / "config.json"
     try:
         cfg = json.loads(path.read_text())
@@ -105,15 +105,15 @@ def _read_config(model_path: str) -> dict:
         raise ConfigError(f"engine.model_path: cannot read {path}: {e}") from e
     if not isinstance(cfg, dict):
         raise ConfigError(f"engine.model_path: {path} is not a JSON object")
-    text = cfg.get("text_config", cfg)
-    return {**text, **{k: cfg[k] for k in ("torch_dtype", "dtype") if k in cfg and k not in text}}
+    return cfg
 
 
 def _model_dims(model_path: str, options: SGLangOptions) -> tuple[int, int, set[int]]:
     """``(vocab_size, max_context_len, end-of-sequence ids)`` from the checkpoint's
     ``config.json`` (and ``generation_config.json``, whose end ids SGLang stops on too) and
     ``options.served_context``."""
-    cfg = _read_config(model_path)
+    raw = _read_config(model_path)
+    cfg = raw.get("text_config", raw)  # a multimodal model's language part
     path = Path(model_path) / "config.json"
     if "vocab_size" not in cfg:
         raise ConfigError(f"engine.model_path: {path} has no vocab_size")
@@ -134,7 +134,7 @@ def _served_dtype(model_path: str, option: str) -> str:
     """``--dtype`` for the checkpoint at ``model_path`` (``api.launch_dtype``), saying so when
     ``auto`` does not mean what SGLang would make of it."""
     cfg = _read_config(model_path)
-    named = cfg.get("dtype", cfg.get("torch_dtype"))
+    named = cfg.get("dtype", cfg.get("torch_dtype"))  # transformers 5 and 4 spellings
     dtype = api.launch_dtype(option, named if isinstance(named, str) else None)
     if option == "auto" and dtype != named:
         log.warning("engine.options.dtype auto: SGLang would serve this %s checkpoint in float16; "

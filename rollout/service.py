@@ -18,6 +18,7 @@ import functools
 import logging
 import os
 import time
+import uuid
 from collections.abc import AsyncIterator, Collection
 from pathlib import Path
 
@@ -138,6 +139,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         self._readers: set[asyncio.Task] = set()
         self._end: tuple[grpc.StatusCode, str] | None = None
         self._ended = asyncio.Event()
+        self._instance_id = uuid.uuid4().hex  # tells the trainer this process from a restart
 
     @property
     def closing(self) -> bool:
@@ -457,4 +459,5 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             vocab_size=engine.vocab_size,
             max_context_len=engine.max_context_len,
             engine_stats=stats,
+            instance_id=self._instance_id,
         )

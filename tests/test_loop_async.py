@@ -308,7 +308,8 @@ def test_a_server_failing_every_group_leaves_the_pool_and_is_logged_once(tmp_pat
     assert groups <= 3 * (3 + 8), groups
     warned = caplog.text.count("sending it again")
     assert 1 <= warned <= 3, warned
-    assert "was taken out of the pool 3 times in a row; it stays out" in caplog.text
+    assert "was taken out of the pool 3 times in a row" in caplog.text
+    assert "it stays out of the pool until it is restarted" in caplog.text
     assert_nothing_lost(tmp_path / "ledger.jsonl", prompts)
 
 
@@ -468,6 +469,48 @@ def test_a_server_that_keeps_refusing_its_weights_is_given_up_on(tmp_path, caplo
     assert tries == later == 4  # the update, then three rejoins
 
 
+def test_a_server_kept_out_of_the_pool_rejoins_once_it_is_restarted(tmp_path, caplog):
+    # A server kept out for the rest of the run was never taken back, even after an operator
+    # restarted it healthy: the run lost that server's share of the rollouts for good.
+    async def main():
+        refuser = _AlwaysRefuses()
+        servers = await start_servers(tmp_path, [ArithmeticEngine(), refuser])
+        pool = RolloutPool(addresses(servers), options=PoolOptions(
+            max_attempts=3, rejoin_interval_s=0.02, max_rejoin_backoff_s=0.1))
+        await pool.start()
+        pool.record_weights(exports_dir(tmp_path) / "base", 0)
+        try:
+            await pool.update_weights(write_checkpoint(exports_dir(tmp_path) / "v1", "v1"), 1)
+            deadline = time.monotonic() + 20
+            while "stays out of the pool until it is restarted" not in caplog.text:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(0.5)  # the same process, asked some 25 times: still out
+            out = (list(pool.live_servers), refuser.tries)
+            port = servers[1].port
+            await servers[1].stop(grace=0)
+            restarted = ArithmeticEngine()
+            servers[1:] = await start_servers(tmp_path / "again", [restarted], port=port,
+                                              weights_allowed_roots=[str(tmp_path)])
+            while len(pool.live_servers) < 2:
+                assert time.monotonic() < deadline + 20, "the restarted server never rejoined"
+                await asyncio.sleep(0.02)
+            futures = [pool.submit(rollout_request(item, f"{i}:again", "exact", 1, 4, 1.0))
+                       for i, item in enumerate(items(16))]
+            groups = await asyncio.gather(*futures)
+            return out, restarted, groups
+        finally:
+            await pool.close()
+            for server in servers:
+                await server.stop(grace=0)
+
+    (live, tries), restarted, groups = asyncio.run(main())
+    assert live == ["127.0.0.1:" + live[0].split(":")[1]] and tries == 4
+    assert restarted.version == 1  # brought to the current weights before any work
+    assert restarted.requests and all(not g.HasField("error") for g in groups)
+    assert "was restarted; it may rejoin the pool" in caplog.text
+
+
 def test_a_server_refusing_keepalive_pings_leaves_without_charging_its_groups(
         tmp_path, caplog, monkeypatch):
     # A server on gRPC's default ping policy (an older server, a proxy) ends the connection
@@ -497,7 +540,7 @@ def test_a_server_refusing_keepalive_pings_leaves_without_charging_its_groups(
                 await server.stop(grace=0)
 
     assert asyncio.run(main()) is False  # charged once, it would have failed (max_attempts 1)
-    assert "stays out of the pool for the rest of the run" in caplog.text  # not for ever
+    assert "stays out of the pool until it is restarted" in caplog.text  # not for ever
 
 
 def test_versions_kept_for_the_curve_are_written_even_when_superseded(tmp_path):

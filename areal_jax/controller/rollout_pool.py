@@ -18,7 +18,8 @@ a guarantee that no accepted request is lost.
   as sequences end: SGLang), its groups charged a failed send; so is one that answers
   ``max_attempts`` distinct groups in a row with a server fault (it answers at once, so
   least-loaded routing would send it most new groups). Either rejoins after a backoff that
-  doubles with each such strike in a row, and not after ``max_attempts``.
+  doubles with each such strike in a row, and after ``max_attempts`` only once it is
+  restarted (its status names another process: ``instance_id``).
 * With no live server, requests wait; a supervisor task tries dead servers every
   ``rejoin_interval_s`` and brings one that answers SERVING again back to the current weights
   (a forced update) before it gets work. Each server's try runs on its own, and publishing
@@ -29,9 +30,9 @@ a guarantee that no accepted request is lost.
   retried ``rpc_retries`` times with backoff; a server still failing (or past its deadline) is
   taken out of the pool, its groups go elsewhere, and it may rejoin later. A server that
   refuses a weight update another server took leaves the pool the same way and rejoins with a
-  forced load, tried less and less often while it keeps refusing, and not at all after
-  ``max_attempts`` refusals in a row (an error in the log says so); an update no live server
-  took is an error (``WeightsRejectedError``): the export itself is bad.
+  forced load, tried less and less often while it keeps refusing, and after ``max_attempts``
+  refusals in a row (an error in the log says so) only once it is restarted; an update no
+  live server took is an error (``WeightsRejectedError``): the export itself is bad.
 """
 
 from __future__ import annotations
@@ -119,6 +120,9 @@ class _Server:
     progress_at: float = 0.0  # monotonic time it last showed progress (or got work when idle)
     tokens_seen: int = -1  # its tokens_generated at that time (-1: not asked yet)
     strikes: int = 0  # times in a row it left the pool for stalling or failing every group
+    instance: str = ""  # the id of its process, as its status last said ("": not told)
+    shut_out: str | None = None  # the process kept out for the rest of the run; a new one
+    # (the server restarted) may rejoin
     faults: set[str] = dataclasses.field(default_factory=set)  # the distinct groups it failed
     # in a row with a server fault (INTERNAL, ...): one group failing again counts once
     fault_error: str | None = None  # the last of those faults, logged once while it repeats
@@ -197,7 +201,7 @@ class RolloutPool:
         when it answers but refuses the trainer's token."""
         try:
             await asyncio.wait_for(channel.channel_ready(), timeout)
-            await pb_grpc.RolloutServiceStub(channel).GetStatus(
+            status = await pb_grpc.RolloutServiceStub(channel).GetStatus(
                 pb.GetStatusRequest(), timeout=self.options.rpc_timeout_s,
                 metadata=self._metadata)
         except TimeoutError:
@@ -209,6 +213,7 @@ class RolloutPool:
                     f"{e.details()}; rollout.auth_token_env must name a variable holding the "
                     "servers' token") from None
             return False
+        server.instance = status.instance_id
         return True
 
     def _open(self, server: _Server, channel: grpc.aio.Channel) -> None:
@@ -332,10 +337,8 @@ class RolloutPool:
                           "older than the trainer, or a proxy between them): upgrade it, or "
                           "set rollout.keepalive_s to 300 or more", server.address)
                 if server.pings_refused >= self.options.max_attempts:
-                    server.next_rejoin = math.inf
-                    log.error("rollout server %s ended %d connections for pings; it stays out "
-                              "of the pool for the rest of the run", server.address,
-                              server.pings_refused)
+                    self._shut_out(server, f"ended {server.pings_refused} connections for "
+                                           "pings")
             self._mark_dead(server, reason, charge=not pings_refused)
             return
         self._mark_dead(server, "the server closed its stream", charge=True)
@@ -429,9 +432,21 @@ class RolloutPool:
         server.next_rejoin = time.monotonic() + min(opts.rejoin_interval_s * 2 ** failures,
                                                     opts.max_rejoin_backoff_s)
         if failures >= opts.max_attempts:
+            self._shut_out(server, f"{what} {failures} times in a row: {error}")
+
+    def _shut_out(self, server: _Server, why: str) -> None:
+        """Keep ``server``'s process out of the pool for the rest of the run; once the server
+        is restarted (its status names another process) it may rejoin. A server whose status
+        names no process stays out for good."""
+        if server.instance:  # asked no more often than a server that is down
+            server.shut_out = server.instance
+            server.next_rejoin = time.monotonic() + self.options.rejoin_interval_s
+            log.error("rollout server %s %s; it stays out of the pool until it is restarted",
+                      server.address, why)
+        else:
             server.next_rejoin = math.inf
-            log.error("rollout server %s %s %d times in a row; it stays out of the pool for "
-                      "the rest of the run: %s", server.address, what, failures, error)
+            log.error("rollout server %s %s; it stays out of the pool for the rest of the run",
+                      server.address, why)
 
     async def _check_progress(self, server: _Server) -> None:
         """``server`` has had groups in flight and sent none back for ``stall_timeout_s``: keep
@@ -484,6 +499,16 @@ class RolloutPool:
             stub = pb_grpc.RolloutServiceStub(channel)
             status = await stub.GetStatus(pb.GetStatusRequest(), timeout=timeout,
                                           metadata=self._metadata)
+            if server.shut_out is not None:
+                if status.instance_id == server.shut_out:  # the same process: still out
+                    await channel.close()
+                    server.next_rejoin = time.monotonic() + self.options.rejoin_interval_s
+                    return
+                log.warning("rollout server %s was restarted; it may rejoin the pool",
+                            server.address)
+                server.shut_out = None
+                server.strikes = server.rejoin_failures = server.pings_refused = 0
+            server.instance = status.instance_id
             serving = status.version
             # The weights go over without the lock, so publishing never waits for a rejoin (a
             # server may take long to load, or hang); it rejoins, under the lock, only if no

@@ -206,7 +206,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerStatus(_message.Message):
-    __slots__ = ("version", "running_requests", "queued_requests", "tokens_generated", "tokens_per_second", "engine_kind", "paused", "vocab_size", "max_context_len", "engine_stats")
+    __slots__ = ("version", "running_requests", "queued_requests", "tokens_generated", "tokens_per_second", "engine_kind", "paused", "vocab_size", "max_context_len", "engine_stats", "instance_id")
     class EngineStatsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -224,6 +224,7 @@ class ServerStatus(_message.Message):
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_LEN_FIELD_NUMBER: _ClassVar[int]
     ENGINE_STATS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     version: int
     running_requests: int
     queued_requests: int
@@ -234,4 +235,5 @@ class ServerStatus(_message.Message):
     vocab_size: int
     max_context_len: int
     engine_stats: _containers.ScalarMap[str, float]
-    def __init__(self, version: _Optional[int] = ..., running_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., engine_kind: _Optional[str] = ..., paused: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., max_context_len: _Optional[int] = ..., engine_stats: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    instance_id: str
+    def __init__(self, version: _Optional[int] = ..., running_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., engine_kind: _Optional[str] = ..., paused: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., max_context_len: _Optional[int] = ..., engine_stats: _Optional[_Mapping[str, float]] = ..., instance_id: _Optional[str] = ...) -> None: ...

@@ -894,6 +894,50 @@ def test_servers_whose_context_cannot_hold_the_prompts_and_answers_are_named_at_
                     asyncio.run(connect(held_out=[15])))
 
 
+def test_a_server_joining_later_with_too_short_a_context_stays_out_of_the_pool(tmp_path, caplog):
+    # The context check ran once, at the start: a server that joined later (down at the start,
+    # or restarted with other settings) took the run's requests and rejected the long ones,
+    # until the run stopped after max_consecutive_rejections.
+    from areal_jax.config import load_config
+    from areal_jax.controller.local_servers import free_port
+    from areal_jax.controller.servers import rollout_servers
+    from areal_jax.experiment import ExperimentConfig
+
+    async def main():
+        servers = await start_servers(tmp_path, [ArithmeticEngine(max_context_len=200)])
+        port = free_port()
+        quickstart = Path(__file__).parent.parent / "configs" / "quickstart.yaml"
+        cfg = load_config(ExperimentConfig, quickstart, [
+            f"run_dir={tmp_path}", f'rollout.addresses={addresses(servers) + [f"127.0.0.1:{port}"]}',
+            "sampling.max_new_tokens=30", "rollout.rejoin_interval_s=0.05",
+            "rollout.start_timeout_s=0.5"])
+        try:
+            async with rollout_servers(cfg, tmp_path, 0, training=[35]) as (pool, _):
+                servers += await start_servers(tmp_path / "short", [ArithmeticEngine(
+                    max_context_len=64)], port=port, weights_allowed_roots=[str(tmp_path)])
+                deadline = time.monotonic() + 20
+                while "stays out of the pool until it is restarted" not in caplog.text:
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.05)
+                await asyncio.sleep(0.3)
+                kept_out = list(pool.live_servers)
+                await servers.pop().stop(grace=0)
+                servers += await start_servers(tmp_path / "long", [ArithmeticEngine(
+                    max_context_len=200)], port=port, weights_allowed_roots=[str(tmp_path)])
+                while len(pool.live_servers) < 2:
+                    assert time.monotonic() < deadline + 20, "the restarted server never joined"
+                    await asyncio.sleep(0.05)
+                return kept_out, addresses(servers)[0]
+        finally:
+            await asyncio.gather(*(s.stop(grace=0) for s in servers))
+
+    kept_out, first = asyncio.run(main())
+    assert kept_out == [first]
+    assert re.search(r"rollout server 127.0.0.1:\d+ cannot serve this run: the context rollout "
+                     r"server 127.0.0.1:\d+ serves \(64 tokens\) is below the longest training "
+                     r"prompt \(35 tokens\)", caplog.text)
+
+
 def test_a_server_down_at_start_joins_later_and_a_wrong_token_is_named_at_once(
         tmp_path, monkeypatch):
     # One server down at the trainer's start failed the run after the ready timeout (300 s),

@@ -280,7 +280,7 @@ def test_a_server_context_the_model_or_the_answers_do_not_fit_fails_before_sft(t
                  str(tmp_path / "run" / "base_model")]) == 2
     assert re.search(message, capsys.readouterr().err)
     # A local SGLang: its context_length (or the model's positions) less the one token SGLang
-    # keeps; a small KV pool may lower it further once it starts (check_served_context).
+    # keeps; a small KV pool may lower it further once it starts (make_pool).
     sglang = {"kind": "sglang", "options": {"context_length": 128}}
     cfg = _config(tmp_path, tiny=tiny, sampling={"max_new_tokens": 100}, sft={"steps": 5},
                   eval=held_out, rollout={"server": {"engine": sglang}})

@@ -42,6 +42,7 @@ import dataclasses
 import logging
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -133,10 +134,15 @@ class RolloutPool:
     resolved with the server's ``TrajectoryGroup`` (or its request-specific error)."""
 
     def __init__(self, addresses: list[str], auth_token: str | None = None,
-                 tls_root_cert: bytes | None = None, options: PoolOptions | None = None):
+                 tls_root_cert: bytes | None = None, options: PoolOptions | None = None,
+                 admit: Callable[[str, pb.ServerStatus], None] | None = None):
+        """``admit(address, status)`` raises ``ValueError`` naming why a server cannot serve
+        this run (a context too short for its prompts, say): at the start that error ends
+        ``start``; a server joining later stays out of the pool until it is restarted."""
         if not addresses:
             raise ValueError("rollout.addresses: at least one rollout server is needed")
         self.options = options or PoolOptions()
+        self._admit = admit
         self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else None
         self._tls = tls_root_cert
         mb = self.options.max_message_mb << 20
@@ -214,6 +220,8 @@ class RolloutPool:
                     "servers' token") from None
             return False
         server.instance = status.instance_id
+        if self._admit is not None:
+            self._admit(server.address, status)
         return True
 
     def _open(self, server: _Server, channel: grpc.aio.Channel) -> None:
@@ -509,6 +517,13 @@ class RolloutPool:
                 server.shut_out = None
                 server.strikes = server.rejoin_failures = server.pings_refused = 0
             server.instance = status.instance_id
+            if self._admit is not None:
+                try:
+                    self._admit(server.address, status)
+                except ValueError as e:
+                    self._shut_out(server, f"cannot serve this run: {e}")
+                    await channel.close()
+                    return
             serving = status.version
             # The weights go over without the lock, so publishing never waits for a rejoin (a
             # server may take long to load, or hang); it rejoins, under the lock, only if no

@@ -22,6 +22,7 @@ from areal_jax.controller.local_servers import LocalServers, ServerExitedError
 from areal_jax.controller.local_servers import with_deterministic_ops
 from areal_jax.controller.rollout_pool import PoolOptions, RolloutPool
 from areal_jax.experiment import ExperimentConfig
+from areal_jax.protocol.v1 import rollout_pb2 as pb
 from areal_jax.trainer.publish import link_newest_export, remove_restart_copies
 from rollout.config import EngineConfig, ServerConfig
 
@@ -82,7 +83,7 @@ def check_local_engine_context(cfg: ExperimentConfig, model_path: Path, *,
     """Refuse, before anything runs, a local engine's context beyond the model's positions
     (each server would exit at its start) or too short for the longest prompts and their
     ``max_new_tokens`` (see ``_check_context``): the engine options' ``served_context``
-    (SGLang's KV pool may lower it further once it starts: ``check_served_context``)."""
+    (SGLang's KV pool may lower it further once it starts: ``make_pool``)."""
     if cfg.rollout.addresses:
         return
     from areal_jax.models.config import ModelConfig
@@ -102,18 +103,18 @@ def check_local_engine_context(cfg: ExperimentConfig, model_path: Path, *,
                    f"raise it (the model holds {positions})", list(training), list(held_out))
 
 
-async def check_served_context(cfg: ExperimentConfig, pool: RolloutPool, *,
-                               training: list[int] = (), held_out: list[int] = ()) -> None:
-    """Refuse servers whose served context (``max_context_len`` of their status: remote
-    servers, or an SGLang whose KV pool allows less than the model) is too short for the
-    longest prompts and their ``max_new_tokens`` (see ``_check_context``)."""
-    for address, status in (await pool.statuses()).items():
+def make_pool(cfg: ExperimentConfig, addresses: list[str], *, training: list[int] = (),
+              held_out: list[int] = ()) -> RolloutPool:
+    """The pool of ``addresses``, with the run's settings; it admits only servers whose served
+    context (``max_context_len`` of their status: remote servers, or an SGLang whose KV pool
+    allows less than the model) holds the longest ``training`` and ``held_out`` prompts (token
+    counts) and their ``max_new_tokens`` (``_check_context``), at the start and whenever a
+    server joins later."""
+    def admit(address: str, status: pb.ServerStatus) -> None:
         _check_context(cfg, status.max_context_len, f"the context rollout server {address} "
                        f"serves ({status.max_context_len} tokens)", "serve a longer one there",
                        list(training), list(held_out))
 
-
-def make_pool(cfg: ExperimentConfig, addresses: list[str]) -> RolloutPool:
     r = cfg.rollout
     token = os.environ.get(r.auth_token_env) if r.auth_token_env else None
     tls = Path(r.tls_root_cert).read_bytes() if r.tls_root_cert else None
@@ -124,7 +125,8 @@ def make_pool(cfg: ExperimentConfig, addresses: list[str]) -> RolloutPool:
                           stall_timeout_s=r.stall_timeout_s,
                           max_message_mb=r.server.get("max_message_mb",
                                                       ServerConfig.max_message_mb))
-    return RolloutPool(addresses, auth_token=token, tls_root_cert=tls, options=options)
+    return RolloutPool(addresses, auth_token=token, tls_root_cert=tls, options=options,
+                       admit=admit)
 
 
 def _local_servers(cfg: ExperimentConfig, model_path: Path, version: int,
@@ -257,14 +259,14 @@ async def rollout_servers(cfg: ExperimentConfig, model_path: Path, version: int,
                           held_out: list[int] = ()):
     """Local servers serving ``model_path`` as ``version`` (or the ``rollout.addresses``) and a
     connected pool whose servers' contexts hold the ``training`` and ``held_out`` prompts (token
-    counts; ``check_served_context``): yields ``(pool, local servers or None)``; closes and
+    counts; ``make_pool``): yields ``(pool, local servers or None)``; closes and
     stops both on exit. ``with_trainer``: whether this process is a trainer sharing the
     servers' devices."""
     servers = launch_local(cfg, model_path, version, with_trainer)
-    pool = make_pool(cfg, servers.addresses if servers else list(cfg.rollout.addresses))
+    pool = make_pool(cfg, servers.addresses if servers else list(cfg.rollout.addresses),
+                     training=training, held_out=held_out)
     try:
         await wait_ready(pool, servers, cfg.rollout.start_timeout_s)
-        await check_served_context(cfg, pool, training=training, held_out=held_out)
         yield pool, servers
     finally:
         await pool.close()

@@ -12,6 +12,7 @@ import os
 from typing import Any, Literal
 
 from areal_jax.config import ConfigError, from_dict, to_dict
+from areal_jax.controller.addresses import check_address
 from areal_jax.controller.local_servers import (JAX_DEFAULT_MEMORY_FRACTION,
                                                MEMORY_FRACTION_VARIABLE)
 from areal_jax.data.config import DatasetConfig
@@ -86,6 +87,9 @@ class RolloutConfig:
     """Where generation happens: local servers launched by the trainer, or given addresses."""
 
     addresses: list[str] = dataclasses.field(default_factory=list)  # empty: launch locally
+    # a file listing more addresses, one per line, followed as it changes: servers join and
+    # leave the running pool as lines are added and removed
+    addresses_file: str | None = None
     num_local_servers: int = 1
     cpu_sets: list[list[int]] | None = None  # one CPU list per local server
     server: dict[str, Any] = dataclasses.field(default_factory=dict)  # extra server config keys
@@ -119,14 +123,24 @@ class RolloutConfig:
         for name in ("max_request_attempts", "max_consecutive_rejections", "num_local_servers"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"rollout.{name}: must be >= 1, got {getattr(self, name)}")
+        for i, address in enumerate(self.addresses):
+            try:
+                check_address(address, f"rollout.addresses[{i}]")
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         fraction = self.server_memory_fraction
         if fraction is not None and not 0 < fraction <= 1:
             raise ConfigError(f"rollout.server_memory_fraction: must be in (0, 1], got {fraction}")
         for key in ("cpu_sets", "server_devices"):
             sets = getattr(self, key)
-            if sets is not None and not self.addresses and len(sets) != self.num_local_servers:
+            if sets is not None and not self.remote and len(sets) != self.num_local_servers:
                 raise ConfigError(f"rollout.{key}: {len(sets)} entries for "
                                   f"{self.num_local_servers} local servers (one each)")
+
+    @property
+    def remote(self) -> bool:
+        """Whether the servers are given (``addresses`` or ``addresses_file``), not launched."""
+        return bool(self.addresses or self.addresses_file)
 
 
 # Default shares of a device's memory where JAX processes share it and no fraction is set: the
@@ -310,7 +324,7 @@ class ExperimentConfig:
         is every device). Keyed by the devices the lists name, or by None alone when every list
         is null. Empty where the servers are remote."""
         r = self.rollout
-        if r.addresses:
+        if r.remote:
             return {}
         # (setting, fraction, device ids or None for every device) of each JAX process
         processes = [("trainer_memory_fraction", self.trainer_memory_fraction,

@@ -129,10 +129,12 @@ def addresses(servers) -> list[str]:
 
 async def run_loop(tmp_path: Path, cfg: ExperimentConfig, trainer: RecordingTrainer, servers,
                    prompts: list[PromptItem], steps: int, options: PoolOptions | None = None,
-                   state: dict | None = None, ledger=None, during=None):
-    """Run an ``RLLoop`` over ``servers`` to ``steps`` versions; ``during(loop, pool)`` runs
-    alongside. Returns the loop (its pool closed)."""
-    pool = RolloutPool(addresses(servers), options=options)
+                   state: dict | None = None, ledger=None, during=None,
+                   addresses_file: Path | None = None):
+    """Run an ``RLLoop`` over ``servers`` (or those ``addresses_file`` lists) to ``steps``
+    versions; ``during(loop, pool)`` runs alongside. Returns the loop (its pool closed)."""
+    pool = RolloutPool([] if addresses_file else addresses(servers), options=options,
+                       addresses_file=addresses_file)
     await pool.start()
     pool.record_weights(exports_dir(tmp_path) / "base", trainer.version)
     loop = RLLoop(cfg, trainer, pool, PromptIterator(prompts, seed=0),

@@ -894,6 +894,64 @@ def test_servers_whose_context_cannot_hold_the_prompts_and_answers_are_named_at_
                     asyncio.run(connect(held_out=[15])))
 
 
+def test_servers_join_and_leave_a_running_pool_as_the_addresses_file_changes(tmp_path, caplog):
+    # Rollout scaled only by restarting the trainer with a longer rollout.addresses.
+    from areal_jax.controller.ledger import RunLedger
+
+    prompts = items(400)
+    trainer = RecordingTrainer(exports_dir(tmp_path), train_s=0.05)
+    first, second = ArithmeticEngine(step_s=0.01), ArithmeticEngine(step_s=0.01)
+    listing = tmp_path / "servers.txt"
+    seen = {}
+
+    def write(*lines):
+        listing.with_suffix(".new").write_text("".join(f"{line}\n" for line in lines))
+        listing.with_suffix(".new").replace(listing)
+
+    async def during(loop, pool, a, b):
+        async def until(condition, what):
+            deadline = time.monotonic() + 30
+            while not condition():
+                assert time.monotonic() < deadline, what
+                await asyncio.sleep(0.01)
+
+        await until(lambda: loop.version >= 3, "no version 3")
+        seen["before"] = len(second.requests)
+        write("# the first server, then one added", a, b)
+        await until(lambda: len(second.requests) > 0, "the added server got no work")
+        await until(lambda: loop.version >= 10, "no version 10")
+        write(b, "not an address")  # a bad line: nothing changes
+        await until(lambda: "line 2" in caplog.text, "the bad line was not named")
+        seen["bad"] = list(pool.live_servers)
+        write(b)
+        await until(lambda: pool.live_servers == [b], "the removed server stayed")
+        seen["removed_at"] = len(first.requests)
+
+    async def main():
+        servers = await start_servers(tmp_path, [first, second])
+        a, b = addresses(servers)
+        seen["b"] = b
+        write(a)
+        ledger = RunLedger(tmp_path / "ledger.jsonl")
+        try:
+            return await run_loop(
+                tmp_path, config(tmp_path, {"max_staleness": 2}), trainer, servers, prompts, 30,
+                options=PoolOptions(rejoin_interval_s=0.05), ledger=ledger,
+                during=lambda loop, pool: during(loop, pool, a, b), addresses_file=listing)
+        finally:
+            ledger.close()
+            for server in servers:
+                await server.stop(grace=0.5)
+
+    loop = asyncio.run(main())
+    assert trainer.version == 30
+    assert seen["before"] == 0 and len(seen["bad"]) == 2
+    assert len(first.requests) == seen["removed_at"]  # no work after its removal
+    assert loop.live_at_end == [seen["b"]]
+    assert caplog.text.count("rollout.addresses_file: ") == 1
+    assert_nothing_lost(tmp_path / "ledger.jsonl", prompts)
+
+
 def test_a_server_joining_later_with_too_short_a_context_stays_out_of_the_pool(tmp_path, caplog):
     # The context check ran once, at the start: a server that joined later (down at the start,
     # or restarted with other settings) took the run's requests and rejected the long ones,
@@ -907,10 +965,11 @@ def test_a_server_joining_later_with_too_short_a_context_stays_out_of_the_pool(t
         servers = await start_servers(tmp_path, [ArithmeticEngine(max_context_len=200)])
         port = free_port()
         quickstart = Path(__file__).parent.parent / "configs" / "quickstart.yaml"
+        (tmp_path / "more.txt").write_text(f"127.0.0.1:{port}\n")  # config to pool, too
         cfg = load_config(ExperimentConfig, quickstart, [
-            f"run_dir={tmp_path}", f'rollout.addresses={addresses(servers) + [f"127.0.0.1:{port}"]}',
-            "sampling.max_new_tokens=30", "rollout.rejoin_interval_s=0.05",
-            "rollout.start_timeout_s=0.5"])
+            f"run_dir={tmp_path}", f"rollout.addresses={addresses(servers)}",
+            f"rollout.addresses_file={tmp_path / 'more.txt'}", "sampling.max_new_tokens=30",
+            "rollout.rejoin_interval_s=0.05", "rollout.start_timeout_s=0.5"])
         try:
             async with rollout_servers(cfg, tmp_path, 0, training=[35]) as (pool, _):
                 servers += await start_servers(tmp_path / "short", [ArithmeticEngine(

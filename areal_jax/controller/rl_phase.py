@@ -103,7 +103,7 @@ def compiles_first_batches(cfg: ExperimentConfig, in_helper: bool) -> bool:
     the work, not save it)."""
     if cfg.compile_first_batches is not None:
         return cfg.compile_first_batches
-    return bool(cfg.rollout.addresses) or servers_spare_the_trainer(cfg) or in_helper
+    return cfg.rollout.remote or servers_spare_the_trainer(cfg) or in_helper
 
 
 async def run_rl(cfg: ExperimentConfig, trainer, tokenizer, train_set: PromptDataset,
@@ -138,7 +138,7 @@ async def run_rl(cfg: ExperimentConfig, trainer, tokenizer, train_set: PromptDat
         if sketching and (cfg.compile_first_batches or not in_helper):
             waiting.enter_context(trainer.idle())
         ledger.record("start", version=version)
-        task = progress.start_phase("connecting to the rollout servers" if cfg.rollout.addresses
+        task = progress.start_phase("connecting to the rollout servers" if cfg.rollout.remote
                                     else "starting rollout servers", None)
         async with rollout_servers(
                 cfg, published, version, training=prompt_lengths,

@@ -48,6 +48,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from areal_jax.controller.addresses import read_addresses_file
 from areal_jax.controller.busy import BusyClock
 from areal_jax.protocol import SERVICE_NAME, push_weight_requests
 from areal_jax.protocol.v1 import rollout_pb2 as pb
@@ -135,12 +136,29 @@ class RolloutPool:
 
     def __init__(self, addresses: list[str], auth_token: str | None = None,
                  tls_root_cert: bytes | None = None, options: PoolOptions | None = None,
-                 admit: Callable[[str, pb.ServerStatus], None] | None = None):
+                 admit: Callable[[str, pb.ServerStatus], None] | None = None,
+                 addresses_file: Path | None = None):
         """``admit(address, status)`` raises ``ValueError`` naming why a server cannot serve
         this run (a context too short for its prompts, say): at the start that error ends
-        ``start``; a server joining later stays out of the pool until it is restarted."""
+        ``start``; a server joining later stays out of the pool until it is restarted.
+        ``addresses_file`` lists more servers, one address per line; it is read again every
+        ``rejoin_interval_s`` when it changed: a server whose line is added joins the pool
+        like a server coming back, one whose line is removed leaves it (its groups go to the
+        others, not charged a failed send)."""
+        self._addresses_file = addresses_file
+        self._fixed = list(dict.fromkeys(addresses))
+        self._file_seen: tuple | None = None  # the file's (inode, size, mtime) when last read
+        self._file_problem: str | None = None  # why it could not be read last, logged once
+        if addresses_file is not None:
+            try:
+                addresses = self._fixed + [a for a in read_addresses_file(addresses_file)
+                                           if a not in self._fixed]
+            except (OSError, ValueError) as e:
+                raise ValueError(f"rollout.addresses_file: {_reason(e)}") from None
+            self._file_seen = _file_state(addresses_file)
         if not addresses:
-            raise ValueError("rollout.addresses: at least one rollout server is needed")
+            raise ValueError("rollout.addresses: at least one rollout server is needed (or "
+                             "rollout.addresses_file listing one)")
         self.options = options or PoolOptions()
         self._admit = admit
         self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else None
@@ -154,7 +172,7 @@ class RolloutPool:
                                  ("grpc.http2.ping_timeout_ms", ping_ms),  # what gRPC 1.8x uses
                                  ("grpc.keepalive_permit_without_calls", 1),
                                  ("grpc.http2.max_pings_without_data", 0)]
-        self._servers = [_Server(a) for a in addresses]
+        self._servers = [_Server(a) for a in dict.fromkeys(addresses)]
         self._futures: dict[str, asyncio.Future] = {}
         self._attempts: dict[str, int] = {}
         self._parked: list[pb.RolloutRequest] = []
@@ -191,7 +209,7 @@ class RolloutPool:
             raise NoLiveServerError(
                 f"no rollout server answered within {ready_timeout_s:g} s "
                 f"(rollout.start_timeout_s; tried "
-                f"{', '.join(self._addresses())}): not started yet, unreachable, or TLS on one "
+                f"{', '.join(self.addresses)}): not started yet, unreachable, or TLS on one "
                 "side only (rollout.tls_root_cert on the trainer, tls_cert_path on the servers)")
         for server, channel, answered in zip(self._servers, channels, ready):
             if answered:
@@ -407,6 +425,8 @@ class RolloutPool:
         opts = self.options
         while True:
             await asyncio.sleep(opts.rejoin_interval_s)
+            if self._addresses_file is not None:
+                self._follow_addresses_file()
             now = time.monotonic()
             for server in self._servers:  # one try per server at a time; a slow one holds no other
                 if (not server.alive and server.address not in self._rejoining
@@ -427,11 +447,46 @@ class RolloutPool:
                                     if s.rejoin_error)
                     error = NoLiveServerError(
                         f"no rollout server has been in the pool for {waited:.0f} s "
-                        f"(rollout.no_server_timeout_s); tried {', '.join(self._addresses())}"
+                        f"(rollout.no_server_timeout_s); tried {', '.join(self.addresses)}"
                         + (f"; the last errors: {why}" if why else ""))
                     self._parked.clear()
                     for rid in list(self._futures):
                         self._resolve(rid, error=error)
+
+    def _follow_addresses_file(self) -> None:
+        """Add the servers ``addresses_file`` lists now and the pool lacks; take out those it
+        no longer lists. A file that cannot be read or has a bad line changes nothing (an
+        error in the log, once per distinct problem)."""
+        path = self._addresses_file
+        try:
+            state = _file_state(path)
+            if state == self._file_seen:
+                return
+            listed = read_addresses_file(path)
+        except (OSError, ValueError) as e:
+            problem = _reason(e)
+            if problem != self._file_problem:
+                log.error("rollout.addresses_file: %s; the pool keeps its servers (%s)",
+                          problem, ", ".join(self.addresses) or "none")
+            self._file_problem = problem
+            return
+        self._file_seen, self._file_problem = state, None
+        wanted = self._fixed + [a for a in listed if a not in self._fixed]
+        for server in [s for s in self._servers if s.address not in wanted]:
+            self._servers.remove(server)
+            for tasks in (self._rejoining, self._stall_checks):
+                if server.address in tasks:
+                    tasks[server.address].cancel()
+            if server.alive:
+                self._mark_dead(server, f"no longer listed in {path}")
+            else:
+                log.warning("rollout server %s is no longer listed in %s", server.address, path)
+        present = set(self.addresses)
+        for address in wanted:
+            if address not in present:
+                self._servers.append(_Server(address))
+                log.warning("rollout server %s was added to the pool (%s); it gets work once "
+                            "it answers and has the current weights", address, path)
 
     def _hold_back(self, server: _Server, failures: int, what: str, error: str) -> None:
         """After ``failures`` in a row, ``server`` rejoins no sooner than twice as long per
@@ -489,7 +544,9 @@ class RolloutPool:
         server.strikes += 1
         self._hold_back(server, server.strikes, "was taken out of the pool", reason)
 
-    def _addresses(self) -> list[str]:
+    @property
+    def addresses(self) -> list[str]:
+        """Every server of the pool, in the pool or out of it for now."""
         return [s.address for s in self._servers]
 
     async def _try_rejoin(self, server: _Server) -> None:
@@ -685,6 +742,18 @@ class RolloutPool:
                 future.cancel()
         self._futures.clear()
         self._parked.clear()
+
+
+def _file_state(path: Path) -> tuple:
+    """What tells a rewritten file from the one read before: inode, size, modification time."""
+    st = path.stat()
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _reason(error: BaseException) -> str:
+    if isinstance(error, OSError) and error.strerror:
+        return f"{error.filename}: {error.strerror}"
+    return str(error)
 
 
 def _code_enum(number: int) -> grpc.StatusCode:

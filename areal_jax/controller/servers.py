@@ -84,7 +84,7 @@ def check_local_engine_context(cfg: ExperimentConfig, model_path: Path, *,
     (each server would exit at its start) or too short for the longest prompts and their
     ``max_new_tokens`` (see ``_check_context``): the engine options' ``served_context``
     (SGLang's KV pool may lower it further once it starts: ``make_pool``)."""
-    if cfg.rollout.addresses:
+    if cfg.rollout.remote:
         return
     from areal_jax.models.config import ModelConfig
     from rollout.engines import check_engine_options
@@ -103,9 +103,10 @@ def check_local_engine_context(cfg: ExperimentConfig, model_path: Path, *,
                    f"raise it (the model holds {positions})", list(training), list(held_out))
 
 
-def make_pool(cfg: ExperimentConfig, addresses: list[str], *, training: list[int] = (),
-              held_out: list[int] = ()) -> RolloutPool:
-    """The pool of ``addresses``, with the run's settings; it admits only servers whose served
+def make_pool(cfg: ExperimentConfig, addresses: list[str], *, addresses_file: str | None = None,
+              training: list[int] = (), held_out: list[int] = ()) -> RolloutPool:
+    """The pool of ``addresses`` (and those ``addresses_file`` lists, followed as it changes),
+    with the run's settings; it admits only servers whose served
     context (``max_context_len`` of their status: remote servers, or an SGLang whose KV pool
     allows less than the model) holds the longest ``training`` and ``held_out`` prompts (token
     counts) and their ``max_new_tokens`` (``_check_context``), at the start and whenever a
@@ -125,8 +126,12 @@ def make_pool(cfg: ExperimentConfig, addresses: list[str], *, training: list[int
                           stall_timeout_s=r.stall_timeout_s,
                           max_message_mb=r.server.get("max_message_mb",
                                                       ServerConfig.max_message_mb))
-    return RolloutPool(addresses, auth_token=token, tls_root_cert=tls, options=options,
-                       admit=admit)
+    try:
+        return RolloutPool(addresses, auth_token=token, tls_root_cert=tls, options=options,
+                           admit=admit,
+                           addresses_file=Path(addresses_file) if addresses_file else None)
+    except ValueError as e:  # no server listed, or a file that cannot be read
+        raise ConfigError(str(e)) from None
 
 
 def _local_servers(cfg: ExperimentConfig, model_path: Path, version: int,
@@ -150,9 +155,9 @@ def server_env(cfg: ExperimentConfig) -> dict[str, str] | None:
 
 def launch_local(cfg: ExperimentConfig, model_path: Path, version: int,
                  with_trainer: bool = True) -> LocalServers | None:
-    """Start ``rollout.num_local_servers`` servers unless ``rollout.addresses`` are given;
-    ``with_trainer``: a trainer process shares their devices (their memory shares)."""
-    if cfg.rollout.addresses:
+    """Start ``rollout.num_local_servers`` servers unless the run is given its servers
+    (``rollout.remote``); ``with_trainer``: a trainer process shares their devices (their memory shares)."""
+    if cfg.rollout.remote:
         return None
     servers = _local_servers(cfg, model_path, version, with_trainer)
     servers.start()
@@ -175,7 +180,7 @@ def compiles_servers_during_sft(cfg: ExperimentConfig, sft_pending: bool) -> boo
     local JAX-engine servers will start, an SFT is ``sft_pending`` and the persistent
     compilation cache is on (asking for it with the cache off is an error)."""
     wanted = cfg.compile_servers_during_sft
-    if wanted is False or cfg.rollout.addresses or not sft_pending:
+    if wanted is False or cfg.rollout.remote or not sft_pending:
         return False
     if cfg.rollout.server.get("engine", {}).get("kind", "jax") != "jax":
         return False
@@ -257,13 +262,14 @@ async def wait_ready(pool: RolloutPool, servers: LocalServers | None,
 async def rollout_servers(cfg: ExperimentConfig, model_path: Path, version: int,
                           with_trainer: bool = True, *, training: list[int] = (),
                           held_out: list[int] = ()):
-    """Local servers serving ``model_path`` as ``version`` (or the ``rollout.addresses``) and a
+    """Local servers serving ``model_path`` as ``version`` (or the given servers) and a
     connected pool whose servers' contexts hold the ``training`` and ``held_out`` prompts (token
     counts; ``make_pool``): yields ``(pool, local servers or None)``; closes and
     stops both on exit. ``with_trainer``: whether this process is a trainer sharing the
     servers' devices."""
     servers = launch_local(cfg, model_path, version, with_trainer)
     pool = make_pool(cfg, servers.addresses if servers else list(cfg.rollout.addresses),
+                     addresses_file=None if servers else cfg.rollout.addresses_file,
                      training=training, held_out=held_out)
     try:
         await wait_ready(pool, servers, cfg.rollout.start_timeout_s)

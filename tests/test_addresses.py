@@ -1,0 +1,54 @@
+"""Rollout server addresses: as config values and as lines of ``rollout.addresses_file``."""
+
+import pytest
+
+from areal_jax.config import ConfigError
+from areal_jax.controller.addresses import MAX_FILE_BYTES, check_address, read_addresses_file
+from areal_jax.controller.rollout_pool import RolloutPool
+from areal_jax.experiment import RolloutConfig
+
+
+@pytest.mark.parametrize("address", ["localhost:50051", "10.0.0.7:1", "rollout-3.svc:65535",
+                                     "[::1]:50051", "[fe80::1%eth0]:9", "dns:///rollout:50051",
+                                     "unix:/tmp/rollout.sock"])
+def test_server_addresses_are_accepted(address):
+    assert check_address(address, "rollout.addresses[0]") == address
+
+
+@pytest.mark.parametrize("address", ["rollout-0", "rollout-0:port", "host:0", "host:65536",
+                                     "two words:1", "", ":50051", "http://host:1"])
+def test_what_is_not_an_address_is_named_with_its_place(address):
+    with pytest.raises(ValueError, match=r"^rollout.addresses\[2\]: '.*' is not a rollout "
+                                         r"server address \(HOST:PORT\)$"):
+        check_address(address, "rollout.addresses[2]")
+
+
+def test_a_config_with_a_bad_address_is_refused_naming_the_entry():
+    with pytest.raises(ConfigError, match=r"rollout.addresses\[1\]: 'b' is not a rollout"):
+        RolloutConfig(addresses=["a:1", "b"])
+
+
+def test_the_file_lists_addresses_in_order_once_without_comments(tmp_path):
+    path = tmp_path / "servers.txt"
+    path.write_text("# rollout nodes\n\nnode-1:50051  # the first\n  node-2:50051\nnode-1:50051\n")
+    assert read_addresses_file(path) == ["node-1:50051", "node-2:50051"]
+    path.write_text("node-1:50051\nnode-2\n")
+    with pytest.raises(ValueError, match=rf"^{path}, line 2: 'node-2' is not a rollout server"):
+        read_addresses_file(path)
+    path.write_bytes(b"node-1:50051\n\xff\n")
+    with pytest.raises(ValueError, match="not UTF-8 text"):
+        read_addresses_file(path)
+    path.write_bytes(b"#" * (MAX_FILE_BYTES + 1))
+    with pytest.raises(ValueError, match="over 1 MiB"):
+        read_addresses_file(path)
+
+
+def test_a_pool_needs_a_readable_file_and_one_server(tmp_path):
+    with pytest.raises(ValueError, match=r"^rollout.addresses_file: .*missing.txt: No such file"):
+        RolloutPool([], addresses_file=tmp_path / "missing.txt")
+    (tmp_path / "empty.txt").write_text("# none yet\n")
+    with pytest.raises(ValueError, match="at least one rollout server is needed"):
+        RolloutPool([], addresses_file=tmp_path / "empty.txt")
+    (tmp_path / "one.txt").write_text("node-1:50051\nnode-0:50051\n")
+    assert RolloutPool(["node-0:50051"], addresses_file=tmp_path / "one.txt").addresses == [
+        "node-0:50051", "node-1:50051"]

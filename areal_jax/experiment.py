@@ -12,7 +12,7 @@ import os
 from typing import Any, Literal
 
 from areal_jax.config import ConfigError, from_dict, to_dict
-from areal_jax.controller.addresses import check_address
+from areal_jax.protocol.addresses import check_address
 from areal_jax.controller.local_servers import (JAX_DEFAULT_MEMORY_FRACTION,
                                                MEMORY_FRACTION_VARIABLE)
 from areal_jax.data.config import DatasetConfig

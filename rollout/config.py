@@ -6,9 +6,11 @@ import dataclasses
 import ipaddress
 import logging
 import os
+import socket
 from typing import Any, Literal
 
 from areal_jax.config import ConfigError
+from areal_jax.protocol.addresses import check_address
 from rollout.engine import MAX_VERSION
 
 DEFAULT_WORKFLOW = "rollout.workflows.single_turn.SingleTurnWorkflow"
@@ -111,6 +113,11 @@ class ServerConfig:
     # directory and the directory holding engine.model_path
     weights_allowed_roots: list[str] = dataclasses.field(default_factory=list)
     allow_insecure_remote: bool = False  # serve a non-loopback host without an auth token
+    # an addresses file (a trainer's rollout.addresses_file) this server lists itself in while
+    # it serves, as advertise_address (default: host:port, or this machine's name:port where
+    # host is a wildcard such as 0.0.0.0)
+    register_file: str | None = None
+    advertise_address: str | None = None
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
@@ -141,6 +148,24 @@ class ServerConfig:
         for i, root in enumerate(self.weights_allowed_roots):
             if not root:
                 raise ConfigError(f"weights_allowed_roots[{i}]: must not be empty")
+        if self.advertise_address is not None:
+            try:
+                check_address(self.advertise_address, "advertise_address")
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+        if self.advertise_address is not None and self.register_file is None:
+            raise ConfigError("advertise_address: set only with register_file (where it goes)")
+
+    def advertised(self, port: int) -> str:
+        """The address this server lists in ``register_file`` when it serves on ``port``."""
+        if self.advertise_address is not None:
+            return self.advertise_address
+        host = self.host
+        if host in ("", "0.0.0.0", "::", "[::]"):
+            host = socket.getfqdn()
+        elif ":" in host and not host.startswith("["):
+            host = f"[{host}]"
+        return f"{host}:{port}"
         if not is_loopback(self.host) and self.auth_token is None and self.auth_token_env is None:
             if not self.allow_insecure_remote:
                 raise ConfigError(

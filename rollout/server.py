@@ -29,6 +29,7 @@ from areal_jax.config import ConfigError
 from areal_jax.models.config import ModelConfigError
 from areal_jax.models.tokenizer import check_tokenizer, load_tokenizer
 from areal_jax.protocol import SERVICE_NAME
+from areal_jax.protocol.addresses import register_address, unregister_address
 from rollout.auth import TokenAuthInterceptor
 from rollout.config import RewardConfig, ServerConfig
 from rollout.engine import EngineError, GenerationEngine
@@ -289,6 +290,12 @@ async def _watch_parent(pid: int, stop: asyncio.Event) -> None:
 
 async def _serve(config: ServerConfig, **components) -> int:
     server = await start_server(config, **components)
+    registered = None
+    if config.register_file:
+        registered = _register(config, server.port)
+        if registered is None:  # its trainers would never find it
+            await server.stop(0)
+            return 1
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -307,6 +314,8 @@ async def _serve(config: ServerConfig, **components) -> int:
     finally:
         for watcher in watchers:
             watcher.cancel()
+        if registered is not None:  # first: the trainers move its work elsewhere at once
+            _unregister(config, registered)
     log.info("shutting down (grace %.0f s)", config.shutdown_grace_s)
     for sig in (signal.SIGTERM, signal.SIGINT):  # a second one ends the process at once
         loop.add_signal_handler(sig, _exit_now, f"signal {sig.name} during the shutdown")
@@ -317,6 +326,28 @@ async def _serve(config: ServerConfig, **components) -> int:
         _exit_now(f"the shutdown did not finish within {limit:g} s (shutdown_grace_s + "
                   f"{STOP_MARGIN_S:g} s)")
     return 1 if server.failure is not None else 0
+
+
+def _register(config: ServerConfig, port: int) -> str | None:
+    """List the server serving on ``port`` in ``config.register_file``: its address, or None
+    (an error logged) when the file cannot be written."""
+    address = config.advertised(port)
+    try:
+        register_address(Path(config.register_file), address)
+    except OSError as e:
+        log.error("register_file: cannot list %s in %s: %s", address, config.register_file,
+                  e.strerror or e)
+        return None
+    log.info("listed as %s in %s", address, config.register_file)
+    return address
+
+
+def _unregister(config: ServerConfig, address: str) -> None:
+    try:
+        unregister_address(Path(config.register_file), address)
+    except OSError as e:  # the trainers find it gone when its stream ends
+        log.warning("register_file: cannot remove %s from %s: %s", address,
+                    config.register_file, e.strerror or e)
 
 
 def _exit_now(why: str) -> None:

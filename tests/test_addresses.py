@@ -3,7 +3,7 @@
 import pytest
 
 from areal_jax.config import ConfigError
-from areal_jax.controller.addresses import MAX_FILE_BYTES, check_address, read_addresses_file
+from areal_jax.protocol.addresses import MAX_FILE_BYTES, check_address, read_addresses_file
 from areal_jax.controller.rollout_pool import RolloutPool
 from areal_jax.experiment import RolloutConfig
 
@@ -52,3 +52,54 @@ def test_a_pool_needs_a_readable_file_and_one_server(tmp_path):
     (tmp_path / "one.txt").write_text("node-1:50051\nnode-0:50051\n")
     assert RolloutPool(["node-0:50051"], addresses_file=tmp_path / "one.txt").addresses == [
         "node-0:50051", "node-1:50051"]
+
+
+def _register_many(path, first, count):
+    from areal_jax.protocol.addresses import register_address
+
+    for i in range(first, first + count):
+        register_address(path, f"node-{i}:50051")
+
+
+def test_servers_registering_at_once_are_all_listed_and_each_removes_only_itself(tmp_path):
+    import multiprocessing
+
+    from areal_jax.protocol.addresses import unregister_address
+
+    path = tmp_path / "servers.txt"
+    path.write_text("# this run's servers\nfixed:1  # by hand\n")
+    workers = [multiprocessing.get_context("spawn").Process(
+        target=_register_many, args=(path, 10 * w, 10)) for w in range(4)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(60)
+        assert w.exitcode == 0
+    listed = read_addresses_file(path)
+    assert listed[0] == "fixed:1" and sorted(listed[1:]) == sorted(
+        f"node-{i}:50051" for i in range(40))
+    _register_many(path, 5, 1)  # listed already: not twice
+    unregister_address(path, "node-5:50051")
+    unregister_address(path, "node-5:50051")
+    unregister_address(tmp_path / "never-written.txt", "node-5:50051")
+    assert read_addresses_file(path) == [a for a in listed if a != "node-5:50051"]
+    assert path.read_text().startswith("# this run's servers\nfixed:1  # by hand\n")
+
+
+def test_a_server_advertises_where_it_can_be_reached():
+    import socket
+
+    from rollout.config import ServerConfig
+
+    def advertised(port=7, **fields):
+        return ServerConfig(engine={"model_path": "tiny"}, **fields).advertised(port)
+
+    assert advertised() == "127.0.0.1:7"
+    assert advertised(host="::1", auth_token="t") == "[::1]:7"
+    assert advertised(host="0.0.0.0", auth_token="t") == f"{socket.getfqdn()}:7"
+    assert advertised(register_file="f", advertise_address="rollout-3.svc:443") == (
+        "rollout-3.svc:443")
+    with pytest.raises(ConfigError, match="advertise_address: 'rollout-3' is not a rollout"):
+        advertised(register_file="f", advertise_address="rollout-3")
+    with pytest.raises(ConfigError, match="advertise_address: set only with register_file"):
+        advertised(advertise_address="rollout-3:1")

@@ -39,7 +39,8 @@ def _reap(*procs: subprocess.Popen) -> None:
         p.wait(10)
 
 
-def _run(tmp_path, address_list, steps, during=None, options=None, prompts=None, **cfg):
+def _run(tmp_path, address_list, steps, during=None, options=None, prompts=None,
+         addresses_file=None, **cfg):
     prompts = prompts or items(300)
     trainer = RecordingTrainer(exports_dir(tmp_path), train_s=0.05)
     ledger = RunLedger(tmp_path / "ledger.jsonl")
@@ -48,7 +49,8 @@ def _run(tmp_path, address_list, steps, during=None, options=None, prompts=None,
     async def main():
         return await run_loop(tmp_path, config(tmp_path, {"max_staleness": 2}, **cfg), trainer,
                               address_list, prompts, steps, ledger=ledger, during=during,
-                              options=options or PoolOptions(rejoin_interval_s=0.2))
+                              options=options or PoolOptions(rejoin_interval_s=0.2),
+                              addresses_file=addresses_file)
 
     try:
         loop = asyncio.run(main())
@@ -65,6 +67,49 @@ def _after_first_batch(trainer_batches, action):
             await asyncio.sleep(0.01)
         action()
     return during
+
+
+def test_servers_listing_themselves_join_and_leave_a_running_trainer(tmp_path):
+    # `serve ... register_file=F` with the trainer's rollout.addresses_file F: a server joins a
+    # run by starting and leaves it by stopping, nothing else to edit, nothing lost.
+    from areal_jax.protocol.addresses import read_addresses_file
+
+    listing = tmp_path / "servers.txt"
+    listing.write_text("# the rollout servers of this run\n")
+    a, addr_a = _server(tmp_path, "--register", str(listing))
+    procs = [a]
+    seen = {}
+
+    def until(condition, what):
+        deadline = time.monotonic() + 60
+        while not condition():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.02)
+
+    async def during(loop, pool):  # the run is long enough for a server process to start
+        b, addr_b = _server(tmp_path, "--register", str(listing))
+        procs.append(b)
+        seen["b"] = addr_b
+        while addr_b not in pool.live_servers:
+            await asyncio.sleep(0.02)
+        seen["joined_at"] = loop.version
+        a.send_signal(signal.SIGTERM)
+        while pool.live_servers != [addr_b]:
+            await asyncio.sleep(0.02)
+        seen["listed"] = read_addresses_file(listing)
+
+    try:
+        until(lambda: read_addresses_file(listing) == [addr_a], "the server did not list itself")
+        loop, _ = _run(tmp_path, [], 150, during=during, addresses_file=listing)
+        assert a.wait(30) == 0
+        assert seen["listed"] == [seen["b"]] and loop.live_at_end == [seen["b"]]
+        assert seen["joined_at"] < 150  # a part of the run, not its end
+        procs[1].send_signal(signal.SIGTERM)
+        assert procs[1].wait(30) == 0
+        assert read_addresses_file(listing) == []
+        assert listing.read_text().startswith("# the rollout servers of this run\n")
+    finally:
+        _reap(*procs)
 
 
 def test_sigkill_a_rollout_server_mid_run(tmp_path):

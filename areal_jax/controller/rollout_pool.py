@@ -48,7 +48,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from areal_jax.controller.addresses import read_addresses_file
+from areal_jax.protocol.addresses import read_addresses_file
 from areal_jax.controller.busy import BusyClock
 from areal_jax.protocol import SERVICE_NAME, push_weight_requests
 from areal_jax.protocol.v1 import rollout_pb2 as pb

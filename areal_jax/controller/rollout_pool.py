@@ -48,9 +48,9 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from areal_jax.protocol.addresses import read_addresses_file
 from areal_jax.controller.busy import BusyClock
 from areal_jax.protocol import SERVICE_NAME, push_weight_requests
+from areal_jax.protocol.addresses import read_addresses_file
 from areal_jax.protocol.v1 import rollout_pb2 as pb
 from areal_jax.protocol.v1 import rollout_pb2_grpc as pb_grpc
 from areal_jax.trainer.publish import export_in_use
@@ -490,7 +490,8 @@ class RolloutPool:
 
     def _hold_back(self, server: _Server, failures: int, what: str, error: str) -> None:
         """After ``failures`` in a row, ``server`` rejoins no sooner than twice as long per
-        failure (at most ``max_rejoin_backoff_s``), and not at all after ``max_attempts``."""
+        failure (at most ``max_rejoin_backoff_s``); after ``max_attempts``, only once it is
+        restarted (``_shut_out``)."""
         opts = self.options
         server.next_rejoin = time.monotonic() + min(opts.rejoin_interval_s * 2 ** failures,
                                                     opts.max_rejoin_backoff_s)

@@ -142,12 +142,11 @@ class RolloutPool:
         this run (a context too short for its prompts, say): at the start that error ends
         ``start``; a server joining later stays out of the pool until it is restarted.
         ``addresses_file`` lists more servers, one address per line; it is read again every
-        ``rejoin_interval_s`` when it changed: a server whose line is added joins the pool
-        like a server coming back, one whose line is removed leaves it (its groups go to the
-        others, not charged a failed send)."""
+        ``rejoin_interval_s``: a server whose line is added joins the pool like a server
+        coming back, one whose line is removed leaves it (its groups go to the others, not
+        charged a failed send)."""
         self._addresses_file = addresses_file
         self._fixed = list(dict.fromkeys(addresses))
-        self._file_seen: tuple | None = None  # the file's (inode, size, mtime) when last read
         self._file_problem: str | None = None  # why it could not be read last, logged once
         if addresses_file is not None:
             try:
@@ -155,7 +154,6 @@ class RolloutPool:
                                            if a not in self._fixed]
             except (OSError, ValueError) as e:
                 raise ValueError(f"rollout.addresses_file: {_reason(e)}") from None
-            self._file_seen = _file_state(addresses_file)
         if not addresses:
             raise ValueError("rollout.addresses: at least one rollout server is needed (or "
                              "rollout.addresses_file listing one)")
@@ -458,10 +456,7 @@ class RolloutPool:
         no longer lists. A file that cannot be read or has a bad line changes nothing (an
         error in the log, once per distinct problem)."""
         path = self._addresses_file
-        try:
-            state = _file_state(path)
-            if state == self._file_seen:
-                return
+        try:  # a small file, read whole each time: no edit is missed, however quick
             listed = read_addresses_file(path)
         except (OSError, ValueError) as e:
             problem = _reason(e)
@@ -470,7 +465,7 @@ class RolloutPool:
                           problem, ", ".join(self.addresses) or "none")
             self._file_problem = problem
             return
-        self._file_seen, self._file_problem = state, None
+        self._file_problem = None
         wanted = self._fixed + [a for a in listed if a not in self._fixed]
         for server in [s for s in self._servers if s.address not in wanted]:
             self._servers.remove(server)
@@ -743,12 +738,6 @@ class RolloutPool:
                 future.cancel()
         self._futures.clear()
         self._parked.clear()
-
-
-def _file_state(path: Path) -> tuple:
-    """What tells a rewritten file from the one read before: inode, size, modification time."""
-    st = path.stat()
-    return st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def _reason(error: BaseException) -> str:

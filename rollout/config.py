@@ -155,17 +155,6 @@ class ServerConfig:
                 raise ConfigError(str(e)) from None
         if self.advertise_address is not None and self.register_file is None:
             raise ConfigError("advertise_address: set only with register_file (where it goes)")
-
-    def advertised(self, port: int) -> str:
-        """The address this server lists in ``register_file`` when it serves on ``port``."""
-        if self.advertise_address is not None:
-            return self.advertise_address
-        host = self.host
-        if host in ("", "0.0.0.0", "::", "[::]"):
-            host = socket.getfqdn()
-        elif ":" in host and not host.startswith("["):
-            host = f"[{host}]"
-        return f"{host}:{port}"
         if not is_loopback(self.host) and self.auth_token is None and self.auth_token_env is None:
             if not self.allow_insecure_remote:
                 raise ConfigError(
@@ -178,6 +167,17 @@ class ServerConfig:
                 "who reaches this port can generate, load weights and pause the server",
                 self.host,
             )
+
+    def advertised(self, port: int) -> str:
+        """The address this server lists in ``register_file`` when it serves on ``port``."""
+        if self.advertise_address is not None:
+            return self.advertise_address
+        host = self.host
+        if host in ("", "0.0.0.0", "::", "[::]"):
+            host = socket.getfqdn()
+        elif ":" in host and not host.startswith("["):
+            host = f"[{host}]"
+        return f"{host}:{port}"
 
     def allowed_weight_roots(self, push_dir: str) -> list[str]:
         """Real paths of the directories UpdateWeights may load from (see the field)."""

@@ -10,7 +10,7 @@ from areal_jax.experiment import RolloutConfig
 
 @pytest.mark.parametrize("address", ["localhost:50051", "10.0.0.7:1", "rollout-3.svc:65535",
                                      "[::1]:50051", "[fe80::1%eth0]:9", "dns:///rollout:50051",
-                                     "unix:/tmp/rollout.sock"])
+                                     "unix:/tmp/rollout.sock", "xds:///rollout-svc"])
 def test_server_addresses_are_accepted(address):
     assert check_address(address, "rollout.addresses[0]") == address
 
@@ -82,7 +82,11 @@ def test_servers_registering_at_once_are_all_listed_and_each_removes_only_itself
     unregister_address(path, "node-5:50051")
     unregister_address(path, "node-5:50051")
     unregister_address(tmp_path / "never-written.txt", "node-5:50051")
+    assert not (tmp_path / "never-written.txt").exists()
     assert read_addresses_file(path) == [a for a in listed if a != "node-5:50051"]
+    path.chmod(0o644)  # the trainer may run as another user: the rewritten file stays readable
+    _register_many(path, 99, 1)
+    assert path.stat().st_mode & 0o777 == 0o644
     assert path.read_text().startswith("# this run's servers\nfixed:1  # by hand\n")
 
 

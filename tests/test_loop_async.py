@@ -894,9 +894,22 @@ def test_servers_whose_context_cannot_hold_the_prompts_and_answers_are_named_at_
                     asyncio.run(connect(held_out=[15])))
 
 
-def test_servers_join_and_leave_a_running_pool_as_the_addresses_file_changes(tmp_path, caplog):
+def test_servers_join_and_leave_a_running_pool_as_the_addresses_file_changes(
+        tmp_path, caplog, monkeypatch):
     # Rollout scaled only by restarting the trainer with a longer rollout.addresses.
+    from areal_jax.controller import rollout_pool
     from areal_jax.controller.ledger import RunLedger
+
+    real_read, torn = rollout_pool.read_addresses_file, {"left": 0, "reads": 0}
+
+    def read(path):
+        torn["reads"] += 1
+        if torn["left"]:  # the file caught truncated, before its lines were written again
+            torn["left"] -= 1
+            return []
+        return real_read(path)
+
+    monkeypatch.setattr(rollout_pool, "read_addresses_file", read)
 
     prompts = items(400)
     trainer = RecordingTrainer(exports_dir(tmp_path), train_s=0.05)
@@ -923,6 +936,10 @@ def test_servers_join_and_leave_a_running_pool_as_the_addresses_file_changes(tmp
         write(b, "not an address")  # a bad line: nothing changes
         await until(lambda: "line 2" in caplog.text, "the bad line was not named")
         seen["bad"] = list(pool.live_servers)
+        write(a, b)
+        torn["left"], reads = 1, torn["reads"]
+        await until(lambda: torn["reads"] >= reads + 4, "the file was not read again")
+        seen["torn"] = "no longer listed" in caplog.text  # a server taken out for it
         write(b)
         await until(lambda: pool.live_servers == [b], "the removed server stayed")
         seen["removed_at"] = len(first.requests)
@@ -945,7 +962,7 @@ def test_servers_join_and_leave_a_running_pool_as_the_addresses_file_changes(tmp
 
     loop = asyncio.run(main())
     assert trainer.version == 30
-    assert seen["before"] == 0 and len(seen["bad"]) == 2
+    assert seen["before"] == 0 and len(seen["bad"]) == 2 and not seen["torn"]
     assert len(first.requests) == seen["removed_at"]  # no work after its removal
     assert loop.live_at_end == [seen["b"]]
     assert caplog.text.count("rollout.addresses_file: ") == 1

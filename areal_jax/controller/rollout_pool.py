@@ -178,6 +178,7 @@ class RolloutPool:
         self._weights: _Weights | None = None
         self._weights_lock = asyncio.Lock()
         self._supervisor: asyncio.Task | None = None
+        self._follower: asyncio.Task | None = None  # reads addresses_file
         self._rejoining: dict[str, asyncio.Task] = {}  # address -> its rejoin attempt
         self._stall_checks: dict[str, asyncio.Task] = {}  # address -> its progress check
         self._closing: list[asyncio.Task] = []
@@ -196,10 +197,18 @@ class RolloutPool:
         not answer in time join later, like failed ones; none answering is
         ``NoLiveServerError``, and a server refusing the token is ``ServerRefusedError``."""
         channels = [self._new_channel(s.address) for s in self._servers]
+        asks = [asyncio.ensure_future(self._answers(s, c, ready_timeout_s))
+                for s, c in zip(self._servers, channels)]
         try:
-            ready = await asyncio.gather(*(self._answers(s, c, ready_timeout_s)
-                                           for s, c in zip(self._servers, channels)))
+            await asyncio.wait(asks, return_when=asyncio.FIRST_EXCEPTION)
+            for ask in asks:  # the first refusal, the others cancelled
+                if ask.done() and ask.exception() is not None:
+                    raise ask.exception()
+            ready = [ask.result() for ask in asks]
         except BaseException:
+            for ask in asks:
+                ask.cancel()
+            await asyncio.gather(*asks, return_exceptions=True)  # none left on a closed channel
             await asyncio.gather(*(c.close() for c in channels), return_exceptions=True)
             raise
         if not any(ready):
@@ -217,6 +226,8 @@ class RolloutPool:
                 log.warning("rollout server %s did not answer within %.0f s; going on without "
                             "it (it joins once it answers)", server.address, ready_timeout_s)
         self._supervisor = asyncio.create_task(self._supervise())
+        if self._addresses_file is not None:
+            self._follower = asyncio.create_task(self._follow_addresses_file())
 
     async def _answers(self, server: _Server, channel: grpc.aio.Channel, timeout: float) -> bool:
         """Whether ``server`` answers on ``channel`` within ``timeout``; ``ServerRefusedError``
@@ -423,8 +434,6 @@ class RolloutPool:
         opts = self.options
         while True:
             await asyncio.sleep(opts.rejoin_interval_s)
-            if self._addresses_file is not None:
-                self._follow_addresses_file()
             now = time.monotonic()
             for server in self._servers:  # one try per server at a time; a slow one holds no other
                 if (not server.alive and server.address not in self._rejoining
@@ -445,29 +454,41 @@ class RolloutPool:
                                     if s.rejoin_error)
                     error = NoLiveServerError(
                         f"no rollout server has been in the pool for {waited:.0f} s "
-                        f"(rollout.no_server_timeout_s); tried {', '.join(self.addresses)}"
+                        f"(rollout.no_server_timeout_s); tried "
+                        f"{', '.join(self.addresses) or 'none: rollout.addresses_file lists none'}"
                         + (f"; the last errors: {why}" if why else ""))
                     self._parked.clear()
                     for rid in list(self._futures):
                         self._resolve(rid, error=error)
 
-    def _follow_addresses_file(self) -> None:
-        """Add the servers ``addresses_file`` lists now and the pool lacks; take out those it
-        no longer lists. A file that cannot be read or has a bad line changes nothing (an
+    async def _follow_addresses_file(self) -> None:
+        """Every ``rejoin_interval_s``, read ``addresses_file`` (off the event loop: a hung
+        filesystem stalls only this task) and bring the pool to what it lists
+        (``_apply_listing``). A file that cannot be read or has a bad line changes nothing (an
         error in the log, once per distinct problem)."""
+        path, unlisted = self._addresses_file, set()
+        while True:
+            await asyncio.sleep(self.options.rejoin_interval_s)
+            try:  # a small file, read whole each time: no edit is missed, however quick
+                listed = await asyncio.to_thread(read_addresses_file, path)
+            except (OSError, ValueError) as e:
+                problem = _reason(e)
+                if problem != self._file_problem:
+                    log.error("rollout.addresses_file: %s; the pool keeps its servers (%s)",
+                              problem, ", ".join(self.addresses) or "none")
+                self._file_problem = problem
+                continue
+            self._file_problem = None
+            unlisted = self._apply_listing(listed, unlisted)
+
+    def _apply_listing(self, listed: list[str], unlisted: set[str]) -> set[str]:
+        """Add the servers ``listed`` that the pool lacks; take out those missing from both
+        this listing and the one before (``unlisted``: a file caught half written, truncated
+        before its new lines, loses no server). Returns the servers missing from this one."""
         path = self._addresses_file
-        try:  # a small file, read whole each time: no edit is missed, however quick
-            listed = read_addresses_file(path)
-        except (OSError, ValueError) as e:
-            problem = _reason(e)
-            if problem != self._file_problem:
-                log.error("rollout.addresses_file: %s; the pool keeps its servers (%s)",
-                          problem, ", ".join(self.addresses) or "none")
-            self._file_problem = problem
-            return
-        self._file_problem = None
         wanted = self._fixed + [a for a in listed if a not in self._fixed]
-        for server in [s for s in self._servers if s.address not in wanted]:
+        missing = {s.address for s in self._servers if s.address not in wanted}
+        for server in [s for s in self._servers if s.address in missing & unlisted]:
             self._servers.remove(server)
             for tasks in (self._rejoining, self._stall_checks):
                 if server.address in tasks:
@@ -482,6 +503,7 @@ class RolloutPool:
                 self._servers.append(_Server(address))
                 log.warning("rollout server %s was added to the pool (%s); it gets work once "
                             "it answers and has the current weights", address, path)
+        return missing
 
     def _hold_back(self, server: _Server, failures: int, what: str, error: str) -> None:
         """After ``failures`` in a row, ``server`` rejoins no sooner than twice as long per
@@ -497,6 +519,7 @@ class RolloutPool:
         """Keep ``server``'s process out of the pool for the rest of the run; once the server
         is restarted (its status names another process) it may rejoin. A server whose status
         names no process stays out for good."""
+        server.rejoin_error = why  # named if the run stops for want of servers
         if server.instance:  # asked no more often than a server that is down
             server.shut_out = server.instance
             server.next_rejoin = time.monotonic() + self.options.rejoin_interval_s
@@ -567,7 +590,7 @@ class RolloutPool:
                     return
                 log.warning("rollout server %s was restarted; it may rejoin the pool",
                             server.address)
-                server.shut_out = None
+                server.shut_out, server.rejoin_error = None, None
                 server.strikes = server.rejoin_failures = server.pings_refused = 0
             server.instance = status.instance_id
             if self._admit is not None:
@@ -719,7 +742,7 @@ class RolloutPool:
         return {server.address: status for server, status in done}
 
     async def close(self) -> None:
-        tasks = [self._supervisor] if self._supervisor is not None else []
+        tasks = [t for t in (self._supervisor, self._follower) if t is not None]
         tasks += [*self._rejoining.values(), *self._stall_checks.values()]
         for task in tasks:
             task.cancel()

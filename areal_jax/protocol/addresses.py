@@ -7,12 +7,13 @@ from __future__ import annotations
 import fcntl
 import os
 import re
+import stat
 from pathlib import Path
 
 # HOST:PORT (a name, an IPv4 address or a bracketed IPv6 one), or a gRPC target with one of
 # gRPC's schemes (dns:///host:port, unix:/path, ...).
 _HOST_PORT = re.compile(r"(?:[A-Za-z0-9._-]+|\[[0-9A-Za-z:.%]+\]):(\d{1,5})")
-_SCHEME = re.compile(r"(?:dns|unix|unix-abstract|ipv4|ipv6|vsock):\S+")
+_SCHEME = re.compile(r"(?:dns|unix|unix-abstract|ipv4|ipv6|vsock|xds):\S+")
 MAX_FILE_BYTES = 1 << 20  # a list of addresses, not a data file
 
 
@@ -69,17 +70,19 @@ def _entries(lines: list[str]) -> set[str]:
 def _rewrite(path: Path, change) -> None:
     """Replace ``path``'s lines with ``change(lines)``, whole (written aside, then renamed into
     place, so a reader never sees half of it), under a lock shared by every writer (servers
-    starting and stopping at once on a shared filesystem)."""
+    starting and stopping at once on a shared filesystem). The file keeps its permissions."""
     path = Path(path)
     with open(path.with_name(path.name + ".lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             lines = path.read_text().splitlines() if path.exists() else []
             changed = change(lines)
-            if changed == lines and path.exists():
+            if changed == lines:
                 return
             aside = path.with_name(f".{path.name}.{os.getpid()}")
             aside.write_text("".join(f"{line}\n" for line in changed))
+            if path.exists():  # readable by whom it was (a trainer running as another user)
+                os.chmod(aside, stat.S_IMODE(path.stat().st_mode))
             os.replace(aside, path)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)

@@ -314,7 +314,7 @@ async def _serve(config: ServerConfig, **components) -> int:
     finally:
         for watcher in watchers:
             watcher.cancel()
-        if registered is not None:  # first: the trainers move its work elsewhere at once
+        if registered is not None:  # first: trainers stop trying it once it is gone
             _unregister(config, registered)
     log.info("shutting down (grace %.0f s)", config.shutdown_grace_s)
     for sig in (signal.SIGTERM, signal.SIGINT):  # a second one ends the process at once

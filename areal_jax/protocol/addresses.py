@@ -80,9 +80,13 @@ def _rewrite(path: Path, change) -> None:
             if changed == lines:
                 return
             aside = path.with_name(f".{path.name}.{os.getpid()}")
-            aside.write_text("".join(f"{line}\n" for line in changed))
-            if path.exists():  # readable by whom it was (a trainer running as another user)
-                os.chmod(aside, stat.S_IMODE(path.stat().st_mode))
-            os.replace(aside, path)
+            try:
+                aside.write_text("".join(f"{line}\n" for line in changed))
+                if path.exists():  # readable by whom it was (a trainer running as another user)
+                    os.chmod(aside, stat.S_IMODE(path.stat().st_mode))
+                os.replace(aside, path)
+            except BaseException:
+                aside.unlink(missing_ok=True)
+                raise
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)

@@ -313,6 +313,35 @@ def test_a_server_failing_every_group_leaves_the_pool_and_is_logged_once(tmp_pat
     assert_nothing_lost(tmp_path / "ledger.jsonl", prompts)
 
 
+
+class OutOfVocabularyEngine(ArithmeticEngine):
+    """Answers with a token id past its vocabulary first (a defect, another model's ids)."""
+
+    def answer(self, context, params, request_id):
+        return [self.vocab_size + 7] + super().answer(context, params, request_id)
+
+
+def test_a_server_sending_malformed_groups_is_taken_out_and_none_of_them_is_trained(
+        tmp_path, caplog):
+    # Its groups were trained as they came (a gather clamps the bad id: silently corrupted
+    # training), and one with mismatched lengths stopped the run with a traceback.
+    prompts = items(200)
+    trainer = RecordingTrainer(exports_dir(tmp_path), train_s=0.05)
+    broken = OutOfVocabularyEngine()
+    run_on_servers(tmp_path, [broken, ArithmeticEngine(step_s=0.005)],
+                   config(tmp_path, {"max_staleness": 2}), trainer, prompts, 20,
+                   options=PoolOptions(rejoin_interval_s=0.1, max_attempts=3))
+    assert trainer.version == 20
+    vocab = broken.vocab_size
+    assert all(int(t.output_ids.max()) < vocab for _, groups in trainer.batches
+               for g in groups for t in g.trajectories)
+    assert broken.requests  # it was sent work, and all of it went elsewhere
+    assert (f"the group it sent back is malformed: trajectories[0].output_ids: {vocab + 7} is "
+            f"not a token id of a vocabulary of {vocab}") in caplog.text
+    assert "was taken out of the pool 3 times in a row" in caplog.text
+    assert_nothing_lost(tmp_path / "ledger.jsonl", prompts)
+
+
 @pytest.mark.parametrize("policy", ["drop", "train"])
 def test_overstale_groups_at_batch_formation(tmp_path, policy):
     prompts = items(200)
@@ -1012,6 +1041,32 @@ def test_a_server_joining_later_with_too_short_a_context_stays_out_of_the_pool(t
     assert re.search(r"rollout server 127.0.0.1:\d+ cannot serve this run: the context rollout "
                      r"server 127.0.0.1:\d+ serves \(64 tokens\) is below the longest training "
                      r"prompt \(35 tokens\)", caplog.text)
+
+
+def test_a_server_of_another_model_is_refused_at_connect(tmp_path):
+    # It took the run's requests and answered with its own model's token ids.
+    from areal_jax.config import ConfigError, load_config
+    from areal_jax.controller.servers import rollout_servers
+    from areal_jax.experiment import ExperimentConfig
+
+    async def connect(vocab_size):
+        servers = await start_servers(tmp_path, [ArithmeticEngine()])
+        quickstart = Path(__file__).parent.parent / "configs" / "quickstart.yaml"
+        cfg = load_config(ExperimentConfig, quickstart, [
+            f"run_dir={tmp_path}", f"rollout.addresses={addresses(servers)}"])
+        try:
+            async with rollout_servers(cfg, tmp_path, 0, vocab_size=vocab_size):
+                return None
+        except ConfigError as e:
+            return str(e)
+        finally:
+            await asyncio.gather(*(s.stop(grace=1.0) for s in servers))
+
+    vocab = ArithmeticEngine().vocab_size
+    assert asyncio.run(connect(vocab)) is None
+    assert re.fullmatch(rf"rollout server 127.0.0.1:\d+ serves a model with a vocabulary of "
+                        rf"{vocab}, the trainer's has {vocab + 1}: another model; start it with "
+                        r"this run's model", asyncio.run(connect(vocab + 1)))
 
 
 def test_a_server_down_at_start_joins_later_and_a_wrong_token_is_named_at_once(

@@ -114,13 +114,14 @@ async def evaluate_checkpoints(cfg, model_paths) -> list[dict]:
         raise ValueError("model_paths is empty: nothing to evaluate")
     prepare_data(cfg)
     paths = [Path(p) for p in model_paths]
-    tokenizer = load_tokenizer(paths[0], ModelConfig.from_pretrained(paths[0]).vocab_size)
+    vocab_size = ModelConfig.from_pretrained(paths[0]).vocab_size
+    tokenizer = load_tokenizer(paths[0], vocab_size)
     items = held_out_items(cfg, tokenizer)
     lengths = [len(i.prompt_ids) for i in items]
     check_local_engine_context(cfg, paths[0], held_out=lengths)
     results = []
-    async with rollout_servers(cfg, paths[0], 0, with_trainer=False,
-                               held_out=lengths) as (pool, servers):
+    async with rollout_servers(cfg, paths[0], 0, with_trainer=False, held_out=lengths,
+                               vocab_size=vocab_size) as (pool, servers):
         version = 0
         if servers is None:
             version = max(s.version for s in (await pool.statuses()).values()) + 1

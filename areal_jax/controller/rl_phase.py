@@ -22,6 +22,7 @@ from areal_jax.data.dataset import PromptDataset
 from areal_jax.experiment import ExperimentConfig
 from areal_jax.files import read_json, write_atomic
 from areal_jax.metrics import METRICS_FILE, MetricsLogger, read_records
+from areal_jax.models import ModelConfig
 from areal_jax.trainer.publish import discard_exports_after
 
 log = logging.getLogger(__name__)
@@ -142,7 +143,8 @@ async def run_rl(cfg: ExperimentConfig, trainer, tokenizer, train_set: PromptDat
                                     else "starting rollout servers", None)
         async with rollout_servers(
                 cfg, published, version, training=prompt_lengths,
-                held_out=[len(item.prompt_ids) for item in eval_items]) as (pool, servers), \
+                held_out=[len(item.prompt_ids) for item in eval_items],
+                vocab_size=ModelConfig.from_pretrained(published).vocab_size) as (pool, servers), \
                 Supervision(servers, published.parent) as supervision:
             # local servers that exit are restarted, in the evaluations as in the loop
             progress.end_phase(task)

@@ -51,6 +51,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from areal_jax.controller.busy import BusyClock
 from areal_jax.protocol import SERVICE_NAME, push_weight_requests
 from areal_jax.protocol.addresses import read_addresses_file
+from areal_jax.protocol.group_check import group_problem
 from areal_jax.protocol.v1 import rollout_pb2 as pb
 from areal_jax.protocol.v1 import rollout_pb2_grpc as pb_grpc
 from areal_jax.trainer.publish import export_in_use
@@ -58,6 +59,7 @@ from areal_jax.trainer.publish import export_in_use
 log = logging.getLogger(__name__)
 
 _S = grpc.StatusCode
+_NO_VERSION_YET = 2**62  # before the first weights: servers serve their own
 # Error groups whose request is generated again elsewhere: the server failed, not the request.
 _SERVER_GONE = {_S.UNAVAILABLE.value[0], _S.ABORTED.value[0], _S.CANCELLED.value[0]}
 _SERVER_FAULT = {_S.INTERNAL.value[0], _S.UNKNOWN.value[0], _S.DEADLINE_EXCEEDED.value[0],
@@ -123,6 +125,7 @@ class _Server:
     tokens_seen: int = -1  # its tokens_generated at that time (-1: not asked yet)
     strikes: int = 0  # times in a row it left the pool for stalling or failing every group
     instance: str = ""  # the id of its process, as its status last said ("": not told)
+    vocab_size: int = 0  # as its status said; the token ids it returns must be below it
     shut_out: str | None = None  # the process kept out for the rest of the run; a new one
     # (the server restarted) may rejoin
     faults: set[str] = dataclasses.field(default_factory=set)  # the distinct groups it failed
@@ -176,6 +179,7 @@ class RolloutPool:
         self._parked: list[pb.RolloutRequest] = []
         self._none_live_since: float | None = None
         self._weights: _Weights | None = None
+        self._newest_version = _NO_VERSION_YET  # the newest version a server may serve
         self._weights_lock = asyncio.Lock()
         self._supervisor: asyncio.Task | None = None
         self._follower: asyncio.Task | None = None  # reads addresses_file
@@ -246,7 +250,7 @@ class RolloutPool:
                     f"{e.details()}; rollout.auth_token_env must name a variable holding the "
                     "servers' token") from None
             return False
-        server.instance = status.instance_id
+        server.instance, server.vocab_size = status.instance_id, status.vocab_size
         if self._admit is not None:
             self._admit(server.address, status)
         return True
@@ -387,6 +391,8 @@ class RolloutPool:
         if group.request_id not in self._futures:
             return
         code = group.error.code if group.HasField("error") else 0
+        problem = None if code else group_problem(request, group, vocab_size=server.vocab_size,
+                                                  newest_version=self._newest_version)
         aborted = any(t.finish_reason == pb.FINISH_REASON_ABORT for t in group.trajectories)
         if code in _SERVER_GONE or aborted:
             # The server is going away (shutting down, engine dead): it gets no more work
@@ -398,8 +404,9 @@ class RolloutPool:
                 server.in_flight[group.request_id] = request  # resubmitted with the others
                 server.busy.add()
             self._mark_dead(server, reason)
-        elif code in _SERVER_FAULT:
-            reason = f"{_code_enum(code).name}: {group.error.message}"
+        elif code in _SERVER_FAULT or problem is not None:
+            reason = (f"{_code_enum(code).name}: {group.error.message}" if code
+                      else f"the group it sent back is malformed: {problem}")
             server.faults.add(group.request_id)
             if reason != server.fault_error:  # once while the same fault repeats
                 log.warning("request %s failed on %s (%s); sending it again", group.request_id,
@@ -592,7 +599,7 @@ class RolloutPool:
                             server.address)
                 server.shut_out, server.rejoin_error = None, None
                 server.strikes = server.rejoin_failures = server.pings_refused = 0
-            server.instance = status.instance_id
+            server.instance, server.vocab_size = status.instance_id, status.vocab_size
             if self._admit is not None:
                 try:
                     self._admit(server.address, status)
@@ -691,6 +698,10 @@ class RolloutPool:
         are streamed to the server instead of read from a shared filesystem; ``force``: also
         when a server serves a newer version, as after a restart from an older checkpoint)."""
         w = _Weights(str(path), version, push)
+        if force or self._newest_version == _NO_VERSION_YET:  # servers go to it, whatever
+            self._newest_version = version  # they served (a new run starts from its own)
+        else:  # set before any server loads it: its first tokens are not taken for future
+            self._newest_version = max(self._newest_version, version)
 
         async def one(stub, timeout):
             try:
@@ -724,6 +735,7 @@ class RolloutPool:
         """Every server already serves ``path`` as ``version`` (launched with it): servers
         that rejoin later are brought to it."""
         self._weights = _Weights(str(path), version, push)
+        self._newest_version = version
         for server in self._servers:
             server.version = version
 

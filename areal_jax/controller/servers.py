@@ -104,14 +104,20 @@ def check_local_engine_context(cfg: ExperimentConfig, model_path: Path, *,
 
 
 def make_pool(cfg: ExperimentConfig, addresses: list[str], *, addresses_file: str | None = None,
-              training: list[int] = (), held_out: list[int] = ()) -> RolloutPool:
+              training: list[int] = (), held_out: list[int] = (),
+              vocab_size: int | None = None) -> RolloutPool:
     """The pool of ``addresses`` (and those ``addresses_file`` lists, followed as it changes),
-    with the run's settings; it admits only servers whose served
+    with the run's settings; it admits only servers whose model has ``vocab_size`` entries
+    (when given) and whose served
     context (``max_context_len`` of their status: remote servers, or an SGLang whose KV pool
     allows less than the model) holds the longest ``training`` and ``held_out`` prompts (token
     counts) and their ``max_new_tokens`` (``_check_context``), at the start and whenever a
     server joins later."""
     def admit(address: str, status: pb.ServerStatus) -> None:
+        if vocab_size is not None and status.vocab_size != vocab_size:
+            raise ConfigError(f"rollout server {address} serves a model with a vocabulary of "
+                              f"{status.vocab_size}, the trainer's has {vocab_size}: another "
+                              "model; start it with this run's model")
         _check_context(cfg, status.max_context_len, f"the context rollout server {address} "
                        f"serves ({status.max_context_len} tokens)", "serve a longer one there",
                        list(training), list(held_out))
@@ -261,16 +267,16 @@ async def wait_ready(pool: RolloutPool, servers: LocalServers | None,
 @contextlib.asynccontextmanager
 async def rollout_servers(cfg: ExperimentConfig, model_path: Path, version: int,
                           with_trainer: bool = True, *, training: list[int] = (),
-                          held_out: list[int] = ()):
+                          held_out: list[int] = (), vocab_size: int | None = None):
     """Local servers serving ``model_path`` as ``version`` (or the given servers) and a
     connected pool whose servers' contexts hold the ``training`` and ``held_out`` prompts (token
-    counts; ``make_pool``): yields ``(pool, local servers or None)``; closes and
-    stops both on exit. ``with_trainer``: whether this process is a trainer sharing the
-    servers' devices."""
+    counts) and whose models have ``vocab_size`` entries (``make_pool``): yields ``(pool, local
+    servers or None)``; closes and stops both on exit. ``with_trainer``: whether this process
+    is a trainer sharing the servers' devices."""
     servers = launch_local(cfg, model_path, version, with_trainer)
     pool = make_pool(cfg, servers.addresses if servers else list(cfg.rollout.addresses),
                      addresses_file=None if servers else cfg.rollout.addresses_file,
-                     training=training, held_out=held_out)
+                     training=training, held_out=held_out, vocab_size=vocab_size)
     try:
         await wait_ready(pool, servers, cfg.rollout.start_timeout_s)
         yield pool, servers

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from _loop_kit import RecordingTrainer, assert_nothing_lost, config, exports_dir, items, run_loop
 from _loop_kit import addresses, run_on_servers, start_servers, trained_ids
-from _rollout_fakes import ArithmeticEngine, FailingScorer, encode, write_checkpoint
+from _rollout_fakes import ID_TO_CHAR, VOCAB, ArithmeticEngine, FailingScorer, encode
+from _rollout_fakes import write_checkpoint
 
 from areal_jax.controller.ledger import read_ledger
 from areal_jax.controller.loop import RolloutRejectedError
@@ -340,6 +341,45 @@ def test_a_server_sending_malformed_groups_is_taken_out_and_none_of_them_is_trai
             f"not a token id of a vocabulary of {vocab}") in caplog.text
     assert "was taken out of the pool 3 times in a row" in caplog.text
     assert_nothing_lost(tmp_path / "ledger.jsonl", prompts)
+
+
+
+class RamblingEngine(ArithmeticEngine):
+    """Answers prompts whose first number is a multiple of ``every`` with ``max_new_tokens`` of
+    filler (``every`` 1: all of them), the others as usual."""
+
+    def __init__(self, every: int, **kwargs):
+        super().__init__(**kwargs)
+        self.every = every
+
+    def answer(self, context, params, request_id):
+        first = "".join(ID_TO_CHAR.get(t, "") for t in context).split("+")[0]
+        if int(first) % self.every == 0:
+            return [VOCAB["?"]] * params.max_new_tokens
+        return super().answer(context, params, request_id)
+
+
+def test_answers_too_long_to_train_on_are_rejected_not_a_crash(tmp_path, caplog):
+    # A trajectory over the micro-batch token budget (a multi-turn workflow's) failed the
+    # train step mid-run with a traceback, after the work before it.
+    prompts = items(200)
+    cfg = config(tmp_path, {"max_staleness": 2}, trainer={"micro_batch": {"token_budget": 9}})
+    trainer = RecordingTrainer(exports_dir(tmp_path), train_s=0.01)
+    run_on_servers(tmp_path, [RamblingEngine(every=4)], cfg, trainer, prompts, 10)
+    assert trainer.version == 10
+    assert max(len(t.prompt_ids) + len(t.output_ids) for _, groups in trainer.batches
+               for g in groups for t in g.trajectories) <= 9
+    assert "over trainer.micro_batch.token_budget (9)" in caplog.text
+    assert_nothing_lost(tmp_path / "ledger.jsonl", prompts)
+
+    with pytest.raises(RolloutRejectedError, match=r"\d+ groups in a row were rejected, by the "
+                       r"rollout servers or as too long to train on .* a trajectory of 1\d "
+                       r"tokens \(prompt and answer\) is over trainer.micro_batch.token_budget"):
+        run_on_servers(tmp_path / "all", [RamblingEngine(every=1)],
+                       config(tmp_path / "all", {"max_staleness": 2},
+                              trainer={"micro_batch": {"token_budget": 9}},
+                              rollout={"max_consecutive_rejections": 3}),
+                       RecordingTrainer(exports_dir(tmp_path / "all")), prompts, 10)
 
 
 @pytest.mark.parametrize("policy", ["drop", "train"])

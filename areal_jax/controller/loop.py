@@ -11,7 +11,8 @@ Nothing accepted is lost: groups in flight or buffered when a checkpoint is writ
 by prompt id and resubmitted first after a restart; groups of a failed server are resubmitted
 elsewhere by the pool; an over-stale group dropped at batch formation (``schedule.overstale:
 drop``) has its prompt generated again. Only a request a server rejects as invalid is not
-retried; many in a row stop the run with the server's error.
+retried, nor one whose answer is too long to train on (a trajectory over the micro-batch token
+budget: a multi-turn workflow's, say); many in a row stop the run with the error.
 """
 
 from __future__ import annotations
@@ -37,12 +38,14 @@ from areal_jax.data.dataset import PromptItem
 from areal_jax.data.sampler import PromptIterator
 from areal_jax.experiment import ExperimentConfig
 from areal_jax.protocol import group_from_proto
+from areal_jax.protocol.v1 import rollout_pb2 as pb
 
 log = logging.getLogger(__name__)
 
 
 class RolloutRejectedError(RuntimeError):
-    """Too many consecutive groups were rejected by the rollout servers as invalid."""
+    """Too many consecutive groups were rejected (by the rollout servers as invalid, or as too
+    long to train on)."""
 
 
 @dataclasses.dataclass(order=True)
@@ -175,24 +178,39 @@ class RLLoop:
             self._fatal = error
         elif future.result().HasField("error"):
             self._on_rejected(item, future.result().error)
+        elif (error := self._too_long(future.result())) is not None:
+            self._on_rejected(item, error)
         else:
             self._consecutive_rejected = 0
             self.gate.on_finished()
             self._buffer.append(_Finished.of(index, item, future.result()))
 
+    def _too_long(self, group: pb.TrajectoryGroup) -> pb.RequestError | None:
+        """Why ``group`` cannot be trained, if a trajectory has more tokens than a micro-batch
+        holds (its step would fail)."""
+        budget = self.cfg.trainer.micro_batch.token_budget
+        longest = len(group.prompt_ids) + max(len(t.output_ids) for t in group.trajectories)
+        if longest <= budget:
+            return None
+        return pb.RequestError(field="trajectories", message=(
+            f"a trajectory of {longest} tokens (prompt and answer) is over "
+            f"trainer.micro_batch.token_budget ({budget}): the workflow's answers must fit one "
+            "micro-batch; raise the budget or bound the answers"))
+
     def _on_rejected(self, item: PromptItem, err) -> None:
         self.gate.on_failed()
         self._rejected += 1
         self._consecutive_rejected += 1
-        log.warning("prompt %s rejected by the rollout server: %s (field %s)", item.id,
+        log.warning("prompt %s rejected: %s (field %s)", item.id,
                     err.message, err.field or "-")
         if self.ledger is not None:
             self.ledger.record("reject", prompt=item.id, field=err.field, message=err.message)
         limit = self.cfg.rollout.max_consecutive_rejections
         if self._consecutive_rejected >= limit:
             self._fatal = RolloutRejectedError(
-                f"{self._consecutive_rejected} groups in a row were rejected by the rollout "
-                f"servers (rollout.max_consecutive_rejections = {limit}); the last one: "
+                f"{self._consecutive_rejected} groups in a row were rejected, by the rollout "
+                f"servers or as too long to train on (rollout.max_consecutive_rejections = "
+                f"{limit}); the last one: "
                 f"{err.field or 'request'}: {err.message}")
 
     # ---- batches -------------------------------------------------------------------------

@@ -107,6 +107,9 @@ class ServerConfig:
     # ... and one not complete after push_idle_timeout_s + its size at this rate
     push_min_mib_per_s: float = 1.0
     shutdown_grace_s: float = 30.0
+    # on SIGTERM / SIGINT, how long the groups it holds may go on to finish before the rest come
+    # back aborted: with register_file its trainers send it no new work meanwhile (0: at once)
+    drain_s: float = 0.0
     status_log_interval_s: float = 30.0  # how often `serve` logs a status line; 0 = never
     parent_pid: int | None = None  # `serve` stops once its parent process is not this pid
     # UpdateWeights loads only paths under these (real paths compared); empty: the push
@@ -131,7 +134,7 @@ class ServerConfig:
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
-        for name in ("shutdown_grace_s", "status_log_interval_s"):
+        for name in ("shutdown_grace_s", "status_log_interval_s", "drain_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
         for name in ("push_idle_timeout_s", "push_min_mib_per_s"):

@@ -18,6 +18,7 @@ import shutil
 import signal
 import socket
 import tempfile
+import time
 from collections.abc import Collection
 from pathlib import Path
 
@@ -42,6 +43,7 @@ log = logging.getLogger(__name__)
 ENGINE_POLL_S = 0.1  # how often the server looks at engine.failure
 PARENT_POLL_S = 0.5  # how often it checks that parent_pid is still its parent
 STOP_MARGIN_S = 30.0  # past shutdown_grace_s, how long a stop may take before the process exits
+DRAIN_POLL_S = 0.1
 
 
 class RolloutServer:
@@ -72,6 +74,16 @@ class RolloutServer:
         await self._health.enter_graceful_shutdown()
         self.servicer.end(grpc.StatusCode.UNAVAILABLE, f"engine failed: {failure}")
         self.failed.set()
+
+    async def drain(self, timeout: float) -> bool:
+        """Wait until no group is queued or generating, at most ``timeout`` seconds (requests
+        still arriving are admitted); whether it got there."""
+        deadline = time.monotonic() + timeout
+        while self.servicer.held and not self.failed.is_set():
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(DRAIN_POLL_S)
+        return True
 
     async def stop(self, grace: float | None = None) -> None:
         """Stop admitting, return unfinished groups as ABORTED errors, shut down."""
@@ -316,9 +328,14 @@ async def _serve(config: ServerConfig, **components) -> int:
             watcher.cancel()
         if registered is not None:  # first: trainers stop trying it once it is gone
             _unregister(config, registered)
-    log.info("shutting down (grace %.0f s)", config.shutdown_grace_s)
     for sig in (signal.SIGTERM, signal.SIGINT):  # a second one ends the process at once
         loop.add_signal_handler(sig, _exit_now, f"signal {sig.name} during the shutdown")
+    if config.drain_s and server.failure is None:
+        log.info("draining: the groups held may finish for %g s (drain_s)", config.drain_s)
+        if not await server.drain(config.drain_s):
+            log.warning("groups still held after drain_s (%g s) come back aborted",
+                        config.drain_s)
+    log.info("shutting down (grace %.0f s)", config.shutdown_grace_s)
     limit = config.shutdown_grace_s + STOP_MARGIN_S
     try:
         await asyncio.wait_for(server.stop(config.shutdown_grace_s), limit)

@@ -142,6 +142,11 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         self._instance_id = uuid.uuid4().hex  # tells the trainer this process from a restart
 
     @property
+    def held(self) -> int:
+        """Groups queued or generating."""
+        return self._admission.queued + self._admission.running
+
+    @property
     def closing(self) -> bool:
         return self._end is not None
 

@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from _loop_kit import RecordingTrainer, assert_nothing_lost, config, exports_dir, items, run_loop
 
 from areal_jax.controller.ledger import RunLedger, read_ledger
@@ -110,6 +111,52 @@ def test_servers_listing_themselves_join_and_leave_a_running_trainer(tmp_path):
         assert listing.read_text().startswith("# the rollout servers of this run\n")
     finally:
         _reap(*procs)
+
+
+@pytest.mark.parametrize("drain_s", [0.0, 30.0])
+def test_a_server_stopping_with_drain_s_finishes_its_groups_first(tmp_path, drain_s):
+    # Stopped, a server sent every group it held back aborted, to be generated again elsewhere;
+    # with drain_s, listed in its trainer's addresses file, it finishes them.
+    from areal_jax.controller.requests import rollout_request
+    from areal_jax.controller.rollout_pool import RolloutPool
+    from areal_jax.protocol.addresses import read_addresses_file
+
+    listing = tmp_path / "servers.txt"
+    slow, addr_slow = _server(tmp_path, "--step-s", "0.1", "--register", str(listing),
+                              "--drain-s", str(drain_s))
+    fast, addr_fast = _server(tmp_path, "--register", str(listing))
+    try:
+        deadline = time.monotonic() + 60
+        while not listing.exists() or sorted(read_addresses_file(listing)) != sorted(
+                [addr_slow, addr_fast]):
+            assert time.monotonic() < deadline, "the servers did not list themselves"
+            time.sleep(0.05)
+
+        async def main():
+            pool = RolloutPool([], options=PoolOptions(rejoin_interval_s=0.1),
+                               addresses_file=listing)
+            await pool.start()
+            try:
+                futures = [pool.submit(rollout_request(item, f"{i}:d", "exact", 2, 6, 1.0))
+                           for i, item in enumerate(items(8))]
+                await asyncio.sleep(0.2)  # both hold groups
+                slow.send_signal(signal.SIGTERM)
+                groups = await asyncio.gather(*futures)
+                return groups, pool.resubmitted
+            finally:
+                await pool.close()
+
+        groups, resubmitted = asyncio.run(main())
+        assert slow.wait(60) == 0
+        assert all(not g.HasField("error") for g in groups)
+        if drain_s:
+            assert resubmitted == 0
+            assert "draining" in (tmp_path / f"server_{addr_slow.split(':')[1]}.log").read_text()
+        else:  # the behaviour without it: its groups came back aborted and went elsewhere
+            assert resubmitted > 0
+        assert read_addresses_file(listing) == [addr_fast]
+    finally:
+        _reap(slow, fast)
 
 
 def test_sigkill_a_rollout_server_mid_run(tmp_path):

@@ -1038,6 +1038,45 @@ def test_servers_join_and_leave_a_running_pool_as_the_addresses_file_changes(
     assert_nothing_lost(tmp_path / "ledger.jsonl", prompts)
 
 
+def test_an_unlisted_server_finishes_the_groups_it_holds_and_gets_no_new_work(tmp_path, caplog):
+    # Its groups were sent again elsewhere, the work it had done thrown away.
+    slow, fast = ArithmeticEngine(step_s=0.2), ArithmeticEngine(step_s=0.001)
+    listing = tmp_path / "servers.txt"
+
+    async def main():
+        servers = await start_servers(tmp_path, [slow, fast])
+        a, b = addresses(servers)
+        listing.write_text(f"{a}\n{b}\n")
+        pool = RolloutPool([], options=PoolOptions(rejoin_interval_s=0.05),
+                           addresses_file=listing)
+        await pool.start()
+        pool.record_weights(exports_dir(tmp_path) / "base", 0)
+        try:
+            futures = [pool.submit(rollout_request(item, f"{i}:x", "exact", 2, 6, 1.0))
+                       for i, item in enumerate(items(6))]
+            while not slow.active:
+                await asyncio.sleep(0.01)
+            listing.write_text(f"{b}\n")
+            while "no longer listed" not in caplog.text:
+                await asyncio.sleep(0.01)
+            held = len(slow.requests)
+            later = [pool.submit(rollout_request(item, f"{i}:y", "exact", 2, 6, 1.0))
+                     for i, item in enumerate(items(6))]
+            groups = await asyncio.gather(*futures, *later)
+            return held, groups, pool.resubmitted, list(pool.live_servers), b
+        finally:
+            await pool.close()
+            for server in servers:
+                await server.stop(grace=0)
+
+    held, groups, resubmitted, live, b = asyncio.run(main())
+    assert held and len(slow.requests) == held  # nothing new went to it
+    assert all(not g.HasField("error") for g in groups) and resubmitted == 0
+    assert live == [b]
+    assert "left the pool (unlisted, its last group back); resubmitting its 0 groups" in (
+        caplog.text)
+
+
 def test_a_server_joining_later_with_too_short_a_context_stays_out_of_the_pool(tmp_path, caplog):
     # The context check ran once, at the start: a server that joined later (down at the start,
     # or restarted with other settings) took the run's requests and rejected the long ones,

@@ -26,6 +26,11 @@ a guarantee that no accepted request is lost.
   never waits for one: a server that hangs loading its rejoin weights holds up nothing else.
   If no server is reachable for ``no_server_timeout_s`` every waiting request fails with
   ``NoLiveServerError``.
+* With ``addresses_file`` servers join and leave as lines are added and removed: a server
+  unlisted while it holds groups gets no new work, finishes them, then leaves (should it fail
+  or stall first, they go elsewhere as above).
+* Every group that comes back is checked against its request and the model
+  (``protocol.group_check``); one that fails counts as its server failing it.
 * Every control call (update, push, pause, resume, status) has a deadline; UNAVAILABLE is
   retried ``rpc_retries`` times with backoff; a server still failing (or past its deadline) is
   taken out of the pool, its groups go elsewhere, and it may rejoin later. A server that
@@ -183,6 +188,7 @@ class RolloutPool:
         self._weights_lock = asyncio.Lock()
         self._supervisor: asyncio.Task | None = None
         self._follower: asyncio.Task | None = None  # reads addresses_file
+        self._leaving: dict[str, _Server] = {}  # unlisted, finishing the groups they hold
         self._rejoining: dict[str, asyncio.Task] = {}  # address -> its rejoin attempt
         self._stall_checks: dict[str, asyncio.Task] = {}  # address -> its progress check
         self._closing: list[asyncio.Task] = []
@@ -280,6 +286,8 @@ class RolloutPool:
         if not server.alive:
             return
         server.alive = False
+        if self._leaving.get(server.address) is server:
+            del self._leaving[server.address]
         orphans = list(server.in_flight.values())
         server.in_flight.clear()
         server.busy.clear()
@@ -383,6 +391,11 @@ class RolloutPool:
         self._mark_dead(server, "the server closed its stream", charge=True)
 
     def _on_group(self, server: _Server, group: pb.TrajectoryGroup) -> None:
+        self._take_group(server, group)
+        if self._leaving.get(server.address) is server and not server.in_flight:
+            self._mark_dead(server, "unlisted, its last group back")
+
+    def _take_group(self, server: _Server, group: pb.TrajectoryGroup) -> None:
         request = server.in_flight.pop(group.request_id, None)
         if request is None:
             return  # already sent elsewhere
@@ -448,7 +461,7 @@ class RolloutPool:
                     task = asyncio.create_task(self._try_rejoin(server))
                     self._rejoining[server.address] = task
                     task.add_done_callback(lambda _, a=server.address: self._rejoining.pop(a))
-            for server in self._servers:
+            for server in [*self._servers, *self._leaving.values()]:
                 if (server.alive and server.in_flight and server.address not in self._stall_checks
                         and now - server.progress_at >= opts.stall_timeout_s):
                     task = asyncio.create_task(self._check_progress(server))
@@ -500,7 +513,12 @@ class RolloutPool:
             for tasks in (self._rejoining, self._stall_checks):
                 if server.address in tasks:
                     tasks[server.address].cancel()
-            if server.alive:
+            if server.alive and server.in_flight:  # no new work; what it holds finishes there
+                self._leaving[server.address] = server
+                log.warning("rollout server %s is no longer listed in %s: it gets no new work "
+                            "and leaves the pool once its %d groups are back", server.address,
+                            path, len(server.in_flight))
+            elif server.alive:
                 self._mark_dead(server, f"no longer listed in {path}")
             else:
                 log.warning("rollout server %s is no longer listed in %s", server.address, path)
@@ -678,7 +696,7 @@ class RolloutPool:
                     return_exceptions: bool = False) -> list:
         """``(server, result)`` of ``call`` on every live server; servers that fail it leave
         the pool (``return_exceptions``: other errors are results, as ``asyncio.gather``)."""
-        servers = [s for s in self._servers if s.alive]
+        servers = [s for s in [*self._servers, *self._leaving.values()] if s.alive]
         results = await asyncio.gather(*(self._control(s, name, call, timeout) for s in servers),
                                        return_exceptions=return_exceptions)
         return [(s, r) for s, r in zip(servers, results) if r is not None]
@@ -759,7 +777,7 @@ class RolloutPool:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        for server in self._servers:
+        for server in [*self._servers, *self._leaving.values()]:
             if server.alive:
                 server.alive = False
                 server.outbox.put_nowait(None)

@@ -16,12 +16,14 @@ def _group(**fields) -> pb.TrajectoryGroup:
                   "finish_reason": pb.FINISH_REASON_STOP, **fields}
     return pb.TrajectoryGroup(request_id="r", prompt_ids=PROMPT,
                               trajectories=[pb.Trajectory(output_ids=[9], behav_logprobs=[-1.0],
-                                                          versions=[4]),
+                                                          versions=[4],
+                                                          finish_reason=pb.FINISH_REASON_LENGTH),
                                             pb.Trajectory(**trajectory)])
 
 
-def _problem(group, vocab_size=10, newest_version=4, prompt=PROMPT):
-    request = pb.RolloutRequest(request_id="r", prompt_ids=prompt, group_size=2)
+def _problem(group, vocab_size=10, newest_version=4, prompt=PROMPT, **sampling):
+    request = pb.RolloutRequest(request_id="r", prompt_ids=prompt, group_size=2,
+                                sampling_params=pb.SamplingParams(max_new_tokens=8, **sampling))
     return group_problem(request, group, vocab_size=vocab_size, newest_version=newest_version)
 
 
@@ -52,10 +54,23 @@ def test_a_well_formed_group_passes():
     ({"versions": [3, 5, 4]}, "trajectories[1].versions: 3 to 5, outside the published 0 to 4"),
     ({"versions": [-1, 4, 4]}, "trajectories[1].versions: -1 to 4, outside the published 0 to 4"),
     ({"reward": math.inf}, "trajectories[1].reward: inf"),
-    ({"finish_reason": 17}, "trajectories[1].finish_reason: unknown value 17"),
+    ({"finish_reason": 17}, "trajectories[1].finish_reason: 17 is not a finished state"),
+    ({"finish_reason": pb.FINISH_REASON_UNSPECIFIED},
+     "trajectories[1].finish_reason: 0 is not a finished state"),
 ])
 def test_what_training_cannot_use_is_named(fields, expected):
     assert _problem(_group(**fields)) == expected
+
+
+def test_the_log_prob_slack_grows_as_the_temperature_falls():
+    # float32 rounding of logits / T puts a log-prob above 0 by about max|logit| / T x 6e-8
+    rounded = _group(behav_logprobs=[-0.1, 0.004, 0.0])
+    assert _problem(rounded, temperature=1e-3) is None
+    assert _problem(rounded, temperature=1.0) == (
+        "trajectories[1].behav_logprobs: 0.004 is not a log-probability")
+    assert _problem(rounded) is not None  # unset: 1
+    assert _problem(rounded, temperature=0.0) is not None  # greedy: log_softmax(logits)
+    assert _problem(rounded, greedy=True, temperature=1e-3) is not None
 
 
 def test_a_group_must_answer_its_request():

@@ -10,10 +10,14 @@ import math
 
 import numpy as np
 
+from areal_jax.protocol import GREEDY_TEMPERATURE
 from areal_jax.protocol.v1 import rollout_pb2 as pb
 
-LOGPROB_SLACK = 1e-3  # a log-probability is <= 0; float error may put it a little above
-_FINISH_REASONS = frozenset(pb.FinishReason.values())
+# A log-probability is <= 0; float error may put it above: ~max|logit| / temperature x 6e-8
+# in float32, so the slack grows as the temperature falls.
+LOGPROB_SLACK = 1e-3
+_FINISH_REASONS = frozenset({pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH,
+                             pb.FINISH_REASON_ABORT})
 
 
 def group_problem(request: pb.RolloutRequest, group: pb.TrajectoryGroup, *,
@@ -25,14 +29,20 @@ def group_problem(request: pb.RolloutRequest, group: pb.TrajectoryGroup, *,
         return "prompt_ids: not the request's prompt"
     if not group.trajectories:
         return "trajectories: none"
+    params = request.sampling_params
+    greedy = params.greedy or (params.HasField("temperature")
+                               and params.temperature < GREEDY_TEMPERATURE)
+    temperature = 1.0 if greedy or not params.HasField("temperature") else params.temperature
+    slack = max(LOGPROB_SLACK, 1e-5 / temperature)
     for i, t in enumerate(group.trajectories):
-        problem = _trajectory_problem(t, vocab_size, newest_version)
+        problem = _trajectory_problem(t, vocab_size, newest_version, slack)
         if problem is not None:
             return f"trajectories[{i}].{problem}"
     return None
 
 
-def _trajectory_problem(t: pb.Trajectory, vocab_size: int, newest_version: int) -> str | None:
+def _trajectory_problem(t: pb.Trajectory, vocab_size: int, newest_version: int,
+                        slack: float) -> str | None:
     n = len(t.output_ids)
     for name in ("behav_logprobs", "versions"):
         if len(getattr(t, name)) != n:
@@ -40,7 +50,7 @@ def _trajectory_problem(t: pb.Trajectory, vocab_size: int, newest_version: int) 
     if t.output_mask and len(t.output_mask) != n:
         return f"output_mask: {len(t.output_mask)} entries for {n} output_ids"
     if t.finish_reason not in _FINISH_REASONS:
-        return f"finish_reason: unknown value {t.finish_reason}"
+        return f"finish_reason: {t.finish_reason} is not a finished state"
     if not math.isfinite(t.reward):
         return f"reward: {t.reward}"
     if n == 0:
@@ -55,9 +65,9 @@ def _trajectory_problem(t: pb.Trajectory, vocab_size: int, newest_version: int) 
         return "output_mask: values other than 0 and 1"
     generated = mask == 1
     logprobs = np.asarray(t.behav_logprobs, dtype=np.float64)[generated]
-    if not (np.isfinite(logprobs).all() and (logprobs <= LOGPROB_SLACK).all()):
-        bad = logprobs[~(np.isfinite(logprobs) & (logprobs <= LOGPROB_SLACK))][0]
-        return f"behav_logprobs: {bad} is not a log-probability"
+    if not (np.isfinite(logprobs).all() and (logprobs <= slack).all()):
+        bad = logprobs[~(np.isfinite(logprobs) & (logprobs <= slack))][0]
+        return f"behav_logprobs: {bad:.3g} is not a log-probability"
     versions = np.asarray(t.versions, dtype=np.int64)[generated]
     if versions.size and (versions.min() < 0 or versions.max() > newest_version):
         return (f"versions: {int(versions.min())} to {int(versions.max())}, outside the "

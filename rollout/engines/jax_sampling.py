@@ -125,4 +125,6 @@ def sample(
     top = jax.lax.stop_gradient(jnp.max(scaled, axis=-1))
     norm = jnp.log(jnp.sum(jnp.exp(scaled - top[:, None]), axis=-1))
     picked = jnp.take_along_axis(scaled, tokens[:, None], axis=-1)[:, 0]
-    return tokens, (picked - top) - norm
+    # A log-probability is <= 0; compiled, rounding can put it above by about
+    # max|logit| / temperature x 6e-8, which matters at tiny temperatures.
+    return tokens, jnp.minimum((picked - top) - norm, 0.0)

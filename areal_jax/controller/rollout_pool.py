@@ -151,8 +151,8 @@ class RolloutPool:
         ``start``; a server joining later stays out of the pool until it is restarted.
         ``addresses_file`` lists more servers, one address per line; it is read again every
         ``rejoin_interval_s``: a server whose line is added joins the pool like a server
-        coming back, one whose line is removed leaves it (its groups go to the others, not
-        charged a failed send)."""
+        coming back, one whose line is removed gets no new work and leaves once the groups it
+        holds are back."""
         self._addresses_file = addresses_file
         self._fixed = list(dict.fromkeys(addresses))
         self._file_problem: str | None = None  # why it could not be read last, logged once
@@ -188,7 +188,7 @@ class RolloutPool:
         self._weights_lock = asyncio.Lock()
         self._supervisor: asyncio.Task | None = None
         self._follower: asyncio.Task | None = None  # reads addresses_file
-        self._leaving: dict[str, _Server] = {}  # unlisted, finishing the groups they hold
+        self._leaving: dict[int, _Server] = {}  # by id(): unlisted, finishing their groups
         self._rejoining: dict[str, asyncio.Task] = {}  # address -> its rejoin attempt
         self._stall_checks: dict[str, asyncio.Task] = {}  # address -> its progress check
         self._closing: list[asyncio.Task] = []
@@ -286,8 +286,7 @@ class RolloutPool:
         if not server.alive:
             return
         server.alive = False
-        if self._leaving.get(server.address) is server:
-            del self._leaving[server.address]
+        self._leaving.pop(id(server), None)
         orphans = list(server.in_flight.values())
         server.in_flight.clear()
         server.busy.clear()
@@ -392,7 +391,7 @@ class RolloutPool:
 
     def _on_group(self, server: _Server, group: pb.TrajectoryGroup) -> None:
         self._take_group(server, group)
-        if self._leaving.get(server.address) is server and not server.in_flight:
+        if id(server) in self._leaving and not server.in_flight:
             self._mark_dead(server, "unlisted, its last group back")
 
     def _take_group(self, server: _Server, group: pb.TrajectoryGroup) -> None:
@@ -514,7 +513,7 @@ class RolloutPool:
                 if server.address in tasks:
                     tasks[server.address].cancel()
             if server.alive and server.in_flight:  # no new work; what it holds finishes there
-                self._leaving[server.address] = server
+                self._leaving[id(server)] = server
                 log.warning("rollout server %s is no longer listed in %s: it gets no new work "
                             "and leaves the pool once its %d groups are back", server.address,
                             path, len(server.in_flight))

@@ -1077,6 +1077,49 @@ def test_an_unlisted_server_finishes_the_groups_it_holds_and_gets_no_new_work(tm
         caplog.text)
 
 
+def test_a_server_listed_again_while_it_leaves_stays_with_its_groups(tmp_path, caplog):
+    # A second pool entry was made for the same server: the next weight update reached it
+    # twice, it refused the second copy as not newer, and the leaving entry's groups were
+    # thrown away and generated again.
+    slow, fast = ArithmeticEngine(step_s=0.3), ArithmeticEngine(step_s=0.001)
+    listing = tmp_path / "servers.txt"
+
+    async def main():
+        servers = await start_servers(tmp_path, [slow, fast])
+        a, b = addresses(servers)
+        listing.write_text(f"{a}\n{b}\n")
+        pool = RolloutPool([], options=PoolOptions(rejoin_interval_s=0.05),
+                           addresses_file=listing)
+        await pool.start()
+        pool.record_weights(exports_dir(tmp_path) / "base", 0)
+        try:
+            futures = [pool.submit(rollout_request(item, f"{i}:x", "exact", 2, 6, 1.0))
+                       for i, item in enumerate(items(6))]
+            deadline = time.monotonic() + 30
+            while not slow.active:
+                await asyncio.sleep(0.01)
+            listing.write_text(f"{b}\n")
+            while "no longer listed" not in caplog.text:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+            listing.write_text(f"{a}\n{b}\n")
+            while len(pool.live_servers) < 2:  # back in the pool, as one entry or two
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+            await pool.update_weights(write_checkpoint(exports_dir(tmp_path) / "v1", "v1"), 1)
+            groups = await asyncio.gather(*futures)
+            return groups, pool.resubmitted, sorted(pool.live_servers), sorted([a, b])
+        finally:
+            await pool.close()
+            for server in servers:
+                await server.stop(grace=0)
+
+    groups, resubmitted, live, both = asyncio.run(main())
+    assert all(not g.HasField("error") for g in groups) and resubmitted == 0
+    assert live == both and slow.version == 1
+    assert "refused" not in caplog.text
+
+
 def test_a_server_joining_later_with_too_short_a_context_stays_out_of_the_pool(tmp_path, caplog):
     # The context check ran once, at the start: a server that joined later (down at the start,
     # or restarted with other settings) took the run's requests and rejected the long ones,

@@ -466,7 +466,8 @@ class RolloutPool:
                     task = asyncio.create_task(self._check_progress(server))
                     self._stall_checks[server.address] = task
                     task.add_done_callback(lambda _, a=server.address: self._stall_checks.pop(a))
-            if self._none_live_since is not None and not any(s.alive for s in self._servers):
+            if self._none_live_since is not None and not any(
+                    s.alive for s in [*self._servers, *self._leaving.values()]):
                 waited = time.monotonic() - self._none_live_since
                 if waited >= opts.no_server_timeout_s and self._futures:
                     why = "; ".join(f"{s.address}: {s.rejoin_error}" for s in self._servers
@@ -523,7 +524,12 @@ class RolloutPool:
                 log.warning("rollout server %s is no longer listed in %s", server.address, path)
         present = set(self.addresses)
         for address in wanted:
-            if address not in present:
+            back = [s for s in self._leaving.values() if s.address == address and s.alive]
+            if back:  # listed again before it left: it stays, one stream to one server
+                self._servers.append(self._leaving.pop(id(back[0])))
+                log.warning("rollout server %s is listed again in %s; it stays in the pool",
+                            address, path)
+            elif address not in present:
                 self._servers.append(_Server(address))
                 log.warning("rollout server %s was added to the pool (%s); it gets work once "
                             "it answers and has the current weights", address, path)

@@ -108,11 +108,10 @@ def make_pool(cfg: ExperimentConfig, addresses: list[str], *, addresses_file: st
               vocab_size: int | None = None) -> RolloutPool:
     """The pool of ``addresses`` (and those ``addresses_file`` lists, followed as it changes),
     with the run's settings; it admits only servers whose model has ``vocab_size`` entries
-    (when given) and whose served
-    context (``max_context_len`` of their status: remote servers, or an SGLang whose KV pool
-    allows less than the model) holds the longest ``training`` and ``held_out`` prompts (token
-    counts) and their ``max_new_tokens`` (``_check_context``), at the start and whenever a
-    server joins later."""
+    (when given) and whose served context (``max_context_len`` of their status: remote
+    servers, or an SGLang whose KV pool allows less than the model) holds the longest
+    ``training`` and ``held_out`` prompts (token counts) and their ``max_new_tokens``
+    (``_check_context``), at the start and whenever a server joins later."""
     def admit(address: str, status: pb.ServerStatus) -> None:
         if vocab_size is not None and status.vocab_size != vocab_size:
             raise ConfigError(f"rollout server {address} serves a model with a vocabulary of "
@@ -162,7 +161,8 @@ def server_env(cfg: ExperimentConfig) -> dict[str, str] | None:
 def launch_local(cfg: ExperimentConfig, model_path: Path, version: int,
                  with_trainer: bool = True) -> LocalServers | None:
     """Start ``rollout.num_local_servers`` servers unless the run is given its servers
-    (``rollout.remote``); ``with_trainer``: a trainer process shares their devices (their memory shares)."""
+    (``rollout.remote``); ``with_trainer``: a trainer process shares their devices (their
+    memory shares)."""
     if cfg.rollout.remote:
         return None
     servers = _local_servers(cfg, model_path, version, with_trainer)

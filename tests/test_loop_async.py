@@ -4,6 +4,7 @@ invalid requests stop the run, over-stale groups are dropped on request, and a r
 trainer takes servers that are ahead back to its version."""
 
 import asyncio
+import contextlib
 import re
 import time
 from pathlib import Path
@@ -1038,36 +1039,48 @@ def test_servers_join_and_leave_a_running_pool_as_the_addresses_file_changes(
     assert_nothing_lost(tmp_path / "ledger.jsonl", prompts)
 
 
+@contextlib.asynccontextmanager
+async def _unlisting_a_busy_server(tmp_path, caplog, slow, fast):
+    """Servers for ``slow`` and ``fast`` listed in a file a pool follows; six groups submitted;
+    once ``slow`` generates, its line removed and the pool's notice of it waited for. Yields
+    (pool, slow's address, fast's address, the futures, the file)."""
+    listing = tmp_path / "servers.txt"
+    servers = await start_servers(tmp_path, [slow, fast])
+    a, b = addresses(servers)
+    listing.write_text(f"{a}\n{b}\n")
+    pool = RolloutPool([], options=PoolOptions(rejoin_interval_s=0.05), addresses_file=listing)
+    await pool.start()
+    pool.record_weights(exports_dir(tmp_path) / "base", 0)
+    try:
+        futures = [pool.submit(rollout_request(item, f"{i}:x", "exact", 2, 6, 1.0))
+                   for i, item in enumerate(items(6))]
+        deadline = time.monotonic() + 30
+        while not slow.active:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        listing.write_text(f"{b}\n")
+        while "no longer listed" not in caplog.text:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        yield pool, a, b, futures, listing
+    finally:
+        await pool.close()
+        for server in servers:
+            await server.stop(grace=0)
+
+
 def test_an_unlisted_server_finishes_the_groups_it_holds_and_gets_no_new_work(tmp_path, caplog):
     # Its groups were sent again elsewhere, the work it had done thrown away.
     slow, fast = ArithmeticEngine(step_s=0.2), ArithmeticEngine(step_s=0.001)
-    listing = tmp_path / "servers.txt"
 
     async def main():
-        servers = await start_servers(tmp_path, [slow, fast])
-        a, b = addresses(servers)
-        listing.write_text(f"{a}\n{b}\n")
-        pool = RolloutPool([], options=PoolOptions(rejoin_interval_s=0.05),
-                           addresses_file=listing)
-        await pool.start()
-        pool.record_weights(exports_dir(tmp_path) / "base", 0)
-        try:
-            futures = [pool.submit(rollout_request(item, f"{i}:x", "exact", 2, 6, 1.0))
-                       for i, item in enumerate(items(6))]
-            while not slow.active:
-                await asyncio.sleep(0.01)
-            listing.write_text(f"{b}\n")
-            while "no longer listed" not in caplog.text:
-                await asyncio.sleep(0.01)
+        async with _unlisting_a_busy_server(tmp_path, caplog, slow, fast) as (
+                pool, _, b, futures, _):
             held = len(slow.requests)
             later = [pool.submit(rollout_request(item, f"{i}:y", "exact", 2, 6, 1.0))
                      for i, item in enumerate(items(6))]
             groups = await asyncio.gather(*futures, *later)
             return held, groups, pool.resubmitted, list(pool.live_servers), b
-        finally:
-            await pool.close()
-            for server in servers:
-                await server.stop(grace=0)
 
     held, groups, resubmitted, live, b = asyncio.run(main())
     assert held and len(slow.requests) == held  # nothing new went to it
@@ -1082,37 +1095,18 @@ def test_a_server_listed_again_while_it_leaves_stays_with_its_groups(tmp_path, c
     # twice, it refused the second copy as not newer, and the leaving entry's groups were
     # thrown away and generated again.
     slow, fast = ArithmeticEngine(step_s=0.3), ArithmeticEngine(step_s=0.001)
-    listing = tmp_path / "servers.txt"
 
     async def main():
-        servers = await start_servers(tmp_path, [slow, fast])
-        a, b = addresses(servers)
-        listing.write_text(f"{a}\n{b}\n")
-        pool = RolloutPool([], options=PoolOptions(rejoin_interval_s=0.05),
-                           addresses_file=listing)
-        await pool.start()
-        pool.record_weights(exports_dir(tmp_path) / "base", 0)
-        try:
-            futures = [pool.submit(rollout_request(item, f"{i}:x", "exact", 2, 6, 1.0))
-                       for i, item in enumerate(items(6))]
-            deadline = time.monotonic() + 30
-            while not slow.active:
-                await asyncio.sleep(0.01)
-            listing.write_text(f"{b}\n")
-            while "no longer listed" not in caplog.text:
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.01)
+        async with _unlisting_a_busy_server(tmp_path, caplog, slow, fast) as (
+                pool, a, b, futures, listing):
             listing.write_text(f"{a}\n{b}\n")
+            deadline = time.monotonic() + 30
             while len(pool.live_servers) < 2:  # back in the pool, as one entry or two
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.01)
             await pool.update_weights(write_checkpoint(exports_dir(tmp_path) / "v1", "v1"), 1)
             groups = await asyncio.gather(*futures)
             return groups, pool.resubmitted, sorted(pool.live_servers), sorted([a, b])
-        finally:
-            await pool.close()
-            for server in servers:
-                await server.stop(grace=0)
 
     groups, resubmitted, live, both = asyncio.run(main())
     assert all(not g.HasField("error") for g in groups) and resubmitted == 0

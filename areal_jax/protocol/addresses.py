@@ -51,7 +51,7 @@ def read_addresses_file(path: Path) -> list[str]:
 def register_address(path: Path, address: str) -> None:
     """List ``address`` in the addresses file ``path`` (made if absent; other lines kept): a
     server announcing itself to the trainers that follow the file."""
-    _rewrite(path, lambda lines: lines if address in _entries(lines) else [*lines, address])
+    _rewrite(path, lambda lines: lines if address in map(_entry, lines) else [*lines, address])
 
 
 def unregister_address(path: Path, address: str) -> None:
@@ -61,10 +61,6 @@ def unregister_address(path: Path, address: str) -> None:
 
 def _entry(line: str) -> str:
     return line.split("#", 1)[0].strip()
-
-
-def _entries(lines: list[str]) -> set[str]:
-    return {_entry(line) for line in lines}
 
 
 def _rewrite(path: Path, change) -> None:

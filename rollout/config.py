@@ -108,7 +108,7 @@ class ServerConfig:
     push_min_mib_per_s: float = 1.0
     shutdown_grace_s: float = 30.0
     # on SIGTERM / SIGINT, how long the groups it holds may go on to finish before the rest come
-    # back aborted: with register_file its trainers send it no new work meanwhile (0: at once)
+    # back aborted; its trainers are told it drains and send it no new work (0: at once)
     drain_s: float = 0.0
     status_log_interval_s: float = 30.0  # how often `serve` logs a status line; 0 = never
     parent_pid: int | None = None  # `serve` stops once its parent process is not this pid

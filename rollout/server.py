@@ -44,6 +44,9 @@ ENGINE_POLL_S = 0.1  # how often the server looks at engine.failure
 PARENT_POLL_S = 0.5  # how often it checks that parent_pid is still its parent
 STOP_MARGIN_S = 30.0  # past shutdown_grace_s, how long a stop may take before the process exits
 DRAIN_POLL_S = 0.1
+# Once nothing is held, how long a drain waits for its trainers to close their streams (they do
+# when their last group is back; until then requests they sent before the notice may arrive).
+DRAIN_STREAMS_S = 2.0
 
 
 class RolloutServer:
@@ -76,12 +79,23 @@ class RolloutServer:
         self.failed.set()
 
     async def drain(self, timeout: float) -> bool:
-        """Wait until no group is queued or generating, at most ``timeout`` seconds (requests
-        still arriving are admitted); whether it got there."""
-        deadline = time.monotonic() + timeout
-        while self.servicer.held and not self.failed.is_set():
-            if time.monotonic() >= deadline:
-                return False
+        """Admit no new work (health NOT_SERVING; the trainers are told on their streams and
+        send their next requests elsewhere) and wait until no group is queued or generating,
+        at most ``timeout`` seconds, then until its trainers closed their streams, at most
+        ``DRAIN_STREAMS_S`` more; whether nothing was held at the end."""
+        await self._health.enter_graceful_shutdown()
+        self.servicer.drain()
+        deadline, empty_since = time.monotonic() + timeout, None
+        while not self.failed.is_set():
+            now = time.monotonic()
+            if self.servicer.held:
+                empty_since = None
+            else:
+                empty_since = empty_since or now
+                if not self.servicer.open_streams or now - empty_since >= DRAIN_STREAMS_S:
+                    return True
+            if now >= deadline:
+                return not self.servicer.held
             await asyncio.sleep(DRAIN_POLL_S)
         return True
 

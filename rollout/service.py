@@ -6,7 +6,10 @@ carries many independent prompts. The other RPCs concern one thing each and fail
 status code (INVALID_ARGUMENT naming the field, FAILED_PRECONDITION for a stale version, a
 path outside the allowed roots or a checkpoint that does not load, UNAVAILABLE while shutting
 down or once the engine failed). ``end`` returns every unfinished group as an error with one
-code: ABORTED at shutdown, UNAVAILABLE when the engine failed for good.
+code: ABORTED at shutdown, UNAVAILABLE when the engine failed for good. ``drain`` (a server
+told to stop with ``drain_s``) lets the groups held finish but admits nothing new: each open
+Rollout stream is told once (an error group with ``draining`` set and no request id), and each
+request that still arrives comes back unrun the same way, for its client to send elsewhere.
 """
 
 from __future__ import annotations
@@ -91,6 +94,15 @@ def _error_group(request_id: str, code: grpc.StatusCode, message: str, field: st
     return pb.TrajectoryGroup(request_id=request_id[:MAX_REQUEST_ID_CHARS], error=error)
 
 
+_DRAINING = "the server is draining before it stops: it takes no new work"
+
+
+def _draining_group(request_id: str) -> pb.TrajectoryGroup:
+    group = _error_group(request_id, grpc.StatusCode.UNAVAILABLE, _DRAINING)
+    group.error.draining = True
+    return group
+
+
 def _chunk_to_proto(chunk: GenerationChunk) -> pb.GenerateChunk:
     finish = chunk.finish_reason
     return pb.GenerateChunk(
@@ -139,6 +151,8 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         self._readers: set[asyncio.Task] = set()
         self._end: tuple[grpc.StatusCode, str] | None = None
         self._ended = asyncio.Event()
+        self._draining = False
+        self._streams: set[asyncio.Queue] = set()  # the replies of each open Rollout stream
         self._instance_id = uuid.uuid4().hex  # tells the trainer this process from a restart
 
     @property
@@ -159,6 +173,24 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         self._ended.set()
         for reader in self._readers:
             reader.cancel()
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    @property
+    def open_streams(self) -> int:
+        """Rollout streams open now."""
+        return len(self._streams)
+
+    def drain(self) -> None:
+        """Admit no new request (the groups held go on to finish); tell every open Rollout
+        stream's client so, to send its next requests elsewhere."""
+        if self._draining:
+            return
+        self._draining = True
+        for replies in self._streams:
+            replies.put_nowait(_draining_group(""))
 
     def _ended_group(self, request_id: str) -> pb.TrajectoryGroup:
         return _error_group(request_id, *self._end)
@@ -191,14 +223,18 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
     async def Rollout(self, request_iterator, context):
         if self.closing:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"server is closing: {self._end[1]}")
+        if self._draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, _DRAINING)
         out: asyncio.Queue = asyncio.Queue()
         tasks: set[asyncio.Task] = set()
         reader = asyncio.create_task(self._read(request_iterator, out, tasks))
         self._readers.add(reader)
+        self._streams.add(out)
         try:
             while (item := await out.get()) is not _DONE:
                 yield item
         finally:
+            self._streams.discard(out)
             self._readers.discard(reader)
             reader.cancel()
             for task in tasks:
@@ -210,6 +246,9 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         try:
             async for req in requests:
                 await _until_read(out)
+                if self._draining:  # not run here: its client sends it elsewhere
+                    out.put_nowait(_draining_group(req.request_id))
+                    continue
                 try:
                     task = rollout_task_from_proto(req, self._limits())
                     if task.request_id in in_flight:
@@ -295,6 +334,8 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
     # Generate --------------------------------------------------------------------------------
 
     async def Generate(self, request, context):
+        if self._draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, _DRAINING)
         try:
             request_id, prompt, params = generate_args_from_proto(request, self._limits())
         except InvalidParamError as e:
@@ -465,4 +506,5 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             max_context_len=engine.max_context_len,
             engine_stats=stats,
             instance_id=self._instance_id,
+            draining=self._draining,
         )

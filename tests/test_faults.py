@@ -159,6 +159,48 @@ def test_a_server_stopping_with_drain_s_finishes_its_groups_first(tmp_path, drai
         _reap(slow, fast)
 
 
+def test_a_draining_server_gets_no_new_work_though_its_address_is_fixed(tmp_path):
+    # No addresses file to take it out: the server itself tells its trainers it drains. Work
+    # keeps arriving; before, requests still reached it while it drained, and the groups it
+    # had not finished when its drain ended were generated again elsewhere.
+    from areal_jax.controller.requests import rollout_request
+    from areal_jax.controller.rollout_pool import RolloutPool
+
+    slow, addr_slow = _server(tmp_path, "--step-s", "0.05", "--drain-s", "30")
+    fast, addr_fast = _server(tmp_path)
+    try:
+        async def main():
+            pool = RolloutPool([addr_slow, addr_fast], options=PoolOptions(rejoin_interval_s=0.1))
+            await pool.start()
+            try:
+                work = items(400)
+                futures = [pool.submit(rollout_request(work[i], f"{i}:d", "exact", 2, 6, 1.0))
+                           for i in range(16)]
+                await asyncio.sleep(0.2)  # both hold groups
+                slow.send_signal(signal.SIGTERM)
+                stopped, n = time.monotonic(), 16
+                while slow.poll() is None and time.monotonic() - stopped < 15:
+                    # bursts: least-loaded routing would give the slow server a share of each
+                    futures += [pool.submit(rollout_request(work[i], f"{i}:d", "exact", 2, 6, 1.0))
+                                for i in range(n, n + 8)]
+                    n += 8
+                    await asyncio.sleep(0.2)
+                drained_in = time.monotonic() - stopped
+                groups = await asyncio.gather(*futures)
+                return groups, pool.resubmitted, drained_in, pool.live_servers
+            finally:
+                await pool.close()
+
+        groups, resubmitted, drained_in, live = asyncio.run(main())
+        assert slow.wait(30) == 0
+        assert drained_in < 10  # it ran what it held, not its whole drain_s
+        assert all(not g.HasField("error") for g in groups)
+        assert resubmitted == 0  # none of its groups generated twice
+        assert live == [addr_fast]
+    finally:
+        _reap(slow, fast)
+
+
 def test_sigkill_a_rollout_server_mid_run(tmp_path):
     (a, addr_a), (b, addr_b) = _server(tmp_path, "--step-s", "0.1"), _server(tmp_path)
     try:

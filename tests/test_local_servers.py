@@ -407,6 +407,33 @@ def test_work_under_supervision_is_cut_short_by_a_server_that_keeps_exiting(tmp_
     assert not list(exports.glob(".restart-*"))
 
 
+def test_a_server_that_keeps_exiting_after_the_last_work_is_reported(tmp_path, caplog):
+    # With no held-out set nothing runs after the loop: the error was dropped without a word.
+    import asyncio
+
+    from areal_jax.controller.local_servers import ServerExitedError
+    from areal_jax.controller.servers import Supervision
+
+    class ExitsForGood:
+        def exited(self):
+            return [0]
+
+        def restart_exited(self, max_restarts, weights):
+            raise ServerExitedError("rollout server 0 exited 4 times within 60 minutes")
+
+    exports = tmp_path / "exports"
+    (exports / "v000003").mkdir(parents=True)
+
+    async def main():
+        async with Supervision(ExitsForGood(), exports, interval_s=0.01) as supervision:
+            assert await supervision.run(asyncio.sleep(0, "done")) == "done"
+            await asyncio.sleep(0.5)  # the server fails for good after the work
+
+    with caplog.at_level("ERROR"):
+        asyncio.run(main())
+    assert "rollout server 0 exited 4 times" in caplog.text
+
+
 def test_a_users_own_rollout_module_neither_runs_as_a_server_nor_hides_the_package(tmp_path):
     # A rollout.py next to the user's config: local servers, started in that directory with
     # `python -m rollout`, ran it instead (exit 0, "rollout server 0 exited"), and with

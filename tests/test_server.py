@@ -871,6 +871,46 @@ def test_stop_returns_unfinished_groups_as_aborted_errors(tmp_path, tok_dir):
     assert closed
 
 
+def test_a_draining_server_finishes_what_it_holds_and_turns_new_work_away(tmp_path, tok_dir):
+    async def scenario():
+        engine = ArithmeticEngine(step_s=0.01)
+        async with serving(tmp_path, tok_dir, engine=engine) as h:
+            health = health_pb2_grpc.HealthStub(h.channel)
+            call = h.stub.Rollout()
+            await call.write(rollout_request("held", prompt="none", max_new_tokens=30))
+            await until(lambda: engine.tokens >= 4)
+            draining = asyncio.create_task(h.server.drain(10.0))
+            notice = await call.read()  # told on the open stream at once
+            await call.write(rollout_request("late"))
+            replies = [notice, await call.read(), await call.read()]
+            status = await h.stub.GetStatus(pb.GetStatusRequest())
+            answer = await health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
+            with pytest.raises(grpc.aio.AioRpcError) as new_stream:
+                await rollout(h.stub, [rollout_request("new stream")])
+            with pytest.raises(grpc.aio.AioRpcError) as generate:
+                params = pb.SamplingParams(max_new_tokens=4)
+                async for _ in h.stub.Generate(pb.GenerateRequest(
+                        request_id="g", prompt_ids=encode("x"), sampling_params=params)):
+                    pass
+            drained = await draining
+            return (replies, status, answer.status, new_stream.value, generate.value, drained,
+                    [request_id for request_id, _, _ in engine.requests])
+
+    replies, status, health_status, new_stream, generate, drained, ran = asyncio.run(scenario())
+    notice, *rest = replies
+    assert notice.request_id == "" and notice.error.draining
+    assert notice.error.code == UNAVAILABLE
+    by_id = {r.request_id: r for r in rest}
+    assert by_id["late"].error.draining and by_id["late"].error.code == UNAVAILABLE
+    assert len(by_id["held"].trajectories) == 2 and not by_id["held"].HasField("error")
+    assert len(ran) == 2 and not any("late" in r for r in ran)  # the late one never ran
+    assert status.draining
+    assert health_status == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert new_stream.code() == generate.code() == grpc.StatusCode.UNAVAILABLE
+    assert "draining" in new_stream.details()
+    assert drained
+
+
 def test_engine_death_fails_unfinished_groups_as_unavailable(tmp_path, tok_dir):
     async def scenario():
         engine = ArithmeticEngine(step_s=0.01)

@@ -28,7 +28,9 @@ a guarantee that no accepted request is lost.
   ``NoLiveServerError``.
 * With ``addresses_file`` servers join and leave as lines are added and removed: a server
   unlisted while it holds groups gets no new work, finishes them, then leaves (should it fail
-  or stall first, they go elsewhere as above).
+  or stall first, they go elsewhere as above). So does a server that says it is draining (told
+  to stop, it finishes what it holds first): a request it turned away unrun goes elsewhere,
+  not counted as a failed send; it rejoins like any server once it serves again.
 * Every group that comes back is checked against its request and the model
   (``protocol.group_check``); one that fails counts as its server failing it.
 * Every control call (update, push, pause, resume, status) has a deadline; UNAVAILABLE is
@@ -136,6 +138,7 @@ class _Server:
     faults: set[str] = dataclasses.field(default_factory=set)  # the distinct groups it failed
     # in a row with a server fault (INTERNAL, ...): one group failing again counts once
     fault_error: str | None = None  # the last of those faults, logged once while it repeats
+    draining: bool = False  # it said it takes no new work: it leaves once its groups are back
 
 
 class RolloutPool:
@@ -256,6 +259,8 @@ class RolloutPool:
                     f"{e.details()}; rollout.auth_token_env must name a variable holding the "
                     "servers' token") from None
             return False
+        if status.draining:  # stopping: it joins if it serves again
+            return False
         server.instance, server.vocab_size = status.instance_id, status.vocab_size
         if self._admit is not None:
             self._admit(server.address, status)
@@ -266,7 +271,7 @@ class RolloutPool:
         server.channel, server.stub = channel, pb_grpc.RolloutServiceStub(channel)
         server.outbox = asyncio.Queue()
         server.call = server.stub.Rollout(self._requests_of(server.outbox), metadata=self._metadata)
-        server.alive = True
+        server.alive, server.draining = True, False
         server.progress_at, server.tokens_seen = time.monotonic(), -1
         server.reader = asyncio.create_task(self._read(server, server.call))
         self._none_live_since = None
@@ -311,7 +316,8 @@ class RolloutPool:
     # ---- routing -------------------------------------------------------------------------
     @property
     def live_servers(self) -> list[str]:
-        return [s.address for s in self._servers if s.alive]
+        """The servers that take new work."""
+        return [s.address for s in self._servers if s.alive and not s.draining]
 
     @property
     def published_version(self) -> int | None:
@@ -344,7 +350,7 @@ class RolloutPool:
         return future
 
     def _route(self, request: pb.RolloutRequest, avoid: _Server | None = None) -> None:
-        live = [s for s in self._servers if s.alive]
+        live = [s for s in self._servers if s.alive and not s.draining]
         candidates = [s for s in live if s is not avoid] or live
         if not candidates:
             if self._none_live_since is None:
@@ -390,9 +396,29 @@ class RolloutPool:
         self._mark_dead(server, "the server closed its stream", charge=True)
 
     def _on_group(self, server: _Server, group: pb.TrajectoryGroup) -> None:
-        self._take_group(server, group)
-        if id(server) in self._leaving and not server.in_flight:
-            self._mark_dead(server, "unlisted, its last group back")
+        if group.error.draining:
+            self._on_draining(server, group.request_id)
+        else:
+            self._take_group(server, group)
+        if not server.in_flight:
+            if server.draining:
+                self._mark_dead(server, "draining, its last group back")
+            elif id(server) in self._leaving:
+                self._mark_dead(server, "unlisted, its last group back")
+
+    def _on_draining(self, server: _Server, request_id: str) -> None:
+        """``server`` takes no new work: route none to it; the request it turned away (if
+        any; it ran none of it) goes elsewhere, not counted as a failed send."""
+        if not server.draining:
+            server.draining = True
+            log.warning("rollout server %s is draining: it gets no new work and leaves the pool "
+                        "once its %d groups are back", server.address, len(server.in_flight))
+        request = server.in_flight.pop(request_id, None)
+        if request is None:
+            return
+        server.busy.remove()
+        if request_id in self._futures:  # not a resubmission: nothing was generated
+            self._route(request, avoid=server)
 
     def _take_group(self, server: _Server, group: pb.TrajectoryGroup) -> None:
         request = server.in_flight.pop(group.request_id, None)
@@ -613,6 +639,10 @@ class RolloutPool:
             stub = pb_grpc.RolloutServiceStub(channel)
             status = await stub.GetStatus(pb.GetStatusRequest(), timeout=timeout,
                                           metadata=self._metadata)
+            if status.draining:  # stopping: tried again while it is up
+                await channel.close()
+                server.next_rejoin = time.monotonic() + self.options.rejoin_interval_s
+                return
             if server.shut_out is not None:
                 if status.instance_id == server.shut_out:  # the same process: still out
                     await channel.close()

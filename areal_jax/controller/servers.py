@@ -328,9 +328,13 @@ class Supervision:
         return self
 
     async def __aexit__(self, *exc) -> None:
+        """Stop supervising; a server that kept exiting after the last ``run`` is logged as an
+        error (the work is done: nothing is left for it to cut short)."""
         if self._watch is not None:
             self._watch.cancel()
-            await asyncio.gather(self._watch, return_exceptions=True)
+            (failure,) = await asyncio.gather(self._watch, return_exceptions=True)
+            if isinstance(failure, ServerExitedError) and exc[0] is None:
+                log.error("after the last step: %s", failure)
 
     async def run(self, work: Awaitable[T]) -> T:
         """``await work``, cut short by a server that keeps exiting."""

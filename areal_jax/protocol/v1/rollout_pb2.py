@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#areal_jax/protocol/v1/rollout.proto\x12\x14\x61real_jax.rollout.v1\"\xd2\x01\n\x0eSamplingParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\x05\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x0e\n\x06greedy\x18\x05 \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x03\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"\xac\x02\n\x0eRolloutRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\x13\n\x0bprompt_text\x18\x03 \x01(\t\x12\x44\n\x08metadata\x18\x04 \x03(\x0b\x32\x32.areal_jax.rollout.v1.RolloutRequest.MetadataEntry\x12\x13\n\x0breward_name\x18\x05 \x01(\t\x12\x12\n\ngroup_size\x18\x06 \x01(\x05\x12=\n\x0fsampling_params\x18\x07 \x01(\x0b\x32$.areal_jax.rollout.v1.SamplingParams\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xaa\x01\n\nTrajectory\x12\x12\n\noutput_ids\x18\x01 \x03(\x05\x12\x16\n\x0e\x62\x65hav_logprobs\x18\x02 \x03(\x02\x12\x10\n\x08versions\x18\x03 \x03(\x05\x12\x13\n\x0boutput_mask\x18\x04 \x03(\x05\x12\x0e\n\x06reward\x18\x05 \x01(\x01\x12\x39\n\rfinish_reason\x18\x06 \x01(\x0e\x32\".areal_jax.rollout.v1.FinishReason\"A\n\x06Timing\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x14\n\x0cgeneration_s\x18\x02 \x01(\x01\x12\x10\n\x08reward_s\x18\x03 \x01(\x01\"<\n\x0cRequestError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\r\n\x05\x66ield\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\"\x97\x02\n\x0fTrajectoryGroup\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\x36\n\x0ctrajectories\x18\x03 \x03(\x0b\x32 .areal_jax.rollout.v1.Trajectory\x12,\n\x06timing\x18\x04 \x01(\x0b\x32\x1c.areal_jax.rollout.v1.Timing\x12\x31\n\x05\x65rror\x18\x05 \x01(\x0b\x32\".areal_jax.rollout.v1.RequestError\x12\x17\n\x0freward_failures\x18\x06 \x01(\x05\x12\x14\n\x0creward_error\x18\x07 \x01(\t\x12\x14\n\x0creward_calls\x18\x08 \x01(\x05\"x\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12=\n\x0fsampling_params\x18\x03 \x01(\x0b\x32$.areal_jax.rollout.v1.SamplingParams\"\x81\x01\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x10\n\x08versions\x18\x03 \x03(\x05\x12\x39\n\rfinish_reason\x18\x04 \x01(\x0e\x32\".areal_jax.rollout.v1.FinishReason\"D\n\x14UpdateWeightsRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\r\n\x05\x66orce\x18\x03 \x01(\x08\"8\n\x15UpdateWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0e\n\x06load_s\x18\x02 \x01(\x01\"(\n\nWeightFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x03\"`\n\rWeightsHeader\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12/\n\x05\x66iles\x18\x02 \x03(\x0b\x32 .areal_jax.rollout.v1.WeightFile\x12\r\n\x05\x66orce\x18\x03 \x01(\x08\"7\n\tFileChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x85\x01\n\x12PushWeightsRequest\x12\x35\n\x06header\x18\x01 \x01(\x0b\x32#.areal_jax.rollout.v1.WeightsHeaderH\x00\x12\x30\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1f.areal_jax.rollout.v1.FileChunkH\x00\x42\x06\n\x04item\"\x0e\n\x0cPauseRequest\"\x0f\n\rResumeRequest\"\x12\n\x10GetStatusRequest\"\xed\x02\n\x0cServerStatus\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x18\n\x10running_requests\x18\x02 \x01(\x05\x12\x17\n\x0fqueued_requests\x18\x03 \x01(\x05\x12\x18\n\x10tokens_generated\x18\x04 \x01(\x03\x12\x19\n\x11tokens_per_second\x18\x05 \x01(\x01\x12\x13\n\x0b\x65ngine_kind\x18\x06 \x01(\t\x12\x0e\n\x06paused\x18\x07 \x01(\x08\x12\x12\n\nvocab_size\x18\x08 \x01(\x05\x12\x17\n\x0fmax_context_len\x18\t \x01(\x05\x12I\n\x0c\x65ngine_stats\x18\n \x03(\x0b\x32\x33.areal_jax.rollout.v1.ServerStatus.EngineStatsEntry\x12\x13\n\x0binstance_id\x18\x0b \x01(\t\x1a\x32\n\x10\x45ngineStatsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x95\x05\n\x0eRolloutService\x12Z\n\x07Rollout\x12$.areal_jax.rollout.v1.RolloutRequest\x1a%.areal_jax.rollout.v1.TrajectoryGroup(\x01\x30\x01\x12X\n\x08Generate\x12%.areal_jax.rollout.v1.GenerateRequest\x1a#.areal_jax.rollout.v1.GenerateChunk0\x01\x12h\n\rUpdateWeights\x12*.areal_jax.rollout.v1.UpdateWeightsRequest\x1a+.areal_jax.rollout.v1.UpdateWeightsResponse\x12\x66\n\x0bPushWeights\x12(.areal_jax.rollout.v1.PushWeightsRequest\x1a+.areal_jax.rollout.v1.UpdateWeightsResponse(\x01\x12O\n\x05Pause\x12\".areal_jax.rollout.v1.PauseRequest\x1a\".areal_jax.rollout.v1.ServerStatus\x12Q\n\x06Resume\x12#.areal_jax.rollout.v1.ResumeRequest\x1a\".areal_jax.rollout.v1.ServerStatus\x12W\n\tGetStatus\x12&.areal_jax.rollout.v1.GetStatusRequest\x1a\".areal_jax.rollout.v1.ServerStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#areal_jax/protocol/v1/rollout.proto\x12\x14\x61real_jax.rollout.v1\"\xd2\x01\n\x0eSamplingParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\x05\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x0e\n\x06greedy\x18\x05 \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x03\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"\xac\x02\n\x0eRolloutRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\x13\n\x0bprompt_text\x18\x03 \x01(\t\x12\x44\n\x08metadata\x18\x04 \x03(\x0b\x32\x32.areal_jax.rollout.v1.RolloutRequest.MetadataEntry\x12\x13\n\x0breward_name\x18\x05 \x01(\t\x12\x12\n\ngroup_size\x18\x06 \x01(\x05\x12=\n\x0fsampling_params\x18\x07 \x01(\x0b\x32$.areal_jax.rollout.v1.SamplingParams\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xaa\x01\n\nTrajectory\x12\x12\n\noutput_ids\x18\x01 \x03(\x05\x12\x16\n\x0e\x62\x65hav_logprobs\x18\x02 \x03(\x02\x12\x10\n\x08versions\x18\x03 \x03(\x05\x12\x13\n\x0boutput_mask\x18\x04 \x03(\x05\x12\x0e\n\x06reward\x18\x05 \x01(\x01\x12\x39\n\rfinish_reason\x18\x06 \x01(\x0e\x32\".areal_jax.rollout.v1.FinishReason\"A\n\x06Timing\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x14\n\x0cgeneration_s\x18\x02 \x01(\x01\x12\x10\n\x08reward_s\x18\x03 \x01(\x01\"N\n\x0cRequestError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\r\n\x05\x66ield\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x10\n\x08\x64raining\x18\x04 \x01(\x08\"\x97\x02\n\x0fTrajectoryGroup\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\x36\n\x0ctrajectories\x18\x03 \x03(\x0b\x32 .areal_jax.rollout.v1.Trajectory\x12,\n\x06timing\x18\x04 \x01(\x0b\x32\x1c.areal_jax.rollout.v1.Timing\x12\x31\n\x05\x65rror\x18\x05 \x01(\x0b\x32\".areal_jax.rollout.v1.RequestError\x12\x17\n\x0freward_failures\x18\x06 \x01(\x05\x12\x14\n\x0creward_error\x18\x07 \x01(\t\x12\x14\n\x0creward_calls\x18\x08 \x01(\x05\"x\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12=\n\x0fsampling_params\x18\x03 \x01(\x0b\x32$.areal_jax.rollout.v1.SamplingParams\"\x81\x01\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x10\n\x08versions\x18\x03 \x03(\x05\x12\x39\n\rfinish_reason\x18\x04 \x01(\x0e\x32\".areal_jax.rollout.v1.FinishReason\"D\n\x14UpdateWeightsRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\r\n\x05\x66orce\x18\x03 \x01(\x08\"8\n\x15UpdateWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0e\n\x06load_s\x18\x02 \x01(\x01\"(\n\nWeightFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x03\"`\n\rWeightsHeader\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12/\n\x05\x66iles\x18\x02 \x03(\x0b\x32 .areal_jax.rollout.v1.WeightFile\x12\r\n\x05\x66orce\x18\x03 \x01(\x08\"7\n\tFileChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x85\x01\n\x12PushWeightsRequest\x12\x35\n\x06header\x18\x01 \x01(\x0b\x32#.areal_jax.rollout.v1.WeightsHeaderH\x00\x12\x30\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1f.areal_jax.rollout.v1.FileChunkH\x00\x42\x06\n\x04item\"\x0e\n\x0cPauseRequest\"\x0f\n\rResumeRequest\"\x12\n\x10GetStatusRequest\"\xff\x02\n\x0cServerStatus\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x18\n\x10running_requests\x18\x02 \x01(\x05\x12\x17\n\x0fqueued_requests\x18\x03 \x01(\x05\x12\x18\n\x10tokens_generated\x18\x04 \x01(\x03\x12\x19\n\x11tokens_per_second\x18\x05 \x01(\x01\x12\x13\n\x0b\x65ngine_kind\x18\x06 \x01(\t\x12\x0e\n\x06paused\x18\x07 \x01(\x08\x12\x12\n\nvocab_size\x18\x08 \x01(\x05\x12\x17\n\x0fmax_context_len\x18\t \x01(\x05\x12I\n\x0c\x65ngine_stats\x18\n \x03(\x0b\x32\x33.areal_jax.rollout.v1.ServerStatus.EngineStatsEntry\x12\x13\n\x0binstance_id\x18\x0b \x01(\t\x12\x10\n\x08\x64raining\x18\x0c \x01(\x08\x1a\x32\n\x10\x45ngineStatsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x95\x05\n\x0eRolloutService\x12Z\n\x07Rollout\x12$.areal_jax.rollout.v1.RolloutRequest\x1a%.areal_jax.rollout.v1.TrajectoryGroup(\x01\x30\x01\x12X\n\x08Generate\x12%.areal_jax.rollout.v1.GenerateRequest\x1a#.areal_jax.rollout.v1.GenerateChunk0\x01\x12h\n\rUpdateWeights\x12*.areal_jax.rollout.v1.UpdateWeightsRequest\x1a+.areal_jax.rollout.v1.UpdateWeightsResponse\x12\x66\n\x0bPushWeights\x12(.areal_jax.rollout.v1.PushWeightsRequest\x1a+.areal_jax.rollout.v1.UpdateWeightsResponse(\x01\x12O\n\x05Pause\x12\".areal_jax.rollout.v1.PauseRequest\x1a\".areal_jax.rollout.v1.ServerStatus\x12Q\n\x06Resume\x12#.areal_jax.rollout.v1.ResumeRequest\x1a\".areal_jax.rollout.v1.ServerStatus\x12W\n\tGetStatus\x12&.areal_jax.rollout.v1.GetStatusRequest\x1a\".areal_jax.rollout.v1.ServerStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,8 +35,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ROLLOUTREQUEST_METADATAENTRY']._serialized_options = b'8\001'
   _globals['_SERVERSTATUS_ENGINESTATSENTRY']._loaded_options = None
   _globals['_SERVERSTATUS_ENGINESTATSENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2297
-  _globals['_FINISHREASON']._serialized_end=2417
+  _globals['_FINISHREASON']._serialized_start=2333
+  _globals['_FINISHREASON']._serialized_end=2453
   _globals['_SAMPLINGPARAMS']._serialized_start=62
   _globals['_SAMPLINGPARAMS']._serialized_end=272
   _globals['_ROLLOUTREQUEST']._serialized_start=275
@@ -48,35 +48,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TIMING']._serialized_start=750
   _globals['_TIMING']._serialized_end=815
   _globals['_REQUESTERROR']._serialized_start=817
-  _globals['_REQUESTERROR']._serialized_end=877
-  _globals['_TRAJECTORYGROUP']._serialized_start=880
-  _globals['_TRAJECTORYGROUP']._serialized_end=1159
-  _globals['_GENERATEREQUEST']._serialized_start=1161
-  _globals['_GENERATEREQUEST']._serialized_end=1281
-  _globals['_GENERATECHUNK']._serialized_start=1284
-  _globals['_GENERATECHUNK']._serialized_end=1413
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=1415
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=1483
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=1485
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=1541
-  _globals['_WEIGHTFILE']._serialized_start=1543
-  _globals['_WEIGHTFILE']._serialized_end=1583
-  _globals['_WEIGHTSHEADER']._serialized_start=1585
-  _globals['_WEIGHTSHEADER']._serialized_end=1681
-  _globals['_FILECHUNK']._serialized_start=1683
-  _globals['_FILECHUNK']._serialized_end=1738
-  _globals['_PUSHWEIGHTSREQUEST']._serialized_start=1741
-  _globals['_PUSHWEIGHTSREQUEST']._serialized_end=1874
-  _globals['_PAUSEREQUEST']._serialized_start=1876
-  _globals['_PAUSEREQUEST']._serialized_end=1890
-  _globals['_RESUMEREQUEST']._serialized_start=1892
-  _globals['_RESUMEREQUEST']._serialized_end=1907
-  _globals['_GETSTATUSREQUEST']._serialized_start=1909
-  _globals['_GETSTATUSREQUEST']._serialized_end=1927
-  _globals['_SERVERSTATUS']._serialized_start=1930
-  _globals['_SERVERSTATUS']._serialized_end=2295
-  _globals['_SERVERSTATUS_ENGINESTATSENTRY']._serialized_start=2245
-  _globals['_SERVERSTATUS_ENGINESTATSENTRY']._serialized_end=2295
-  _globals['_ROLLOUTSERVICE']._serialized_start=2420
-  _globals['_ROLLOUTSERVICE']._serialized_end=3081
+  _globals['_REQUESTERROR']._serialized_end=895
+  _globals['_TRAJECTORYGROUP']._serialized_start=898
+  _globals['_TRAJECTORYGROUP']._serialized_end=1177
+  _globals['_GENERATEREQUEST']._serialized_start=1179
+  _globals['_GENERATEREQUEST']._serialized_end=1299
+  _globals['_GENERATECHUNK']._serialized_start=1302
+  _globals['_GENERATECHUNK']._serialized_end=1431
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=1433
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=1501
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=1503
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=1559
+  _globals['_WEIGHTFILE']._serialized_start=1561
+  _globals['_WEIGHTFILE']._serialized_end=1601
+  _globals['_WEIGHTSHEADER']._serialized_start=1603
+  _globals['_WEIGHTSHEADER']._serialized_end=1699
+  _globals['_FILECHUNK']._serialized_start=1701
+  _globals['_FILECHUNK']._serialized_end=1756
+  _globals['_PUSHWEIGHTSREQUEST']._serialized_start=1759
+  _globals['_PUSHWEIGHTSREQUEST']._serialized_end=1892
+  _globals['_PAUSEREQUEST']._serialized_start=1894
+  _globals['_PAUSEREQUEST']._serialized_end=1908
+  _globals['_RESUMEREQUEST']._serialized_start=1910
+  _globals['_RESUMEREQUEST']._serialized_end=1925
+  _globals['_GETSTATUSREQUEST']._serialized_start=1927
+  _globals['_GETSTATUSREQUEST']._serialized_end=1945
+  _globals['_SERVERSTATUS']._serialized_start=1948
+  _globals['_SERVERSTATUS']._serialized_end=2331
+  _globals['_SERVERSTATUS_ENGINESTATSENTRY']._serialized_start=2281
+  _globals['_SERVERSTATUS_ENGINESTATSENTRY']._serialized_end=2331
+  _globals['_ROLLOUTSERVICE']._serialized_start=2456
+  _globals['_ROLLOUTSERVICE']._serialized_end=3117
 # @@protoc_insertion_point(module_scope)

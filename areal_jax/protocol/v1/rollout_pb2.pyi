@@ -88,14 +88,16 @@ class Timing(_message.Message):
     def __init__(self, queue_s: _Optional[float] = ..., generation_s: _Optional[float] = ..., reward_s: _Optional[float] = ...) -> None: ...
 
 class RequestError(_message.Message):
-    __slots__ = ("code", "field", "message")
+    __slots__ = ("code", "field", "message", "draining")
     CODE_FIELD_NUMBER: _ClassVar[int]
     FIELD_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     code: int
     field: str
     message: str
-    def __init__(self, code: _Optional[int] = ..., field: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+    draining: bool
+    def __init__(self, code: _Optional[int] = ..., field: _Optional[str] = ..., message: _Optional[str] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class TrajectoryGroup(_message.Message):
     __slots__ = ("request_id", "prompt_ids", "trajectories", "timing", "error", "reward_failures", "reward_error", "reward_calls")
@@ -206,7 +208,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerStatus(_message.Message):
-    __slots__ = ("version", "running_requests", "queued_requests", "tokens_generated", "tokens_per_second", "engine_kind", "paused", "vocab_size", "max_context_len", "engine_stats", "instance_id")
+    __slots__ = ("version", "running_requests", "queued_requests", "tokens_generated", "tokens_per_second", "engine_kind", "paused", "vocab_size", "max_context_len", "engine_stats", "instance_id", "draining")
     class EngineStatsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -225,6 +227,7 @@ class ServerStatus(_message.Message):
     MAX_CONTEXT_LEN_FIELD_NUMBER: _ClassVar[int]
     ENGINE_STATS_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     version: int
     running_requests: int
     queued_requests: int
@@ -236,4 +239,5 @@ class ServerStatus(_message.Message):
     max_context_len: int
     engine_stats: _containers.ScalarMap[str, float]
     instance_id: str
-    def __init__(self, version: _Optional[int] = ..., running_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., engine_kind: _Optional[str] = ..., paused: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., max_context_len: _Optional[int] = ..., engine_stats: _Optional[_Mapping[str, float]] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    draining: bool
+    def __init__(self, version: _Optional[int] = ..., running_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., engine_kind: _Optional[str] = ..., paused: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., max_context_len: _Optional[int] = ..., engine_stats: _Optional[_Mapping[str, float]] = ..., instance_id: _Optional[str] = ..., draining: _Optional[bool] = ...) -> None: ...

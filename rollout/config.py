@@ -110,6 +110,9 @@ class ServerConfig:
     # on SIGTERM / SIGINT, how long the groups it holds may go on to finish before the rest come
     # back aborted; its trainers are told it drains and send it no new work (0: at once)
     drain_s: float = 0.0
+    # once it serves a run's weights, weights from any other client are refused until that
+    # run's trainer has been gone this long (no stream open, no call) (rollout.run_lease)
+    run_lease_s: float = 30.0
     status_log_interval_s: float = 30.0  # how often `serve` logs a status line; 0 = never
     parent_pid: int | None = None  # `serve` stops once its parent process is not this pid
     # UpdateWeights loads only paths under these (real paths compared); empty: the push
@@ -134,7 +137,7 @@ class ServerConfig:
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
-        for name in ("shutdown_grace_s", "status_log_interval_s", "drain_s"):
+        for name in ("shutdown_grace_s", "status_log_interval_s", "drain_s", "run_lease_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
         for name in ("push_idle_timeout_s", "push_min_mib_per_s"):

@@ -33,6 +33,7 @@ from areal_jax.protocol.v1 import rollout_pb2_grpc as pb_grpc
 from areal_jax.trajectory import TrajectoryGroup
 from rollout.admission import Admission, AdmissionClosed
 from rollout.config import ServerConfig
+from rollout.run_lease import RunLease, run_of
 from rollout.engine import (
     EngineError,
     GenerationChunk,
@@ -152,6 +153,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         self._end: tuple[grpc.StatusCode, str] | None = None
         self._ended = asyncio.Event()
         self._draining = False
+        self._lease = RunLease(config.run_lease_s)
         self._streams: set[asyncio.Queue] = set()  # the replies of each open Rollout stream
         self._instance_id = uuid.uuid4().hex  # tells the trainer this process from a restart
 
@@ -223,17 +225,20 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
     async def Rollout(self, request_iterator, context):
         if self.closing:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"server is closing: {self._end[1]}")
-        if self._draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, _DRAINING)
+        run = await self._caller(context)
         out: asyncio.Queue = asyncio.Queue()
+        if self._draining:  # its client learns it first: what it sends is turned away unrun
+            out.put_nowait(_draining_group(""))
         tasks: set[asyncio.Task] = set()
         reader = asyncio.create_task(self._read(request_iterator, out, tasks))
         self._readers.add(reader)
         self._streams.add(out)
+        self._lease.stream_opened(run)
         try:
             while (item := await out.get()) is not _DONE:
                 yield item
         finally:
+            self._lease.stream_closed(run)
             self._streams.discard(out)
             self._readers.discard(reader)
             reader.cancel()
@@ -259,6 +264,10 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                     continue
                 place = _Place(size=req.ByteSize())
                 await self._admission.reserve(place.size)
+                if self._draining:  # it waited for a place while the drain began
+                    self._admission.release(False, place.size)
+                    out.put_nowait(_draining_group(req.request_id))
+                    continue
                 in_flight.add(task.request_id)
                 job = asyncio.create_task(self._run_group(task, out, in_flight, place))
                 tasks.add(job)
@@ -336,6 +345,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
     async def Generate(self, request, context):
         if self._draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, _DRAINING)
+        await self._caller(context)
         try:
             request_id, prompt, params = generate_args_from_proto(request, self._limits())
         except InvalidParamError as e:
@@ -385,9 +395,22 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                 "(set force to load it anyway)",
             )
 
-    async def _update(self, path: str, version: int, force: bool,
+    async def _caller(self, context) -> str:
+        """The run the call names (``rollout.run_lease``), noted as heard from."""
+        try:
+            run = run_of(context)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        self._lease.heard(run)
+        return run
+
+    def _check_run(self, run: str) -> None:
+        if (why := self._lease.refusal(run)) is not None:
+            raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, why)
+
+    async def _update(self, path: str, version: int, force: bool, run: str,
                       pushed: Path | None = None) -> pb.UpdateWeightsResponse:
-        """Load ``path`` as ``version``, one load at a time. A load runs to its end even when
+        """Load ``path`` as ``version`` for ``run``, one load at a time. A load runs to its end even when
         its caller gives up (a deadline cancels the call): abandoned half way it could leave
         the engine partly updated, or its thread still loading beside the next load. The
         update lock is held until it ends. ``pushed``: a pushed directory, kept if it loads,
@@ -401,11 +424,12 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         try:
             if self.closing:
                 raise Rejected(grpc.StatusCode.UNAVAILABLE, f"server is closing: {self._end[1]}")
+            self._check_run(run)
             self._check_version(version, force)
         except BaseException:
             self._loaded(path, version, pushed, None)
             raise
-        load = asyncio.ensure_future(self._load(path, version))
+        load = asyncio.ensure_future(self._load(path, version, run))
         load.add_done_callback(functools.partial(self._loaded, path, version, pushed))
         return await asyncio.shield(load)
 
@@ -422,10 +446,11 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         if pushed is not None:
             (self._intake.discard if failed else self._intake.keep)(pushed)
 
-    async def _load(self, path: str, version: int) -> pb.UpdateWeightsResponse:
+    async def _load(self, path: str, version: int, run: str) -> pb.UpdateWeightsResponse:
         start = time.monotonic()
         try:
             await self._engine.update_weights(path, version)
+            self._lease.loaded(run)
         except WeightLoadError as e:
             raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, f"path: {e}") from e
         except EngineError as e:
@@ -438,26 +463,30 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         return pb.UpdateWeightsResponse(version=self._engine.version, load_s=load_s)
 
     async def UpdateWeights(self, request, context):
+        run = await self._caller(context)
         try:
             if not request.path:
                 raise InvalidParamError("path", "must not be empty")
             check_version_range(request.version, "version")
             self._check_weights_path(request.path)
-            return await self._update(request.path, request.version, request.force)
+            return await self._update(request.path, request.version, request.force, run)
         except InvalidParamError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except Rejected as e:
             await context.abort(e.code, str(e))
 
     async def PushWeights(self, request_iterator, context):
+        run = await self._caller(context)
         stream = PushStream(request_iterator)
+
+        def check_header(header: pb.WeightsHeader) -> None:  # before any byte is received
+            self._check_run(run)
+            self._check_version(header.version, header.force, "header.version")
+
         try:
             # Received outside the update lock: a slow stream holds back no other update.
-            directory, header = await self._intake.receive(
-                stream,
-                lambda h: self._check_version(h.version, h.force, "header.version"),
-            )
-            return await self._update(str(directory), header.version, header.force,
+            directory, header = await self._intake.receive(stream, check_header)
+            return await self._update(str(directory), header.version, header.force, run,
                                       pushed=directory)
         except InvalidParamError as e:
             code, message = grpc.StatusCode.INVALID_ARGUMENT, str(e)
@@ -481,6 +510,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         return await self._control(self._engine.resume, context)
 
     async def _control(self, action, context) -> pb.ServerStatus:
+        await self._caller(context)
         try:
             await action()
         except EngineError as e:
@@ -488,6 +518,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         return self.status()
 
     async def GetStatus(self, request, context):
+        await self._caller(context)
         return self.status()
 
     def status(self) -> pb.ServerStatus:
@@ -507,4 +538,5 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             engine_stats=stats,
             instance_id=self._instance_id,
             draining=self._draining,
+            run_id=self._lease.run,
         )

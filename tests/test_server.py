@@ -475,6 +475,76 @@ def test_update_weights_reaches_the_engine_and_failures_keep_the_version(tmp_pat
     assert status.version == 1
 
 
+def test_a_server_serving_one_run_refuses_weights_from_another_while_its_trainer_is_around(
+        tmp_path, tok_dir):
+    # Two runs pointed at one server (a shared addresses file, a second run started by mistake,
+    # an evaluation): before, each forced its weights in and trained on samples of the other.
+    from areal_jax.controller.rollout_pool import WeightsRejectedError
+
+    one, two = write_checkpoint(tmp_path / "one", "one"), write_checkpoint(tmp_path / "two", "two")
+
+    async def scenario():
+        async with serving(tmp_path, tok_dir, run_lease_s=0.5) as h:
+            address = f"127.0.0.1:{h.server.port}"
+            run_a, run_b = (RolloutPool([address], run_id=r) for r in ("run-a", "run-b"))
+            await run_a.start()
+            await run_a.update_weights(one, 1)
+            await run_b.start()
+            refused = []
+            for push in (False, True):
+                with pytest.raises(WeightsRejectedError) as err:
+                    await run_b.update_weights(two, 2, push=push, force=True)
+                refused.append(str(err.value))
+            with pytest.raises(grpc.aio.AioRpcError) as anonymous:
+                await h.stub.UpdateWeights(pb.UpdateWeightsRequest(path=str(two), version=5))
+            with pytest.raises(grpc.aio.AioRpcError) as malformed:
+                await h.stub.GetStatus(pb.GetStatusRequest(), metadata=(("areal-run", "x" * 200),))
+            owner = (await h.stub.GetStatus(pb.GetStatusRequest())).run_id
+            await run_a.close()
+            resumed = RolloutPool([address], run_id="run-a")  # its trainer restarted
+            await resumed.start()
+            await resumed.update_weights(one, 3)
+            await resumed.close()
+            await asyncio.sleep(0.8)  # run-a's trainer gone for longer than run_lease_s
+            await run_b.update_weights(two, 4)
+            taken_over = (await h.stub.GetStatus(pb.GetStatusRequest())).run_id
+            await run_b.close()
+            return (refused, anonymous.value, malformed.value, owner, taken_over,
+                    [(Path(p).name, v) for p, v, _ in h.engine.loaded])
+
+    refused, anonymous, malformed, owner, taken_over, loaded = asyncio.run(scenario())
+    for message in refused:  # by path and by push, the push refused before its bytes
+        assert "FAILED_PRECONDITION" in message and "serves run 'run-a'" in message
+        assert "has a stream open" in message
+    assert anonymous.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "a client naming no run may load weights once" in anonymous.details()
+    assert malformed.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (owner, taken_over) == ("run-a", "run-b")
+    assert [v for _, v in loaded] == [1, 3, 4]
+
+
+def test_a_run_lease_runs_from_the_last_sign_of_its_trainer():
+    from rollout.run_lease import RunLease
+
+    now = [0.0]
+    lease = RunLease(30.0, clock=lambda: now[0])
+    assert lease.refusal("b") is None  # nothing served yet
+    lease.loaded("a")
+    lease.stream_opened("a")
+    now[0] = 1000.0
+    assert "has a stream open" in lease.refusal("b") and lease.refusal("a") is None
+    lease.stream_closed("a")
+    now[0] = 1029.0
+    assert "heard from 29 s ago" in lease.refusal("b")
+    lease.heard("a")  # a status call, say
+    now[0] = 1058.0
+    assert lease.refusal("b") is not None and lease.refusal("") is not None
+    now[0] = 1059.5
+    assert lease.refusal("b") is None
+    lease.loaded("")  # weights of no named run: anyone may load next
+    assert lease.refusal("b") is None and lease.idle_s() == float("inf")
+
+
 def test_push_weights_writes_the_files_and_loads_that_directory(tmp_path, tok_dir):
     first = write_checkpoint(tmp_path / "src1", "first")
     second = write_checkpoint(tmp_path / "src2", "second")
@@ -885,15 +955,14 @@ def test_a_draining_server_finishes_what_it_holds_and_turns_new_work_away(tmp_pa
             replies = [notice, await call.read(), await call.read()]
             status = await h.stub.GetStatus(pb.GetStatusRequest())
             answer = await health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
-            with pytest.raises(grpc.aio.AioRpcError) as new_stream:
-                await rollout(h.stub, [rollout_request("new stream")])
+            new_stream = await rollout(h.stub, [rollout_request("new stream")])
             with pytest.raises(grpc.aio.AioRpcError) as generate:
                 params = pb.SamplingParams(max_new_tokens=4)
                 async for _ in h.stub.Generate(pb.GenerateRequest(
                         request_id="g", prompt_ids=encode("x"), sampling_params=params)):
                     pass
             drained = await draining
-            return (replies, status, answer.status, new_stream.value, generate.value, drained,
+            return (replies, status, answer.status, new_stream, generate.value, drained,
                     [request_id for request_id, _, _ in engine.requests])
 
     replies, status, health_status, new_stream, generate, drained, ran = asyncio.run(scenario())
@@ -906,9 +975,75 @@ def test_a_draining_server_finishes_what_it_holds_and_turns_new_work_away(tmp_pa
     assert len(ran) == 2 and not any("late" in r for r in ran)  # the late one never ran
     assert status.draining
     assert health_status == health_pb2.HealthCheckResponse.NOT_SERVING
-    assert new_stream.code() == generate.code() == grpc.StatusCode.UNAVAILABLE
-    assert "draining" in new_stream.details()
+    assert [(g.request_id, g.error.draining) for g in new_stream] == [("", True),
+                                                                      ("new stream", True)]
+    assert generate.code() == grpc.StatusCode.UNAVAILABLE and "draining" in generate.details()
     assert drained
+
+
+def test_a_request_waiting_for_a_place_when_the_drain_begins_is_turned_away(tmp_path, tok_dir):
+    async def scenario():
+        engine = ArithmeticEngine(step_s=0.01)
+        async with serving(tmp_path, tok_dir, engine=engine, max_concurrent_groups=1,
+                           max_queued_requests=1) as h:
+            call = h.stub.Rollout()
+            for rid in ("running", "queued", "waiting"):  # the third waits for a place
+                await call.write(rollout_request(rid, prompt="none", max_new_tokens=20))
+            await until(lambda: engine.tokens >= 2)
+            draining = asyncio.create_task(h.server.drain(30.0))
+            replies = [await call.read() for _ in range(4)]
+            await call.done_writing()
+            assert await draining
+            return {r.request_id: r for r in replies}, {rid for rid, _, _ in engine.requests}
+
+    by_id, ran = asyncio.run(scenario())
+    assert by_id[""].error.draining and by_id["waiting"].error.draining
+    assert not by_id["running"].HasField("error") and not by_id["queued"].HasField("error")
+    assert not any(rid.startswith("waiting") for rid in ran)
+
+
+def test_a_drain_longer_than_no_server_timeout_fails_no_waiting_request(tmp_path, tok_dir):
+    # The wait for a server starts once the last one has left: a draining server is still
+    # there. Before, a request routed nowhere during a long drain failed as soon as it left.
+    from areal_jax.controller.rollout_pool import PoolOptions
+
+    async def scenario():
+        engine = ArithmeticEngine(step_s=0.05)
+        async with serving(tmp_path, tok_dir, engine=engine) as h:
+            pool = RolloutPool([f"127.0.0.1:{h.server.port}"], options=PoolOptions(
+                rejoin_interval_s=0.1, no_server_timeout_s=1.0))
+            await pool.start()
+            try:
+                held = pool.submit(rollout_request("held", prompt="none", max_new_tokens=40))
+                await until(lambda: engine.tokens >= 2)
+                draining = asyncio.create_task(h.server.drain(30.0))
+                await asyncio.sleep(0.2)
+                late = pool.submit(rollout_request("late"))
+                group = await held  # about 2 s: twice no_server_timeout_s
+                await asyncio.sleep(0.3)
+                waiting = not late.done()
+                await draining
+                return group, waiting, pool.live_servers
+            finally:
+                await pool.close()
+
+    group, waiting, live = asyncio.run(scenario())
+    assert not group.HasField("error") and waiting and live == []
+
+
+def test_a_pool_starting_against_a_draining_server_says_so(tmp_path, tok_dir):
+    from areal_jax.controller.rollout_pool import NoLiveServerError
+
+    async def scenario():
+        async with serving(tmp_path, tok_dir) as h:
+            h.server.servicer.drain()
+            address = f"127.0.0.1:{h.server.port}"
+            with pytest.raises(NoLiveServerError) as err:
+                await RolloutPool([address]).start(ready_timeout_s=5)
+            return str(err.value), address
+
+    message, address = asyncio.run(scenario())
+    assert message.endswith(f"; draining before they stop: {address}")
 
 
 def test_engine_death_fails_unfinished_groups_as_unavailable(tmp_path, tok_dir):

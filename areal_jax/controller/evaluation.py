@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import uuid
 
 import numpy as np
 
@@ -121,7 +122,8 @@ async def evaluate_checkpoints(cfg, model_paths) -> list[dict]:
     check_local_engine_context(cfg, paths[0], held_out=lengths)
     results = []
     async with rollout_servers(cfg, paths[0], 0, with_trainer=False, held_out=lengths,
-                               vocab_size=vocab_size) as (pool, servers):
+                               vocab_size=vocab_size,
+                               run_id=f"eval-{uuid.uuid4().hex}") as (pool, servers):
         version = 0
         if servers is None:
             version = max(s.version for s in (await pool.statuses()).values()) + 1

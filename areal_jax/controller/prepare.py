@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import uuid
 from pathlib import Path
 
 from areal_jax.config import ConfigError, to_dict
@@ -19,6 +20,7 @@ from areal_jax.models.config import ModelConfigError
 from areal_jax.models.tokenizer import check_vocabulary
 
 FINGERPRINT_FILE = "fingerprint.json"
+RUN_ID_FILE = "run_id"
 _WEIGHTS_EDGE = 1 << 20  # bytes hashed at each end of a weights file
 
 
@@ -159,6 +161,19 @@ def _filled_path_data_digest(cfg: ExperimentConfig) -> str:
 
 # The forms older run directories recorded a part in: accepted, and recorded anew.
 _OLDER_FORMS = {"model": _path_model_digest, "data": _filled_path_data_digest}
+
+
+def run_id(cfg: ExperimentConfig) -> str:
+    """The run's name in its calls to rollout servers, which refuse weights from any other run
+    while this one's trainer is around (``rollout.run_lease``): made on first use, kept in the
+    run directory, so a resumed trainer is the same run to them."""
+    path = Path(cfg.run_dir) / RUN_ID_FILE
+    if not path.is_file():
+        write_atomic(path, f"run-{uuid.uuid4().hex}\n")
+    ident = path.read_text().strip()
+    if not ident or len(ident) > 128 or not ident.isprintable():
+        raise ConfigError(f"{path}: not a run id (delete it: a new one is made)")
+    return ident
 
 
 def check_fingerprint(cfg: ExperimentConfig) -> None:

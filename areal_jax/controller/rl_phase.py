@@ -14,6 +14,7 @@ from areal_jax.config import ConfigError, to_dict
 from areal_jax.controller.evaluation import evaluate
 from areal_jax.controller.ledger import RunLedger
 from areal_jax.controller.loop import RLLoop
+from areal_jax.controller.prepare import run_id
 from areal_jax.controller.progress import TrainingProgress
 from areal_jax.controller.servers import rollout_servers, servers_spare_the_trainer
 from areal_jax.controller.servers import Supervision, sync_servers
@@ -144,7 +145,8 @@ async def run_rl(cfg: ExperimentConfig, trainer, tokenizer, train_set: PromptDat
         async with rollout_servers(
                 cfg, published, version, training=prompt_lengths,
                 held_out=[len(item.prompt_ids) for item in eval_items],
-                vocab_size=ModelConfig.from_pretrained(published).vocab_size) as (pool, servers), \
+                vocab_size=ModelConfig.from_pretrained(published).vocab_size,
+                run_id=run_id(cfg)) as (pool, servers), \
                 Supervision(servers, published.parent) as supervision:
             # local servers that exit are restarted, in the evaluations as in the loop
             progress.end_phase(task)

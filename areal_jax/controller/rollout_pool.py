@@ -56,7 +56,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from areal_jax.controller.busy import BusyClock
-from areal_jax.protocol import SERVICE_NAME, push_weight_requests
+from areal_jax.protocol import RUN_METADATA_KEY, SERVICE_NAME, push_weight_requests
 from areal_jax.protocol.addresses import read_addresses_file
 from areal_jax.protocol.group_check import group_problem
 from areal_jax.protocol.v1 import rollout_pb2 as pb
@@ -71,6 +71,9 @@ _NO_VERSION_YET = 2**62  # before the first weights: servers serve their own
 _SERVER_GONE = {_S.UNAVAILABLE.value[0], _S.ABORTED.value[0], _S.CANCELLED.value[0]}
 _SERVER_FAULT = {_S.INTERNAL.value[0], _S.UNKNOWN.value[0], _S.DEADLINE_EXCEEDED.value[0],
                  _S.RESOURCE_EXHAUSTED.value[0]}
+
+
+_DRAINING = "is draining before it stops"
 
 
 class NoLiveServerError(RuntimeError):
@@ -148,14 +151,15 @@ class RolloutPool:
     def __init__(self, addresses: list[str], auth_token: str | None = None,
                  tls_root_cert: bytes | None = None, options: PoolOptions | None = None,
                  admit: Callable[[str, pb.ServerStatus], None] | None = None,
-                 addresses_file: Path | None = None):
+                 addresses_file: Path | None = None, run_id: str | None = None):
         """``admit(address, status)`` raises ``ValueError`` naming why a server cannot serve
         this run (a context too short for its prompts, say): at the start that error ends
         ``start``; a server joining later stays out of the pool until it is restarted.
         ``addresses_file`` lists more servers, one address per line; it is read again every
         ``rejoin_interval_s``: a server whose line is added joins the pool like a server
         coming back, one whose line is removed gets no new work and leaves once the groups it
-        holds are back."""
+        holds are back. ``run_id`` names the run in every call: a server serving another run's
+        weights refuses this one's while that run's trainer is around (``rollout.run_lease``)."""
         self._addresses_file = addresses_file
         self._fixed = list(dict.fromkeys(addresses))
         self._file_problem: str | None = None  # why it could not be read last, logged once
@@ -170,7 +174,9 @@ class RolloutPool:
                              "rollout.addresses_file listing one)")
         self.options = options or PoolOptions()
         self._admit = admit
-        self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else None
+        metadata = ((("authorization", f"Bearer {auth_token}"),) if auth_token else ()) + (
+            ((RUN_METADATA_KEY, run_id),) if run_id else ())
+        self._metadata = metadata or None
         self._tls = tls_root_cert
         mb = self.options.max_message_mb << 20
         ping_ms = int(self.options.keepalive_s * 1000)
@@ -217,54 +223,59 @@ class RolloutPool:
             for ask in asks:  # the first refusal, the others cancelled
                 if ask.done() and ask.exception() is not None:
                     raise ask.exception()
-            ready = [ask.result() for ask in asks]
+            absent = [ask.result() for ask in asks]  # why each is not ready (None: ready)
         except BaseException:
             for ask in asks:
                 ask.cancel()
             await asyncio.gather(*asks, return_exceptions=True)  # none left on a closed channel
             await asyncio.gather(*(c.close() for c in channels), return_exceptions=True)
             raise
-        if not any(ready):
+        if all(why is not None for why in absent):
             await asyncio.gather(*(c.close() for c in channels), return_exceptions=True)
+            draining = [s.address for s, why in zip(self._servers, absent) if why == _DRAINING]
             raise NoLiveServerError(
                 f"no rollout server answered within {ready_timeout_s:g} s "
                 f"(rollout.start_timeout_s; tried "
                 f"{', '.join(self.addresses)}): not started yet, unreachable, or TLS on one "
-                "side only (rollout.tls_root_cert on the trainer, tls_cert_path on the servers)")
-        for server, channel, answered in zip(self._servers, channels, ready):
-            if answered:
+                "side only (rollout.tls_root_cert on the trainer, tls_cert_path on the servers)"
+                + (f"; draining before they stop: {', '.join(draining)}" if draining else ""))
+        for server, channel, why in zip(self._servers, channels, absent):
+            if why is None:
                 self._open(server, channel)
             else:
                 await channel.close()
-                log.warning("rollout server %s did not answer within %.0f s; going on without "
-                            "it (it joins once it answers)", server.address, ready_timeout_s)
+                log.warning("rollout server %s %s; going on without it (it joins once it "
+                            "serves)", server.address,
+                            why or f"did not answer within {ready_timeout_s:.0f} s")
         self._supervisor = asyncio.create_task(self._supervise())
         if self._addresses_file is not None:
             self._follower = asyncio.create_task(self._follow_addresses_file())
 
-    async def _answers(self, server: _Server, channel: grpc.aio.Channel, timeout: float) -> bool:
-        """Whether ``server`` answers on ``channel`` within ``timeout``; ``ServerRefusedError``
-        when it answers but refuses the trainer's token."""
+    async def _answers(self, server: _Server, channel: grpc.aio.Channel,
+                       timeout: float) -> str | None:
+        """None when ``server`` answers on ``channel`` within ``timeout`` and is admitted, else
+        why not ("" for no answer); ``ServerRefusedError`` when it answers but refuses the
+        trainer's token."""
         try:
             await asyncio.wait_for(channel.channel_ready(), timeout)
             status = await pb_grpc.RolloutServiceStub(channel).GetStatus(
                 pb.GetStatusRequest(), timeout=self.options.rpc_timeout_s,
                 metadata=self._metadata)
         except TimeoutError:
-            return False
+            return ""
         except grpc.aio.AioRpcError as e:
             if e.code() in (_S.UNAUTHENTICATED, _S.PERMISSION_DENIED):
                 raise ServerRefusedError(
                     f"rollout server {server.address} refuses the trainer: {e.code().name}: "
                     f"{e.details()}; rollout.auth_token_env must name a variable holding the "
                     "servers' token") from None
-            return False
+            return ""
         if status.draining:  # stopping: it joins if it serves again
-            return False
+            return _DRAINING
         server.instance, server.vocab_size = status.instance_id, status.vocab_size
         if self._admit is not None:
             self._admit(server.address, status)
-        return True
+        return None
 
     def _open(self, server: _Server, channel: grpc.aio.Channel) -> None:
         """Open ``server``'s Rollout stream on ``channel`` and route work to it."""
@@ -417,7 +428,7 @@ class RolloutPool:
         if request is None:
             return
         server.busy.remove()
-        if request_id in self._futures:  # not a resubmission: nothing was generated
+        if request_id in self._futures:  # still awaited; nothing of it was generated
             self._route(request, avoid=server)
 
     def _take_group(self, server: _Server, group: pb.TrajectoryGroup) -> None:
@@ -492,8 +503,10 @@ class RolloutPool:
                     task = asyncio.create_task(self._check_progress(server))
                     self._stall_checks[server.address] = task
                     task.add_done_callback(lambda _, a=server.address: self._stall_checks.pop(a))
-            if self._none_live_since is not None and not any(
-                    s.alive for s in [*self._servers, *self._leaving.values()]):
+            if any(s.alive for s in [*self._servers, *self._leaving.values()]):
+                if self._none_live_since is not None:  # reachable, if draining: the wait for
+                    self._none_live_since = now  # a server starts once the last one has left
+            elif self._none_live_since is not None:
                 waited = time.monotonic() - self._none_live_since
                 if waited >= opts.no_server_timeout_s and self._futures:
                     why = "; ".join(f"{s.address}: {s.rejoin_error}" for s in self._servers

@@ -105,13 +105,14 @@ def check_local_engine_context(cfg: ExperimentConfig, model_path: Path, *,
 
 def make_pool(cfg: ExperimentConfig, addresses: list[str], *, addresses_file: str | None = None,
               training: list[int] = (), held_out: list[int] = (),
-              vocab_size: int | None = None) -> RolloutPool:
+              vocab_size: int | None = None, run_id: str | None = None) -> RolloutPool:
     """The pool of ``addresses`` (and those ``addresses_file`` lists, followed as it changes),
     with the run's settings; it admits only servers whose model has ``vocab_size`` entries
     (when given) and whose served context (``max_context_len`` of their status: remote
     servers, or an SGLang whose KV pool allows less than the model) holds the longest
     ``training`` and ``held_out`` prompts (token counts) and their ``max_new_tokens``
-    (``_check_context``), at the start and whenever a server joins later."""
+    (``_check_context``), at the start and whenever a server joins later; ``run_id`` names the
+    run to the servers (``RolloutPool``)."""
     def admit(address: str, status: pb.ServerStatus) -> None:
         if vocab_size is not None and status.vocab_size != vocab_size:
             raise ConfigError(f"rollout server {address} serves a model with a vocabulary of "
@@ -133,7 +134,7 @@ def make_pool(cfg: ExperimentConfig, addresses: list[str], *, addresses_file: st
                                                       ServerConfig.max_message_mb))
     try:
         return RolloutPool(addresses, auth_token=token, tls_root_cert=tls, options=options,
-                           admit=admit,
+                           admit=admit, run_id=run_id,
                            addresses_file=Path(addresses_file) if addresses_file else None)
     except ValueError as e:  # no server listed, or a file that cannot be read
         raise ConfigError(str(e)) from None
@@ -267,16 +268,19 @@ async def wait_ready(pool: RolloutPool, servers: LocalServers | None,
 @contextlib.asynccontextmanager
 async def rollout_servers(cfg: ExperimentConfig, model_path: Path, version: int,
                           with_trainer: bool = True, *, training: list[int] = (),
-                          held_out: list[int] = (), vocab_size: int | None = None):
+                          held_out: list[int] = (), vocab_size: int | None = None,
+                          run_id: str | None = None):
     """Local servers serving ``model_path`` as ``version`` (or the given servers) and a
     connected pool whose servers' contexts hold the ``training`` and ``held_out`` prompts (token
-    counts) and whose models have ``vocab_size`` entries (``make_pool``): yields ``(pool, local
+    counts) and whose models have ``vocab_size`` entries, naming the run ``run_id``
+    (``make_pool``): yields ``(pool, local
     servers or None)``; closes and stops both on exit. ``with_trainer``: whether this process
     is a trainer sharing the servers' devices."""
     servers = launch_local(cfg, model_path, version, with_trainer)
     pool = make_pool(cfg, servers.addresses if servers else list(cfg.rollout.addresses),
                      addresses_file=None if servers else cfg.rollout.addresses_file,
-                     training=training, held_out=held_out, vocab_size=vocab_size)
+                     training=training, held_out=held_out, vocab_size=vocab_size,
+                     run_id=run_id)
     try:
         await wait_ready(pool, servers, cfg.rollout.start_timeout_s)
         yield pool, servers

@@ -3,10 +3,11 @@
 A trainer names its run on every call (the ``areal-run`` metadata, ``RUN_METADATA_KEY``). A
 weights update that loads makes its run the server's: from then on a weights update from any
 other client (another run, an evaluation, a call naming no run) is refused while the serving
-run's trainer is around: a stream of it open, or a call from it in the last ``lease_s``
-seconds. A trainer that restarts names the same run and goes on; once a run's trainer has been
-gone ``lease_s``, any client may load its weights. Generation itself is not restricted: it
-changes nothing the run relies on.
+run's trainer is around: a stream of it open (``Rollout``, ``Generate``), or a call from it in
+the last ``lease_s`` seconds. A trainer that restarts names the same run and goes on. A run
+done with the server says so (``Release``); one that just went away frees it ``lease_s`` after
+it was last heard from. Generation itself is not restricted: it changes nothing the run relies
+on. The lease lives in the server's memory: a restarted server serves no run.
 """
 
 from __future__ import annotations
@@ -17,17 +18,15 @@ import time
 
 import grpc
 
-from areal_jax.protocol import RUN_METADATA_KEY
-
-MAX_RUN_ID_CHARS = 128
+from areal_jax.protocol.runs import MAX_RUN_ID_CHARS, RUN_METADATA_KEY, is_run_id
 
 
 def run_of(context: grpc.aio.ServicerContext) -> str:
     """The run a call names ("" for none), or ``ValueError`` for a malformed name."""
     run = dict(context.invocation_metadata() or ()).get(RUN_METADATA_KEY, "")
-    if isinstance(run, bytes) or len(run) > MAX_RUN_ID_CHARS or not run.isprintable():
-        raise ValueError(f"{RUN_METADATA_KEY} metadata: a printable run id of at most "
-                         f"{MAX_RUN_ID_CHARS} characters")
+    if not is_run_id(run) and run != "":
+        raise ValueError(f"{RUN_METADATA_KEY} metadata: a run id is 1 to {MAX_RUN_ID_CHARS} "
+                         "printable ASCII characters")
     return run
 
 
@@ -80,3 +79,8 @@ class RunLease:
         """Weights named by ``run`` loaded: the server serves that run now."""
         self.run = run
         self._heard = self._clock()
+
+    def release(self, run: str) -> None:
+        """``run`` is done with the server: whoever asks next may load (the weights stay)."""
+        if run and run == self.run:
+            self.run = ""

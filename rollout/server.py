@@ -179,9 +179,10 @@ async def _start_grpc(config: ServerConfig, servicer: RolloutServicer, token, cr
             ("grpc.http2.max_ping_strikes", 0),
             ("grpc.keepalive_permit_without_calls", 1),
             # And it pings them: a trainer whose host vanished has its streams closed (their
-            # groups cancelled, its run's lease running out) within about 50 s.
+            # groups cancelled, its run's lease starting to run out) within about 50 s.
             ("grpc.keepalive_time_ms", 30_000),
             ("grpc.keepalive_timeout_ms", 20_000),
+            ("grpc.http2.ping_timeout_ms", 20_000),  # what gRPC 1.8x uses
             # gRPC sets SO_REUSEPORT by default: a second server started on a busy port (a
             # duplicate launch) would take a share of its connections, unseen.
             ("grpc.so_reuseport", 0),

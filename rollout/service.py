@@ -345,7 +345,15 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
     async def Generate(self, request, context):
         if self._draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, _DRAINING)
-        await self._caller(context)
+        run = await self._caller(context)
+        self._lease.stream_opened(run)  # its caller is around while it generates
+        try:
+            async for chunk in self._generate(request, context):
+                yield chunk
+        finally:
+            self._lease.stream_closed(run)
+
+    async def _generate(self, request, context):
         try:
             request_id, prompt, params = generate_args_from_proto(request, self._limits())
         except InvalidParamError as e:
@@ -519,6 +527,10 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
 
     async def GetStatus(self, request, context):
         await self._caller(context)
+        return self.status()
+
+    async def Release(self, request, context):
+        self._lease.release(await self._caller(context))
         return self.status()
 
     def status(self) -> pb.ServerStatus:

@@ -61,6 +61,7 @@ def test_service_is_in_the_versioned_package():
         "Pause": (False, False),
         "Resume": (False, False),
         "GetStatus": (False, False),
+        "Release": (False, False),
     }
 
 

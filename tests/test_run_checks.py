@@ -373,3 +373,15 @@ def test_sft_alone_on_a_new_run_directory_with_a_model_of_ones_own(tmp_path):
                   run_dir=str(tmp_path / "new" / "run"))
     assert main(["sft", "--config", _write(tmp_path, cfg)]) == 0
     assert (tmp_path / "new" / "run" / "sft_model" / "config.json").is_file()
+
+
+def test_a_run_keeps_its_id_for_the_servers_and_a_bad_one_is_named(tmp_path):
+    from areal_jax.controller.prepare import run_id
+
+    cfg = from_dict(ExperimentConfig, _config(tmp_path))
+    (tmp_path / "run").mkdir()
+    first = run_id(cfg)
+    assert first.startswith("run-") and run_id(cfg) == first  # a resumed trainer: the same run
+    (tmp_path / "run" / "run_id").write_text("прогон\n")  # not ASCII: no gRPC metadata value
+    with pytest.raises(ConfigError, match="run_id: not a run id .* delete it"):
+        run_id(cfg)

@@ -483,6 +483,10 @@ def test_a_server_serving_one_run_refuses_weights_from_another_while_its_trainer
 
     one, two = write_checkpoint(tmp_path / "one", "one"), write_checkpoint(tmp_path / "two", "two")
 
+    async def gone(pool):  # as if its process died: streams cut, no Release
+        pool._run_id = None
+        await pool.close()
+
     async def scenario():
         async with serving(tmp_path, tok_dir, run_lease_s=0.5) as h:
             address = f"127.0.0.1:{h.server.port}"
@@ -500,27 +504,35 @@ def test_a_server_serving_one_run_refuses_weights_from_another_while_its_trainer
             with pytest.raises(grpc.aio.AioRpcError) as malformed:
                 await h.stub.GetStatus(pb.GetStatusRequest(), metadata=(("areal-run", "x" * 200),))
             owner = (await h.stub.GetStatus(pb.GetStatusRequest())).run_id
-            await run_a.close()
+            await gone(run_a)
             resumed = RolloutPool([address], run_id="run-a")  # its trainer restarted
             await resumed.start()
             await resumed.update_weights(one, 3)
-            await resumed.close()
+            await gone(resumed)
+            with pytest.raises(WeightsRejectedError, match="was heard from 0 s ago"):
+                await run_b.update_weights(two, 4)
             await asyncio.sleep(0.8)  # run-a's trainer gone for longer than run_lease_s
             await run_b.update_weights(two, 4)
             taken_over = (await h.stub.GetStatus(pb.GetStatusRequest())).run_id
-            await run_b.close()
-            return (refused, anonymous.value, malformed.value, owner, taken_over,
+            await run_b.close()  # done with the server: says so
+            released = (await h.stub.GetStatus(pb.GetStatusRequest())).run_id
+            run_c = RolloutPool([address], run_id="run-c")
+            await run_c.start()
+            await run_c.update_weights(one, 5)  # at once
+            await run_c.close()
+            return (refused, anonymous.value, malformed.value.code(), owner, taken_over, released,
                     [(Path(p).name, v) for p, v, _ in h.engine.loaded])
 
-    refused, anonymous, malformed, owner, taken_over, loaded = asyncio.run(scenario())
+    (refused, anonymous, malformed, owner, taken_over, released,
+     loaded) = asyncio.run(scenario())
     for message in refused:  # by path and by push, the push refused before its bytes
         assert "FAILED_PRECONDITION" in message and "serves run 'run-a'" in message
         assert "has a stream open" in message
     assert anonymous.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "a client naming no run may load weights once" in anonymous.details()
-    assert malformed.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert (owner, taken_over) == ("run-a", "run-b")
-    assert [v for _, v in loaded] == [1, 3, 4]
+    assert malformed == grpc.StatusCode.INVALID_ARGUMENT
+    assert (owner, taken_over, released) == ("run-a", "run-b", "")
+    assert [v for _, v in loaded] == [1, 3, 4, 5]
 
 
 def test_a_run_lease_runs_from_the_last_sign_of_its_trainer():

@@ -18,6 +18,7 @@ from areal_jax.experiment import ExperimentConfig
 from areal_jax.files import read_json, write_atomic
 from areal_jax.models.config import ModelConfigError
 from areal_jax.models.tokenizer import check_vocabulary
+from areal_jax.protocol.runs import MAX_RUN_ID_CHARS, is_run_id
 
 FINGERPRINT_FILE = "fingerprint.json"
 RUN_ID_FILE = "run_id"
@@ -170,9 +171,10 @@ def run_id(cfg: ExperimentConfig) -> str:
     path = Path(cfg.run_dir) / RUN_ID_FILE
     if not path.is_file():
         write_atomic(path, f"run-{uuid.uuid4().hex}\n")
-    ident = path.read_text().strip()
-    if not ident or len(ident) > 128 or not ident.isprintable():
-        raise ConfigError(f"{path}: not a run id (delete it: a new one is made)")
+    ident = path.read_text(errors="replace").strip()
+    if not is_run_id(ident):
+        raise ConfigError(f"{path}: not a run id (1 to {MAX_RUN_ID_CHARS} printable ASCII "
+                          "characters); delete it and a new one is made")
     return ident
 
 

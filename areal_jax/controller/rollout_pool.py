@@ -56,9 +56,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from areal_jax.controller.busy import BusyClock
-from areal_jax.protocol import RUN_METADATA_KEY, SERVICE_NAME, push_weight_requests
+from areal_jax.protocol import SERVICE_NAME, push_weight_requests
 from areal_jax.protocol.addresses import read_addresses_file
 from areal_jax.protocol.group_check import group_problem
+from areal_jax.protocol.runs import MAX_RUN_ID_CHARS, RUN_METADATA_KEY, is_run_id
 from areal_jax.protocol.v1 import rollout_pb2 as pb
 from areal_jax.protocol.v1 import rollout_pb2_grpc as pb_grpc
 from areal_jax.trainer.publish import export_in_use
@@ -74,6 +75,7 @@ _SERVER_FAULT = {_S.INTERNAL.value[0], _S.UNKNOWN.value[0], _S.DEADLINE_EXCEEDED
 
 
 _DRAINING = "is draining before it stops"
+_RELEASE_S = 5.0  # longest wait, at close, for a server to take note the run is done with it
 
 
 class NoLiveServerError(RuntimeError):
@@ -160,6 +162,9 @@ class RolloutPool:
         coming back, one whose line is removed gets no new work and leaves once the groups it
         holds are back. ``run_id`` names the run in every call: a server serving another run's
         weights refuses this one's while that run's trainer is around (``rollout.run_lease``)."""
+        if run_id is not None and not is_run_id(run_id):
+            raise ValueError(f"run id {run_id!r}: 1 to {MAX_RUN_ID_CHARS} printable ASCII "
+                             "characters")
         self._addresses_file = addresses_file
         self._fixed = list(dict.fromkeys(addresses))
         self._file_problem: str | None = None  # why it could not be read last, logged once
@@ -177,6 +182,7 @@ class RolloutPool:
         metadata = ((("authorization", f"Bearer {auth_token}"),) if auth_token else ()) + (
             ((RUN_METADATA_KEY, run_id),) if run_id else ())
         self._metadata = metadata or None
+        self._run_id = run_id
         self._tls = tls_root_cert
         mb = self.options.max_message_mb << 20
         ping_ms = int(self.options.keepalive_s * 1000)
@@ -820,11 +826,18 @@ class RolloutPool:
         return {server.address: status for server, status in done}
 
     async def close(self) -> None:
+        """Release the servers (``Release``: another run may load its weights at once), close
+        every stream and channel; futures still waiting are cancelled."""
         tasks = [t for t in (self._supervisor, self._follower) if t is not None]
         tasks += [*self._rejoining.values(), *self._stall_checks.values()]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self._run_id:  # a server that cannot be told frees itself after its run_lease_s
+            await asyncio.gather(*(s.stub.Release(
+                pb.ReleaseRequest(), timeout=min(self.options.rpc_timeout_s, _RELEASE_S),
+                metadata=self._metadata) for s in [*self._servers, *self._leaving.values()]
+                if s.alive), return_exceptions=True)
         for server in [*self._servers, *self._leaving.values()]:
             if server.alive:
                 server.alive = False

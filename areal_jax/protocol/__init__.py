@@ -18,13 +18,9 @@ SERVICE_NAME = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_na
 # Sampling temperatures below this mean greedy decoding, with log-probs reported at temperature
 # 1 (SGLang's threshold too): dividing logits by a tinier one overflows float32.
 GREEDY_TEMPERATURE = 1e-6
-# The call metadata in which a trainer names its run: a server serving one run's weights
-# refuses weights from any other while that run's trainer is around (``rollout.run_lease``).
-RUN_METADATA_KEY = "areal-run"
 
 __all__ = [
     "GREEDY_TEMPERATURE",
-    "RUN_METADATA_KEY",
     "SERVICE_NAME",
     "finish_reason_from_proto",
     "finish_reason_to_proto",

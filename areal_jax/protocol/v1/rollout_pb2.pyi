@@ -207,6 +207,10 @@ class GetStatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class ReleaseRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class ServerStatus(_message.Message):
     __slots__ = ("version", "running_requests", "queued_requests", "tokens_generated", "tokens_per_second", "engine_kind", "paused", "vocab_size", "max_context_len", "engine_stats", "instance_id", "draining", "run_id")
     class EngineStatsEntry(_message.Message):

@@ -69,6 +69,11 @@ class RolloutServiceStub:
                 request_serializer=areal__jax_dot_protocol_dot_v1_dot_rollout__pb2.GetStatusRequest.SerializeToString,
                 response_deserializer=areal__jax_dot_protocol_dot_v1_dot_rollout__pb2.ServerStatus.FromString,
                 _registered_method=True)
+        self.Release = channel.unary_unary(
+                '/areal_jax.rollout.v1.RolloutService/Release',
+                request_serializer=areal__jax_dot_protocol_dot_v1_dot_rollout__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=areal__jax_dot_protocol_dot_v1_dot_rollout__pb2.ServerStatus.FromString,
+                _registered_method=True)
 
 
 class RolloutServiceServicer:
@@ -122,6 +127,14 @@ class RolloutServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Release(self, request, context):
+        """The calling run (its `areal-run` metadata) is done with this server: its weights stay
+        loaded, and any client may load its own at once (not only after run_lease_s).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -158,6 +171,11 @@ def add_RolloutServiceServicer_to_server(servicer, server):
             'GetStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStatus,
                     request_deserializer=areal__jax_dot_protocol_dot_v1_dot_rollout__pb2.GetStatusRequest.FromString,
+                    response_serializer=areal__jax_dot_protocol_dot_v1_dot_rollout__pb2.ServerStatus.SerializeToString,
+            ),
+            'Release': grpc.unary_unary_rpc_method_handler(
+                    servicer.Release,
+                    request_deserializer=areal__jax_dot_protocol_dot_v1_dot_rollout__pb2.ReleaseRequest.FromString,
                     response_serializer=areal__jax_dot_protocol_dot_v1_dot_rollout__pb2.ServerStatus.SerializeToString,
             ),
     }
@@ -349,6 +367,33 @@ class RolloutService:
             target,
             '/areal_jax.rollout.v1.RolloutService/GetStatus',
             areal__jax_dot_protocol_dot_v1_dot_rollout__pb2.GetStatusRequest.SerializeToString,
+            areal__jax_dot_protocol_dot_v1_dot_rollout__pb2.ServerStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Release(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/areal_jax.rollout.v1.RolloutService/Release',
+            areal__jax_dot_protocol_dot_v1_dot_rollout__pb2.ReleaseRequest.SerializeToString,
             areal__jax_dot_protocol_dot_v1_dot_rollout__pb2.ServerStatus.FromString,
             options,
             channel_credentials,

@@ -146,9 +146,11 @@ def test_long_prompts_are_dropped_and_counted(tmp_path, tokenizer, caplog):
     [
         (
             '{"question": "a", "answer": "1"}\n{"question": "b"}\n',
-            r"line 2: missing field 'answer'",
+            r"line 2: missing field 'answer' \(dataset.metadata_fields.answer\); the row has "
+            r"'question'$",
         ),
-        ('{"answer": "1"}\n', r"line 1: missing field 'question'"),
+        ('{"answer": "1"}\n', r"line 1: missing field 'question' \(dataset.prompt_field\); the "
+                              r"row has 'answer'$"),
         ('{"question": "a", "answer": "1"}\n\n{oops\n', r"line 3: invalid JSON"),
         ("[1, 2]\n", r"line 1: expected a JSON object, got list: a JSON array is not read"),
         ('[\n{"question": "a", "answer": "1"}\n]\n',

@@ -1247,6 +1247,30 @@ def test_an_evaluation_whose_every_request_fails_names_the_first_error(tmp_path,
     assert result["eval/num_prompts"] == 4 and result["eval/failed"] == 0
 
 
+def test_an_evaluation_whose_every_reward_call_fails_names_the_error(tmp_path):
+    # A reward reading a key the eval data does not map: accuracy 0.000 before and after RL,
+    # the run finished normally, the failures only in a warning and results.json.
+    from areal_jax.controller.evaluation import EvaluationFailedError, evaluate
+
+    async def main():
+        servers = await start_servers(tmp_path, [ArithmeticEngine()], scorer=FailingScorer)
+        pool = RolloutPool(addresses(servers))
+        await pool.start(ready_timeout_s=10)
+        try:
+            with pytest.raises(EvaluationFailedError, match=r"every one of the 4 reward calls "
+                               r"of the held-out evaluation failed \(reward 'exact'\), so every "
+                               r"answer would score 0; the first: .*KeyError: 'no_such_key'"):
+                await evaluate(pool, items(4), "exact", max_new_tokens=6)
+            return await evaluate(pool, items(4), "exact", max_new_tokens=6, strict=False)
+        finally:
+            await pool.close()
+            for server in servers:
+                await server.stop(grace=0)
+
+    inside_a_run = asyncio.run(main())
+    assert inside_a_run["eval/reward_failures"] == 4 and inside_a_run["eval/accuracy"] == 0
+
+
 def test_an_evaluation_request_failing_after_its_attempts_is_counted_not_raised(tmp_path):
     # One held-out prompt that failed on the servers after its attempts (INTERNAL each time)
     # raised out of the evaluation: the run stopped, that version's checkpoint unwritten.

@@ -60,6 +60,33 @@ def test_an_unimportable_reward_shows_the_import_error(tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
+def test_each_reward_error_names_the_setting_and_what_to_fix(tmp_path, capsys, monkeypatch):
+    (tmp_path / "my_rewards.py").write_text(
+        "def one_arg(completion):\n    return 1.0\n\n"
+        "def good(completion, metadata):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cases = [  # (changes, what the error must say)
+        # the eval reward's own error was reported as dataset.reward's
+        ({"dataset": {"reward": "my_rewards:good"},
+          "eval": {"dataset": {"path": str(tmp_path / "train.jsonl"), "reward": "my_rewards:nope"}}},
+         "eval.dataset.reward: custom reward 'my_rewards:nope'"),
+        ({"rollout": {"server": {"rewards": {"custom": {"x": "my_rewards:nope"}}}}},
+         "rollout.server.rewards.custom: custom reward 'x'"),
+        # a wrong signature surfaced after SFT, the first evaluation and three RL batches
+        ({"dataset": {"reward": "my_rewards:one_arg"}},
+         "dataset.reward: custom reward 'my_rewards:one_arg': reward path 'my_rewards:one_arg': "
+         "one_arg(completion) cannot be called as a reward, fn(completion: str, metadata: dict)"),
+        ({"dataset": {"reward": "not_next_to_you.rewards:score"}},
+         "No module named 'not_next_to_you' (is its directory on PYTHONPATH?"),
+        ({"dataset": {"reward": "good"}}, "or your own function as 'pkg.module:function'"),
+    ]
+    for changes, message in cases:
+        cfg = _config(tmp_path, **changes)
+        assert main(["train", "--config", _write(tmp_path, cfg)]) == 2
+        assert message in capsys.readouterr().err
+        assert not (tmp_path / "run").exists()
+
+
 def test_a_model_path_without_a_hugging_face_config_names_the_setting(tmp_path, capsys):
     (tmp_path / "not_a_model").mkdir()
     cfg = _config(tmp_path, model_path=str(tmp_path / "not_a_model"))

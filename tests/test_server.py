@@ -557,6 +557,25 @@ def test_a_run_lease_runs_from_the_last_sign_of_its_trainer():
     assert lease.refusal("b") is None and lease.idle_s() == float("inf")
 
 
+def test_a_relative_weights_path_reaches_the_server_absolute(tmp_path, tok_dir, monkeypatch):
+    # A trainer started with a relative run_dir sent runs/x/exports/v000000 as written; a
+    # server started elsewhere looked for it under its own directory and refused it.
+    write_checkpoint(tmp_path / "runs" / "one", "one")
+    monkeypatch.chdir(tmp_path)
+
+    async def scenario():
+        async with serving(tmp_path, tok_dir, weights_allowed_roots=[str(tmp_path)]) as h:
+            pool = RolloutPool([f"127.0.0.1:{h.server.port}"])
+            await pool.start()
+            try:
+                await pool.update_weights(Path("runs") / "one", 1)
+            finally:
+                await pool.close()
+            return [p for p, _, _ in h.engine.loaded]
+
+    assert asyncio.run(scenario()) == [str(tmp_path / "runs" / "one")]
+
+
 def test_push_weights_writes_the_files_and_loads_that_directory(tmp_path, tok_dir):
     first = write_checkpoint(tmp_path / "src1", "first")
     second = write_checkpoint(tmp_path / "src2", "second")

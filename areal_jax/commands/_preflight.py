@@ -23,15 +23,21 @@ def check_rollout_server(cfg: ExperimentConfig) -> None:
 
 
 def check_rewards(cfg: ExperimentConfig) -> None:
-    """Every reward the run names can be imported here (with the real import error if not)."""
-    from areal_jax.controller.servers import custom_rewards
+    """Every reward the run names can be imported here and called as a reward (with the real
+    import error if not), each error under the setting that names the reward."""
     from areal_jax.rewards import check_reward
+    from areal_jax.rewards.registry import check_custom
 
-    custom = custom_rewards(cfg)
+    listed = dict(cfg.rollout.server.get("rewards", {}).get("custom", {}))
+    try:
+        check_custom(listed)
+    except ConfigError as e:
+        raise ConfigError(f"rollout.server.rewards.custom: {e}") from e
     for key, dataset in (("dataset", cfg.dataset), ("eval.dataset", cfg.eval.dataset)):
         if dataset is not None:
+            own = {dataset.reward: dataset.reward} if ":" in dataset.reward else {}
             try:
-                check_reward(dataset.reward, custom)
+                check_reward(dataset.reward, {**listed, **own})
             except ConfigError as e:
                 raise ConfigError(f"{key}.reward: {e}") from e
 

@@ -29,10 +29,11 @@ async def evaluate(pool: RolloutPool, items: list[PromptItem], reward: str, *,
 
     ``token_counts``, if given, is extended with each answer's prompt + response tokens.
     Requests that failed (answered with an error, or failing on the servers after their
-    attempts) are counted and the first one's error logged; when every one failed,
-    ``EvaluationFailedError`` names that error (e.g. a server that does not know the reward),
-    unless not ``strict`` (an evaluation inside a run: the accuracy is then NaN, and the run
-    goes on to its next checkpoint)."""
+    attempts) are counted and the first one's error logged; when every one failed, or every
+    reward call failed (a reward reading a metadata key the data does not map: every answer
+    scored 0), ``EvaluationFailedError`` names that error (e.g. a server that does not know the
+    reward), unless not ``strict`` (an evaluation inside a run: the accuracy is then NaN, or 0,
+    and the run goes on to its next checkpoint)."""
     tag = next(_rounds)
     futures = [
         pool.submit(rollout_request(item, f"eval-{tag}-{i}", reward, 1, max_new_tokens,
@@ -40,7 +41,7 @@ async def evaluate(pool: RolloutPool, items: list[PromptItem], reward: str, *,
         for i, item in enumerate(items)
     ]
     groups = await asyncio.gather(*futures, return_exceptions=True)
-    rewards, lengths, failed, reward_failures, first_error = [], [], 0, 0, None
+    rewards, lengths, failed, reward_failures, reward_calls, first_error = [], [], 0, 0, 0, None
     for group in groups:
         if isinstance(group, RequestFailedError):  # failed on the servers after its attempts
             failed += 1
@@ -59,6 +60,7 @@ async def evaluate(pool: RolloutPool, items: list[PromptItem], reward: str, *,
                 log.warning("evaluation: reward %r failed (scored 0): %s", reward,
                             group.reward_error)
             reward_failures += group.reward_failures
+        reward_calls += group.reward_calls
         for t in group.trajectories:
             rewards.append(t.reward)
             lengths.append(len(t.output_ids))
@@ -68,6 +70,12 @@ async def evaluate(pool: RolloutPool, items: list[PromptItem], reward: str, *,
         raise EvaluationFailedError(
             f"every one of the {failed} held-out evaluation requests failed; the first: "
             f"{first_error}")
+    if reward_calls and reward_failures == reward_calls and strict:
+        first = next(g.reward_error for g in groups
+                     if not isinstance(g, BaseException) and g.reward_failures)
+        raise EvaluationFailedError(
+            f"every one of the {reward_calls} reward calls of the held-out evaluation failed "
+            f"(reward {reward!r}), so every answer would score 0; the first: {first}")
     if failed:
         log.warning("evaluation: %d of %d requests failed and are not counted; the first: %s",
                     failed, len(items), first_error)

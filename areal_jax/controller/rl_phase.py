@@ -34,6 +34,8 @@ BEFORE_RL_FILE = "eval_before_rl.json"
 def _print_eval(label: str, result: dict) -> None:
     failed = int(result.get("eval/failed", 0))
     unanswered = f"; {failed} requests failed and are not counted" if failed else ""
+    if reward_failures := int(result.get("eval/reward_failures", 0)):
+        unanswered += f"; the reward failed on {reward_failures} answers, scored 0"
     print(f"{label}: accuracy {result['eval/accuracy']:.3f} on "
           f"{int(result['eval/num_prompts'])} held-out prompts "
           f"(mean response {result['eval/response_length']:.1f} tokens{unanswered})", flush=True)

@@ -48,6 +48,7 @@ import asyncio
 import dataclasses
 import logging
 import math
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -768,8 +769,9 @@ class RolloutPool:
                              force: bool = False) -> None:
         """Every live server loads the HF directory ``path`` as ``version`` (``push``: the files
         are streamed to the server instead of read from a shared filesystem; ``force``: also
-        when a server serves a newer version, as after a restart from an older checkpoint)."""
-        w = _Weights(str(path), version, push)
+        when a server serves a newer version, as after a restart from an older checkpoint). A
+        relative ``path`` is sent absolute: a server would read it from its own directory."""
+        w = _Weights(os.path.abspath(path), version, push)
         if force or self._newest_version == _NO_VERSION_YET:  # servers go to it, whatever
             self._newest_version = version  # they served (a new run starts from its own)
         else:  # set before any server loads it: its first tokens are not taken for future
@@ -806,7 +808,7 @@ class RolloutPool:
     def record_weights(self, path: str | Path, version: int, push: bool = False) -> None:
         """Every server already serves ``path`` as ``version`` (launched with it): servers
         that rejoin later are brought to it."""
-        self._weights = _Weights(str(path), version, push)
+        self._weights = _Weights(os.path.abspath(path), version, push)
         self._newest_version = version
         for server in self._servers:
             server.version = version

@@ -43,7 +43,8 @@ class PromptDataset(Sequence[PromptItem]):
         # a prompt of raw text (use_chat_template: false) may carry its own template's tokens
         control = _control_tokens(tokenizer) if config.use_chat_template else None
         for index, (where, row) in enumerate(rows):
-            question = _field(row, config.prompt_field, path, where)
+            question = _field(row, config.prompt_field, path, where,
+                              f"{section}.prompt_field")
             if not isinstance(question, str) or not question.strip():
                 raise DatasetError(
                     f"{path} {where}: field {config.prompt_field!r} must be a non-empty string"
@@ -52,7 +53,7 @@ class PromptDataset(Sequence[PromptItem]):
             _check_no_control_tokens(question, control,
                                      f"{path} {where}: field {config.prompt_field!r}")
             item_id = (
-                _item_id(_field(row, config.id_field, path, where),
+                _item_id(_field(row, config.id_field, path, where, f"{section}.id_field"),
                          f"{path} {where}: field {config.id_field!r}")
                 if config.id_field
                 else f"{path.stem}-{index}"
@@ -66,7 +67,8 @@ class PromptDataset(Sequence[PromptItem]):
             questions.append(question)
             metadata.append(
                 {
-                    key: _wire_value(_field(row, column, path, where),
+                    key: _wire_value(_field(row, column, path, where,
+                                            f"{section}.metadata_fields.{key}"),
                                      f"{path} {where}: field {column!r}")
                     for key, column in config.metadata_fields.items()
                 }
@@ -106,9 +108,13 @@ class PromptDataset(Sequence[PromptItem]):
         return PromptIterator(self, seed=self.config.seed, shuffle=self.config.shuffle)
 
 
-def _field(row: dict, name: str, path: Path, where: str):
+def _field(row: dict, name: str, path: Path, where: str, setting: str):
+    """``row[name]``; a row without it is an error naming the ``setting`` that asked for it and
+    the fields the row has."""
     if name not in row:
-        raise DatasetError(f"{path} {where}: missing field {name!r}")
+        fields = ", ".join(map(repr, list(row)[:20])) + (", ..." if len(row) > 20 else "")
+        raise DatasetError(f"{path} {where}: missing field {name!r} ({setting}); the row has "
+                           f"{fields or 'no fields'}")
     return row[name]
 
 

@@ -11,6 +11,7 @@ request names it: it must be listed in the config (``custom``: name -> dotted pa
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable, Mapping
 
 from areal_jax.config import ConfigError
@@ -69,11 +70,13 @@ def get_reward(name: str) -> RewardFn:
         hint = (f" (a path names the function after a colon: '{module}:{function}')"
                 if ":" not in name and module else "")
         raise RewardNotFoundError(
-            f"reward {name!r} looks like a dotted path{hint}; paths must be registered in "
-            "config (custom rewards, see docs/rewards.md), they are never imported by name"
+            f"reward {name!r} looks like a dotted path{hint}; paths must be registered in config "
+            "(a dataset's reward as 'pkg.module:function', or rewards.custom; see "
+            "docs/rewards.md): one is never imported because a request names it"
         )
     raise RewardNotFoundError(
-        f"reward {name!r} is not registered; available: {', '.join(available_rewards())}"
+        f"reward {name!r} is not registered; available: {', '.join(available_rewards())}, or "
+        "your own function as 'pkg.module:function'"
     )
 
 
@@ -139,8 +142,11 @@ def import_path(path: str) -> RewardFn:
     try:
         module = importlib.import_module(module_name)
     except Exception as e:  # the module's own error (ImportError, SyntaxError, ...) is the cause
+        hint = (" (is its directory on PYTHONPATH? e.g. PYTHONPATH=$PWD for a package next to "
+                "you)" if isinstance(e, ModuleNotFoundError) and e.name
+                and f"{module_name}.".startswith(f"{e.name}.") else "")
         raise RewardConfigError(
-            f"reward path {path!r}: cannot import {module_name!r}: {type(e).__name__}: {e}"
+            f"reward path {path!r}: cannot import {module_name!r}: {type(e).__name__}: {e}{hint}"
         ) from e
     obj = module
     for part in attr.split("."):
@@ -150,8 +156,17 @@ def import_path(path: str) -> RewardFn:
             raise RewardConfigError(f"reward path {path!r}: {e}") from None
     if not callable(obj):
         raise RewardConfigError(
-            f"reward path {path!r} names a {type(obj).__name__}, not a function"
+            f"reward path {path!r} names an object of type {type(obj).__name__}, not a function"
         )
+    try:
+        inspect.signature(obj).bind("completion", {})
+    except TypeError:
+        raise RewardConfigError(
+            f"reward path {path!r}: {attr}{inspect.signature(obj)} cannot be called as a reward, "
+            "fn(completion: str, metadata: dict) -> float"
+        ) from None
+    except ValueError:  # no signature to read (some built-in callables): called as it is
+        pass
     return obj
 
 

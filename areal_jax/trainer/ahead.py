@@ -203,9 +203,9 @@ class AheadCompiler:
             thread, patience = self._thread, self._patience_s()
         if thread is not None:
             thread.join(patience)
-            if thread.is_alive():
-                log.warning("closed without waiting longer than %.0f s for the compile "
-                            "helper's job", patience)
+            if thread.is_alive():  # a compile ahead of need: nothing waits for it
+                log.info("closed without waiting longer than %.0f s for the compile helper's "
+                         "job", patience)
 
     def _patience_s(self) -> float | None:
         """How long a claim waits for a running job: without limit on the thread; for the

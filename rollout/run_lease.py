@@ -46,10 +46,12 @@ class RunLease:
             self._heard = self._clock()
 
     def stream_opened(self, run: str) -> None:
+        """A stream of ``run`` opened: its trainer counts as around until it closes."""
         self._streams[run] += 1
         self.heard(run)
 
     def stream_closed(self, run: str) -> None:
+        """A stream of ``run`` closed (its lease runs from now once none is open)."""
         self._streams[run] -= 1
         if not self._streams[run]:
             del self._streams[run]

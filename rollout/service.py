@@ -178,6 +178,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
 
     @property
     def draining(self) -> bool:
+        """Whether ``drain`` began: no new request is admitted."""
         return self._draining
 
     @property
@@ -363,6 +364,9 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             await self._admission.reserve(size)
         except AdmissionClosed:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+        if self._draining:  # it waited for a place while the drain began
+            self._admission.release(False, size)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, _DRAINING)
         started = False
         try:
             await self._admission.start()
@@ -418,9 +422,9 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
 
     async def _update(self, path: str, version: int, force: bool, run: str,
                       pushed: Path | None = None) -> pb.UpdateWeightsResponse:
-        """Load ``path`` as ``version`` for ``run``, one load at a time. A load runs to its end even when
-        its caller gives up (a deadline cancels the call): abandoned half way it could leave
-        the engine partly updated, or its thread still loading beside the next load. The
+        """Load ``path`` as ``version`` for ``run``, one load at a time. A load runs to its end
+        even when its caller gives up (a deadline cancels the call): abandoned half way it could
+        leave the engine partly updated, or its thread still loading beside the next load. The
         update lock is held until it ends. ``pushed``: a pushed directory, kept if it loads,
         removed if not."""
         try:

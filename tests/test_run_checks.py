@@ -62,19 +62,24 @@ def test_an_unimportable_reward_shows_the_import_error(tmp_path, capsys):
 
 def test_each_reward_error_names_the_setting_and_what_to_fix(tmp_path, capsys, monkeypatch):
     (tmp_path / "my_rewards.py").write_text(
+        "import functools\n\n"
         "def one_arg(completion):\n    return 1.0\n\n"
-        "def good(completion, metadata):\n    return 1.0\n")
+        "def good(completion, metadata):\n    return 1.0\n\n"
+        "def three(completion, metadata, tol):\n    return 1.0\n\n"
+        "@functools.wraps(three)\n"
+        "def adapted(completion, metadata):\n    return three(completion, metadata, 0.1)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     cases = [  # (changes, what the error must say)
         # the eval reward's own error was reported as dataset.reward's
         ({"dataset": {"reward": "my_rewards:good"},
-          "eval": {"dataset": {"path": str(tmp_path / "train.jsonl"), "reward": "my_rewards:nope"}}},
-         "eval.dataset.reward: custom reward 'my_rewards:nope'"),
+          "eval": {"dataset": {"path": str(tmp_path / "train.jsonl"),
+                               "reward": "my_rewards:nope"}}},
+         "eval.dataset.reward: reward path 'my_rewards:nope'"),
         ({"rollout": {"server": {"rewards": {"custom": {"x": "my_rewards:nope"}}}}},
          "rollout.server.rewards.custom: custom reward 'x'"),
         # a wrong signature surfaced after SFT, the first evaluation and three RL batches
         ({"dataset": {"reward": "my_rewards:one_arg"}},
-         "dataset.reward: custom reward 'my_rewards:one_arg': reward path 'my_rewards:one_arg': "
+         "dataset.reward: reward path 'my_rewards:one_arg': "
          "one_arg(completion) cannot be called as a reward, fn(completion: str, metadata: dict)"),
         ({"dataset": {"reward": "not_next_to_you.rewards:score"}},
          "No module named 'not_next_to_you' (is its directory on PYTHONPATH?"),
@@ -85,6 +90,9 @@ def test_each_reward_error_names_the_setting_and_what_to_fix(tmp_path, capsys, m
         assert main(["train", "--config", _write(tmp_path, cfg)]) == 2
         assert message in capsys.readouterr().err
         assert not (tmp_path / "run").exists()
+    # a wrapper is called with its own arguments, whatever the function it wraps takes
+    from areal_jax.rewards.registry import import_path
+    assert import_path("my_rewards:adapted")("x", {}) == 1.0
 
 
 def test_a_model_path_without_a_hugging_face_config_names_the_setting(tmp_path, capsys):

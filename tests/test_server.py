@@ -1020,17 +1020,25 @@ def test_a_request_waiting_for_a_place_when_the_drain_begins_is_turned_away(tmp_
             call = h.stub.Rollout()
             for rid in ("running", "queued", "waiting"):  # the third waits for a place
                 await call.write(rollout_request(rid, prompt="none", max_new_tokens=20))
+            params = pb.SamplingParams(max_new_tokens=4)
+            generate = h.stub.Generate(pb.GenerateRequest(  # so does this one
+                request_id="waiting-g", prompt_ids=encode("x"), sampling_params=params))
             await until(lambda: engine.tokens >= 2)
             draining = asyncio.create_task(h.server.drain(30.0))
             replies = [await call.read() for _ in range(4)]
             await call.done_writing()
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                async for _ in generate:
+                    pass
             assert await draining
-            return {r.request_id: r for r in replies}, {rid for rid, _, _ in engine.requests}
+            return ({r.request_id: r for r in replies}, {rid for rid, _, _ in engine.requests},
+                    refused.value.code())
 
-    by_id, ran = asyncio.run(scenario())
+    by_id, ran, generate_code = asyncio.run(scenario())
     assert by_id[""].error.draining and by_id["waiting"].error.draining
     assert not by_id["running"].HasField("error") and not by_id["queued"].HasField("error")
     assert not any(rid.startswith("waiting") for rid in ran)
+    assert generate_code == grpc.StatusCode.UNAVAILABLE
 
 
 def test_a_drain_longer_than_no_server_timeout_fails_no_waiting_request(tmp_path, tok_dir):
@@ -1074,7 +1082,8 @@ def test_a_pool_starting_against_a_draining_server_says_so(tmp_path, tok_dir):
             return str(err.value), address
 
     message, address = asyncio.run(scenario())
-    assert message.endswith(f"; draining before they stop: {address}")
+    assert message == ("every rollout server answered that it is draining before it stops: "
+                       f"{address}")
 
 
 def test_engine_death_fails_unfinished_groups_as_unavailable(tmp_path, tok_dir):

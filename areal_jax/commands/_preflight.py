@@ -25,19 +25,19 @@ def check_rollout_server(cfg: ExperimentConfig) -> None:
 def check_rewards(cfg: ExperimentConfig) -> None:
     """Every reward the run names can be imported here and called as a reward (with the real
     import error if not), each error under the setting that names the reward."""
+    from areal_jax.controller.servers import listed_rewards, with_dataset_reward
     from areal_jax.rewards import check_reward
     from areal_jax.rewards.registry import check_custom
 
-    listed = dict(cfg.rollout.server.get("rewards", {}).get("custom", {}))
+    listed = listed_rewards(cfg)
     try:
         check_custom(listed)
     except ConfigError as e:
         raise ConfigError(f"rollout.server.rewards.custom: {e}") from e
     for key, dataset in (("dataset", cfg.dataset), ("eval.dataset", cfg.eval.dataset)):
         if dataset is not None:
-            own = {dataset.reward: dataset.reward} if ":" in dataset.reward else {}
             try:
-                check_reward(dataset.reward, {**listed, **own})
+                check_reward(dataset.reward, with_dataset_reward(listed, dataset.reward))
             except ConfigError as e:
                 raise ConfigError(f"{key}.reward: {e}") from e
 

@@ -41,7 +41,8 @@ async def evaluate(pool: RolloutPool, items: list[PromptItem], reward: str, *,
         for i, item in enumerate(items)
     ]
     groups = await asyncio.gather(*futures, return_exceptions=True)
-    rewards, lengths, failed, reward_failures, reward_calls, first_error = [], [], 0, 0, 0, None
+    rewards, lengths, failed, first_error = [], [], 0, None
+    reward_calls, reward_failures, first_reward_error = 0, 0, None
     for group in groups:
         if isinstance(group, RequestFailedError):  # failed on the servers after its attempts
             failed += 1
@@ -57,8 +58,9 @@ async def evaluate(pool: RolloutPool, items: list[PromptItem], reward: str, *,
             continue
         if group.reward_failures:
             if not reward_failures:
+                first_reward_error = group.reward_error
                 log.warning("evaluation: reward %r failed (scored 0): %s", reward,
-                            group.reward_error)
+                            first_reward_error)
             reward_failures += group.reward_failures
         reward_calls += group.reward_calls
         for t in group.trajectories:
@@ -71,11 +73,10 @@ async def evaluate(pool: RolloutPool, items: list[PromptItem], reward: str, *,
             f"every one of the {failed} held-out evaluation requests failed; the first: "
             f"{first_error}")
     if reward_calls and reward_failures == reward_calls and strict:
-        first = next(g.reward_error for g in groups
-                     if not isinstance(g, BaseException) and g.reward_failures)
         raise EvaluationFailedError(
             f"every one of the {reward_calls} reward calls of the held-out evaluation failed "
-            f"(reward {reward!r}), so every answer would score 0; the first: {first}")
+            f"(reward {reward!r}), so every answer would score 0; the first: "
+            f"{first_reward_error}")
     if failed:
         log.warning("evaluation: %d of %d requests failed and are not counted; the first: %s",
                     failed, len(items), first_error)
@@ -140,7 +141,9 @@ async def evaluate_checkpoints(cfg, model_paths) -> list[dict]:
             if i > 0:
                 version += 1
                 await pool.update_weights(path, version)
+            # strict on the first only: a setup error shows there, and a later checkpoint whose
+            # answers all fail the reward (a collapsed policy) is a point of the curve
             results.append(await evaluate(pool, items, cfg.eval.dataset.reward,
                                           max_new_tokens=cfg.eval.max_new_tokens,
-                                          temperature=cfg.eval.temperature))
+                                          temperature=cfg.eval.temperature, strict=i == 0))
     return results

@@ -33,12 +33,12 @@ BEFORE_RL_FILE = "eval_before_rl.json"
 
 def _print_eval(label: str, result: dict) -> None:
     failed = int(result.get("eval/failed", 0))
-    unanswered = f"; {failed} requests failed and are not counted" if failed else ""
+    notes = f"; {failed} requests failed and are not counted" if failed else ""
     if reward_failures := int(result.get("eval/reward_failures", 0)):
-        unanswered += f"; the reward failed on {reward_failures} answers, scored 0"
+        notes += f"; the reward failed on {reward_failures} answers, scored 0"
     print(f"{label}: accuracy {result['eval/accuracy']:.3f} on "
           f"{int(result['eval/num_prompts'])} held-out prompts "
-          f"(mean response {result['eval/response_length']:.1f} tokens{unanswered})", flush=True)
+          f"(mean response {result['eval/response_length']:.1f} tokens{notes})", flush=True)
 
 
 def _eval_settings(cfg: ExperimentConfig) -> dict:

@@ -240,6 +240,9 @@ class RolloutPool:
         if all(why is not None for why in absent):
             await asyncio.gather(*(c.close() for c in channels), return_exceptions=True)
             draining = [s.address for s, why in zip(self._servers, absent) if why == _DRAINING]
+            if len(draining) == len(absent):
+                raise NoLiveServerError(f"every rollout server answered that it is draining "
+                                        f"before it stops: {', '.join(draining)}")
             raise NoLiveServerError(
                 f"no rollout server answered within {ready_timeout_s:g} s "
                 f"(rollout.start_timeout_s; tried "
@@ -420,7 +423,7 @@ class RolloutPool:
             self._take_group(server, group)
         if not server.in_flight:
             if server.draining:
-                self._mark_dead(server, "draining, its last group back")
+                self._mark_dead(server, "draining, nothing of it in flight")
             elif id(server) in self._leaving:
                 self._mark_dead(server, "unlisted, its last group back")
 

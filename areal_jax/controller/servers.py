@@ -33,14 +33,23 @@ MAX_LOCAL_RESTARTS = 3  # per local server within an hour; more means it is fail
 SERVER_COMPILE_WAIT_S = 900.0  # after SFT, the longest wait for the servers' compile to end
 
 
+def listed_rewards(cfg: ExperimentConfig) -> dict[str, str]:
+    """``rollout.server.rewards.custom``: name -> ``pkg.module:function``."""
+    return dict(cfg.rollout.server.get("rewards", {}).get("custom", {}))
+
+
+def with_dataset_reward(listed: dict[str, str], reward: str) -> dict[str, str]:
+    """``listed`` plus a dataset's ``reward`` when it is a path (``pkg.module:function``),
+    registered under that path (a listed entry of that name wins)."""
+    return {reward: reward, **listed} if ":" in reward else dict(listed)
+
+
 def custom_rewards(cfg: ExperimentConfig) -> dict[str, str]:
-    """Rewards named by a dotted path in the datasets (``pkg.module:function``), registered
-    under that path, plus those of ``rollout.server.rewards.custom``."""
-    custom = dict(cfg.rollout.server.get("rewards", {}).get("custom", {}))
-    datasets = [cfg.dataset] + ([cfg.eval.dataset] if cfg.eval.dataset else [])
-    for d in datasets:
-        if ":" in d.reward:
-            custom.setdefault(d.reward, d.reward)
+    """The rewards the servers offer besides the built-ins: those of
+    ``rollout.server.rewards.custom`` and those the datasets name by path."""
+    custom = listed_rewards(cfg)
+    for d in [cfg.dataset] + ([cfg.eval.dataset] if cfg.eval.dataset else []):
+        custom = with_dataset_reward(custom, d.reward)
     return custom
 
 

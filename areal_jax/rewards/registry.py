@@ -105,6 +105,8 @@ def check_custom(custom: Mapping[str, str] | None) -> dict[str, str]:
         try:
             fn = import_path(path)
         except RewardConfigError as e:
+            if name == path:  # the error names it already
+                raise
             raise RewardConfigError(f"custom reward {name!r}: {e}") from e
         registered = _REGISTERED.get(name)
         if registered is not None and reward_path(registered) != reward_path(fn):
@@ -158,16 +160,25 @@ def import_path(path: str) -> RewardFn:
         raise RewardConfigError(
             f"reward path {path!r} names an object of type {type(obj).__name__}, not a function"
         )
+    _check_reward_signature(obj, path, attr)
+    return obj
+
+
+def _check_reward_signature(fn: Callable, path: str, attr: str) -> None:
+    """Raise RewardConfigError when ``fn`` cannot be called as ``fn(completion, metadata)``.
+    The signature read is ``fn``'s own (a wrapper's, not the function it wraps); a callable
+    without one readable is taken as it is."""
     try:
-        inspect.signature(obj).bind("completion", {})
+        signature = inspect.signature(fn, follow_wrapped=False)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind("completion", {})
     except TypeError:
         raise RewardConfigError(
-            f"reward path {path!r}: {attr}{inspect.signature(obj)} cannot be called as a reward, "
+            f"reward path {path!r}: {attr}{signature} cannot be called as a reward, "
             "fn(completion: str, metadata: dict) -> float"
         ) from None
-    except ValueError:  # no signature to read (some built-in callables): called as it is
-        pass
-    return obj
 
 
 def reward_path(fn: RewardFn) -> str:

@@ -192,7 +192,9 @@ def load_config(cls: type[T], path: str | Path | None, overrides: list[str] = ()
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist")
         try:
-            loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+            text = path.read_text(encoding="utf-8")
+            _check_expansion(yaml.compose(text, Loader=yaml.SafeLoader), path)
+            loaded = yaml.safe_load(text)
         except UnicodeDecodeError as e:
             raise ConfigError(f"config file {path}: not valid UTF-8 ({e.reason} at byte "
                               f"{e.start})") from None
@@ -202,6 +204,39 @@ def load_config(cls: type[T], path: str | Path | None, overrides: list[str] = ()
             raise ConfigError(f"config file {path} must hold a mapping at the top level")
         data = loaded or {}
     return from_dict(cls, apply_overrides(data, list(overrides)))
+
+
+MAX_CONFIG_VALUES = 100_000  # values of a config file, aliases (``*name``) expanded
+
+
+def _check_expansion(root: yaml.Node | None, path: Path) -> None:
+    """Refuse a document whose aliases expand it past ``MAX_CONFIG_VALUES`` values (a few
+    lines of nested aliases can stand for billions: every later pass over the config would
+    hang) or make it contain itself."""
+    sizes: dict[int, int] = {}
+    visiting: set[int] = set()
+
+    def size(node: yaml.Node) -> int:
+        key = id(node)
+        if key in sizes:
+            return sizes[key]
+        if key in visiting:
+            raise ConfigError(f"config file {path}: an alias at line {node.start_mark.line + 1} "
+                              "makes the document contain itself")
+        visiting.add(key)
+        if isinstance(node, yaml.MappingNode):
+            n = 1 + sum(size(k) + size(v) for k, v in node.value)
+        elif isinstance(node, yaml.SequenceNode):
+            n = 1 + sum(size(v) for v in node.value)
+        else:
+            n = 1
+        visiting.discard(key)
+        sizes[key] = n = min(n, MAX_CONFIG_VALUES + 1)
+        return n
+
+    if root is not None and size(root) > MAX_CONFIG_VALUES:
+        raise ConfigError(f"config file {path}: its aliases (*name) expand it to more than "
+                          f"{MAX_CONFIG_VALUES} values")
 
 
 def _yaml_problem(e: yaml.YAMLError) -> str:

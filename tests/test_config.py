@@ -71,3 +71,22 @@ def test_missing_file_and_non_mapping(tmp_path):
     # Unknown keys of mixed types (YAML reads `1:` as a number) are named, not a TypeError.
     with pytest.raises(ConfigError, match="unknown config key 1; valid keys here"):
         from_dict(Experiment, {"name": "n", 1: "a", "zz": "b"})
+
+
+def test_aliases_that_expand_a_config_without_bound_or_into_itself_are_refused(tmp_path):
+    # A few lines of nested aliases stand for billions of values; a self-reference for an
+    # endless structure: every later pass over the config (checks, copies, JSON) would hang.
+    lines = ['name: x', 'l0: &l0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    lines += [f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 8)}]" for i in range(1, 9)]
+    laughs = tmp_path / "laughs.yaml"
+    laughs.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ConfigError, match=r"laughs.yaml: its aliases \(\*name\) expand it to "
+                       r"more than 100000 values"):
+        load_config(Experiment, laughs)
+    itself = tmp_path / "itself.yaml"
+    itself.write_text("name: x\ntags: &t [a, *t]\n")
+    with pytest.raises(ConfigError, match="an alias at line 2 makes the document contain itself"):
+        load_config(Experiment, itself)
+    shared = tmp_path / "shared.yaml"  # aliases as people use them stay fine
+    shared.write_text("name: x\ntags: &t [a, b]\noptim: {lr: &lr 0.001}\nextra: {lr: *lr}\n")
+    assert load_config(Experiment, shared).extra.lr == 0.001

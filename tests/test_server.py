@@ -535,6 +535,38 @@ def test_a_server_serving_one_run_refuses_weights_from_another_while_its_trainer
     assert [v for _, v in loaded] == [1, 3, 4, 5]
 
 
+def test_a_generate_call_of_the_serving_run_holds_its_lease_while_it_runs(tmp_path, tok_dir):
+    from areal_jax.controller.rollout_pool import WeightsRejectedError
+
+    one = write_checkpoint(tmp_path / "one", "one")
+
+    async def scenario():
+        engine = ArithmeticEngine(step_s=0.02)
+        async with serving(tmp_path, tok_dir, engine=engine, run_lease_s=0.3) as h:
+            address = f"127.0.0.1:{h.server.port}"
+            run_a, run_b = (RolloutPool([address], run_id=r) for r in ("run-a", "run-b"))
+            await run_a.start()
+            await run_a.update_weights(one, 1)
+            run_a._run_id = None  # its streams cut without a Release
+            await run_a.close()
+            params = pb.SamplingParams(max_new_tokens=60)  # about 1.2 s
+            generate = h.stub.Generate(pb.GenerateRequest(
+                request_id="g", prompt_ids=encode("x"), sampling_params=params),
+                metadata=(("areal-run", "run-a"),))
+            await until(lambda: engine.tokens >= 2)
+            await asyncio.sleep(0.6)  # past run_lease_s since its last call began
+            await run_b.start()
+            with pytest.raises(WeightsRejectedError, match="has a stream open"):
+                await run_b.update_weights(one, 2)
+            chunks = [c async for c in generate]
+            await asyncio.sleep(0.5)
+            await run_b.update_weights(one, 2)
+            await run_b.close()
+            return chunks[-1].finish_reason
+
+    assert asyncio.run(scenario()) == pb.FINISH_REASON_LENGTH
+
+
 def test_a_run_lease_runs_from_the_last_sign_of_its_trainer():
     from rollout.run_lease import RunLease
 

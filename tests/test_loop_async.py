@@ -295,16 +295,23 @@ class CrashingEngine(ArithmeticEngine):
         raise RuntimeError("a defect of this server")
 
 
-def test_a_server_failing_every_group_leaves_the_pool_and_is_logged_once(tmp_path, caplog):
-    # Answering at once, it had the fewest groups in flight and got most new ones: 330 of
-    # them over 20 versions, each a warning here and a traceback there, for the whole run.
+def _twenty_versions_beside(broken: ArithmeticEngine, tmp_path):
+    """Train 20 versions on ``broken`` and a sound server (3 attempts per request); the
+    trainer, which reached version 20, and the prompts."""
     prompts = items(200)
     trainer = RecordingTrainer(exports_dir(tmp_path), train_s=0.05)
-    broken = CrashingEngine()
     run_on_servers(tmp_path, [broken, ArithmeticEngine(step_s=0.005)],
                    config(tmp_path, {"max_staleness": 2}), trainer, prompts, 20,
                    options=PoolOptions(rejoin_interval_s=0.1, max_attempts=3))
     assert trainer.version == 20
+    return trainer, prompts
+
+
+def test_a_server_failing_every_group_leaves_the_pool_and_is_logged_once(tmp_path, caplog):
+    # Answering at once, it had the fewest groups in flight and got most new ones: 330 of
+    # them over 20 versions, each a warning here and a traceback there, for the whole run.
+    broken = CrashingEngine()
+    trainer, prompts = _twenty_versions_beside(broken, tmp_path)
     groups = len({rid for rid, _, _ in broken.requests})
     # three strikes, each after three faults, with at most the in-flight cap (8) beside them
     assert groups <= 3 * (3 + 8), groups
@@ -313,7 +320,6 @@ def test_a_server_failing_every_group_leaves_the_pool_and_is_logged_once(tmp_pat
     assert "was taken out of the pool 3 times in a row" in caplog.text
     assert "it stays out of the pool until it is restarted" in caplog.text
     assert_nothing_lost(tmp_path / "ledger.jsonl", prompts)
-
 
 
 class OutOfVocabularyEngine(ArithmeticEngine):
@@ -327,13 +333,8 @@ def test_a_server_sending_malformed_groups_is_taken_out_and_none_of_them_is_trai
         tmp_path, caplog):
     # Its groups were trained as they came (a gather clamps the bad id: silently corrupted
     # training), and one with mismatched lengths stopped the run with a traceback.
-    prompts = items(200)
-    trainer = RecordingTrainer(exports_dir(tmp_path), train_s=0.05)
     broken = OutOfVocabularyEngine()
-    run_on_servers(tmp_path, [broken, ArithmeticEngine(step_s=0.005)],
-                   config(tmp_path, {"max_staleness": 2}), trainer, prompts, 20,
-                   options=PoolOptions(rejoin_interval_s=0.1, max_attempts=3))
-    assert trainer.version == 20
+    trainer, prompts = _twenty_versions_beside(broken, tmp_path)
     vocab = broken.vocab_size
     assert all(int(t.output_ids.max()) < vocab for _, groups in trainer.batches
                for g in groups for t in g.trajectories)

@@ -192,9 +192,7 @@ def load_config(cls: type[T], path: str | Path | None, overrides: list[str] = ()
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist")
         try:
-            text = path.read_text(encoding="utf-8")
-            _check_expansion(yaml.compose(text, Loader=yaml.SafeLoader), path)
-            loaded = yaml.safe_load(text)
+            loaded = _read_yaml(path.read_text(encoding="utf-8"), path)
         except UnicodeDecodeError as e:
             raise ConfigError(f"config file {path}: not valid UTF-8 ({e.reason} at byte "
                               f"{e.start})") from None
@@ -204,6 +202,18 @@ def load_config(cls: type[T], path: str | Path | None, overrides: list[str] = ()
             raise ConfigError(f"config file {path} must hold a mapping at the top level")
         data = loaded or {}
     return from_dict(cls, apply_overrides(data, list(overrides)))
+
+
+def _read_yaml(text: str, path: Path):
+    """``yaml.safe_load(text)``, parsed once, its aliases checked (``_check_expansion``)
+    before anything is built from it."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        _check_expansion(node, path)
+        return loader.construct_document(node) if node is not None else None
+    finally:
+        loader.dispose()
 
 
 MAX_CONFIG_VALUES = 100_000  # values of a config file, aliases (``*name``) expanded

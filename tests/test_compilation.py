@@ -1,5 +1,6 @@
 """The persistent compilation cache, the per-step compile meter, compiling ahead."""
 
+import functools
 import os
 import subprocess
 import sys
@@ -197,6 +198,44 @@ def test_an_accelerator_trainers_jobs_start_as_soon_as_queued_without_a_window()
     assert ahead.wait_done(10)  # no idle() window was ever opened
     assert [k for k, _ in ran] == ["a", "b"] and all(t < 5.0 for _, t in ran)
     ahead.close()
+
+
+def test_an_accelerator_trainers_jobs_compile_several_at_once():
+    """With ``workers`` threads, that many jobs run at the same time (each compile releases
+    the GIL), a claim waits for its own key only, and no key runs twice."""
+    ahead = AheadCompiler(fit_to_waits=False, workers=3)
+    all_in, d_ran, release = threading.Event(), threading.Event(), threading.Event()
+    together = threading.Barrier(3, action=all_in.set, timeout=10)  # three jobs at once
+    ran = []
+
+    def job(key):
+        together.wait()
+        if key == "slow":
+            release.wait(10)
+        ran.append(key)
+
+    for key in ("a", "b", "slow"):
+        assert ahead.submit(key, functools.partial(job, key))
+    assert ahead.submit("d", lambda: (ran.append("d"), d_ran.set()))
+    assert all_in.wait(10)  # "a", "b" and "slow" ran side by side
+    assert not ahead.submit("slow", lambda: ran.append("again"))  # running: not again
+    assert ahead.claim("a") is True
+    assert d_ran.wait(10)  # a thread freed by "a" or "b" ran "d" while "slow" still runs
+    assert ahead.claim("d") is True and ahead.claim("b") is True
+    assert ahead.pending() == 1  # "slow" alone
+    release.set()
+    assert ahead.claim("slow") is True and ahead.wait_done(10)
+    assert sorted(ran) == ["a", "b", "d", "slow"]
+    ahead.close()
+
+
+def test_several_workers_only_where_jobs_start_as_soon_as_queued():
+    with pytest.raises(ValueError, match="workers must be 1"):
+        AheadCompiler(workers=2)  # fit_to_waits: jobs share idle windows with the steps
+    with pytest.raises(ValueError, match="workers must be 1"):
+        AheadCompiler(fit_to_waits=False, helper=lambda key: 0.0, workers=2)
+    with pytest.raises(ValueError, match="workers must be 1"):
+        AheadCompiler(fit_to_waits=False, workers=0)
 
 
 def test_ahead_compiler_starts_jobs_only_while_its_owner_is_idle():

@@ -62,6 +62,8 @@ def test_train_resume_and_export(tmp_path, capsys):
     assert all(r["staleness/max"] <= 1 for r in trained)
     assert all(r["reward/mean"] is not None for r in trained)
     assert (run_dir / "sft_model" / "model.safetensors").is_file()
+    run_log = (run_dir / "logs" / "train.log").read_text()  # the run's own INFO messages
+    assert "training prompts: 64" in run_log and "compiled ('train', (8, 128)) ahead" in run_log
 
     # The same command with a larger budget resumes at version 3 and trains 2 more versions
     # (evaluating every 5: the loop's evaluation of version 5 is the one after RL, not a

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import logging
 from types import SimpleNamespace
 from concurrent.futures import ThreadPoolExecutor
 
@@ -161,6 +162,42 @@ def test_a_sketched_batch_compiles_its_shapes_before_the_first_step(model):
     queued = trainer.compile_ahead_for([[60] * 6, [30] * 4])
     assert queued[0] == (4, 32) and (6, 64) not in queued  # the second sketch's shape first
     trainer.close()
+
+
+def test_an_accelerator_trainer_compiles_its_sketched_shapes_on_several_threads_at_once(
+        model, monkeypatch, caplog):
+    """On an accelerator the trainer compiles ahead on ``compile_ahead_threads`` threads as
+    soon as jobs are queued: the sketch's shapes compile side by side, and the step then
+    compiles nothing and updates as a trainer that compiled in the step."""
+    import areal_jax.trainer.trainer as trainer_module
+
+    trajs = _thirty_token_trajs(6)
+    meter = CompileMeter()
+    new, programs, params = {}, {}, {}
+    for ahead in (False, True):
+        jax.clear_caches()
+        if not ahead:
+            trainer = _trainer(model, micro_batch=LADDER, compile_ahead=False)
+        else:
+            with monkeypatch.context() as m:  # the steps still run on the CPU mesh
+                m.setattr(trainer_module, "mesh_platform", lambda mesh: "gpu")
+                trainer = _trainer(model, micro_batch=LADDER, compile_ahead_threads=3)
+            with caplog.at_level(logging.INFO, logger="areal_jax.trainer"):
+                assert len(trainer.compile_ahead_for([[30] * 6])) >= 3
+                assert trainer.wait_compiled_ahead(300)  # no idle window needed: not fitted
+            threads = {r.threadName for r in caplog.records if " ahead in " in r.getMessage()}
+            assert len(threads) >= 2 and threads <= {f"compile-ahead-{i}" for i in range(3)}
+        meter.take()
+        new[ahead] = trainer.train_on_batch([TrajectoryGroup("p", trajs)])["packing/new_shapes"]
+        programs[ahead] = sum(meter.take()[1:])
+        params[ahead] = host_params(trainer)
+        trainer.close()
+    assert new == {True: 0.0, False: 1.0}
+    # compiled ahead: the update's two programs, the shape's log-prob forward and accumulation
+    assert programs[False] - programs[True] == 4
+    assert_params_close(params[True], params[False], atol=0)
+    with pytest.raises(ConfigError, match="compile_ahead_threads must be >= 1 or null, got 0"):
+        TrainerConfig(compile_ahead_threads=0)
 
 
 def test_the_first_step_finds_its_update_compiled_ahead(model):

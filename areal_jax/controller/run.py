@@ -10,10 +10,12 @@ the leader closes the group. Re-running the same command resumes from the last c
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from areal_jax.compilation import enable_compilation_cache
@@ -59,6 +61,35 @@ def claim_devices(cfg: ExperimentConfig, with_servers: bool = True) -> Callable[
     return release
 
 
+@contextlib.contextmanager
+def run_log(path: Path) -> Iterator[None]:
+    """Write this process's areal-jax messages from INFO up (programs compiled ahead, new
+    micro-batch shapes, servers started and stopped, weights delivered) to ``path`` meanwhile;
+    what reaches the console is left as it was (warnings and errors)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter(
+        "%(asctime)s %(levelname)s %(name)s [%(threadName)s] %(message)s"))
+    loggers = [logging.getLogger(name) for name in ("areal_jax", "rollout")]
+    levels = [logger.level for logger in loggers]
+    console = [h for h in logging.getLogger().handlers if h.level == logging.NOTSET]
+    for h in console:  # the root's level kept them to warnings; INFO now propagates to them
+        h.setLevel(logging.getLogger().getEffectiveLevel())
+    for logger in loggers:
+        logger.addHandler(handler)
+        if logger.getEffectiveLevel() > logging.INFO:
+            logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.removeHandler(handler)
+            logger.setLevel(level)
+        for h in console:
+            h.setLevel(logging.NOTSET)
+        handler.close()
+
+
 def _report_default_memory_shares(cfg: ExperimentConfig) -> None:
     """Say which memory shares were chosen for processes sharing an accelerator when the
     config set none (on a CPU they mean nothing: say nothing)."""
@@ -77,12 +108,9 @@ def _report_default_memory_shares(cfg: ExperimentConfig) -> None:
 def train(cfg: ExperimentConfig) -> dict:
     """Run (or resume) the experiment; returns the before/after evaluation results (on the
     leader; other processes return an empty dict)."""
-    from jax.experimental.multihost_utils import sync_global_devices as barrier
+    import jax
 
-    from areal_jax.models import ModelConfig
-    from areal_jax.models.tokenizer import load_tokenizer
     from areal_jax.parallel.multihost import initialize_distributed, is_leader
-    from areal_jax.parallel.trainer_group import TrainerGroup
 
     release_memory_fraction = claim_devices(cfg)
     enable_compilation_cache(cfg.compilation_cache_dir)
@@ -92,6 +120,19 @@ def train(cfg: ExperimentConfig) -> dict:
                                pg.heartbeat_timeout_s, pg.join_timeout_s)
     leader = is_leader()  # JAX's backends start here and read the claim
     release_memory_fraction()
+    name = "train.log" if leader else f"train_process{jax.process_index()}.log"
+    with run_log(Path(cfg.run_dir) / "logs" / name):
+        return _train(cfg, leader)
+
+
+def _train(cfg: ExperimentConfig, leader: bool) -> dict:
+    """``train`` once this process has claimed its devices and joined the process group."""
+    from jax.experimental.multihost_utils import sync_global_devices as barrier
+
+    from areal_jax.models import ModelConfig
+    from areal_jax.models.tokenizer import load_tokenizer
+    from areal_jax.parallel.trainer_group import TrainerGroup
+
     if leader:
         _report_default_memory_shares(cfg)
     run_dir = Path(cfg.run_dir)

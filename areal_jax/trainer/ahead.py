@@ -31,7 +31,9 @@ accelerator, not on the host CPUs that compile, so there a job starts as soon as
 windows or not (``fit_to_waits=False``): a trainer that is the loop's slow side never waits, and
 on one H200 with a 0.5B-shaped model the rule of waiting for a window compiled nothing ahead
 after the first version, leaving 56% of the RL phase to compiles inside steps
-(``benchmarks/results/gpu.md``, run 12).
+(``benchmarks/results/gpu.md``, run 12). There several jobs also run at once (``workers``
+threads): tracing and lowering hold the GIL, but XLA compiles without it, on the host's many
+cores, so a forecast of several new shapes compiles in about the time of its longest job.
 
 With a ``CompileHelper`` (a child process at the lowest priority, ``compile_helper``), jobs
 run there instead, each as soon as it is queued, windows or not: the process takes only CPU time
@@ -94,12 +96,20 @@ class AheadCompiler:
     helper process."""
 
     def __init__(self, settle_s: float = 1.0, name: str = "compile-ahead",
-                 fit_to_waits: bool = True, helper: Callable[[Hashable], float] | None = None):
+                 fit_to_waits: bool = True, helper: Callable[[Hashable], float] | None = None,
+                 workers: int = 1):
         """``fit_to_waits``: start jobs only in idle windows, where ``start_after`` says they
         mostly fit (where a compile slows the owner's steps: a CPU backend); False: as soon as
         they are queued (an accelerator's steps do not run on the host CPUs that compile).
         ``helper``: run jobs by their key with it instead (it returns the seconds the job took;
-        e.g. ``CompileHelper.compile`` for one trainer), without waiting for windows."""
+        e.g. ``CompileHelper.compile`` for one trainer), without waiting for windows.
+        ``workers``: jobs run at once, each on a thread of its own; more than one only where
+        jobs start as soon as queued on this process's threads (no ``helper``, not
+        ``fit_to_waits``)."""
+        if workers < 1 or (workers > 1 and (helper is not None or fit_to_waits)):
+            raise ValueError(f"workers must be 1, or more only without a helper and with "
+                             f"fit_to_waits=False; got {workers}")
+        self._workers = workers
         self._helper = helper
         self._settle_s = settle_s
         self._fit_to_waits = fit_to_waits
@@ -107,10 +117,10 @@ class AheadCompiler:
         self._cv = threading.Condition()
         self._queue: collections.OrderedDict[Hashable, Callable[[], None]] = (
             collections.OrderedDict())
-        self._running: Hashable | None = None
+        self._running: set[Hashable] = set()
         self._done: set[Hashable] = set()
         self._failed: set[Hashable] = set()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
         self._closed = False
         self._idle = 0  # idle windows open: jobs start only while > 0
         self._idle_since = 0.0  # when the current stretch of open windows began
@@ -129,9 +139,12 @@ class AheadCompiler:
             if self._closed or self._known(key):
                 return False
             self._queue[key] = compile_fn
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._work, name=self._name, daemon=True)
-                self._thread.start()
+            if not self._threads:
+                self._threads = [
+                    threading.Thread(target=self._work, name=f"{self._name}-{i}", daemon=True)
+                    for i in range(self._workers)]
+                for thread in self._threads:
+                    thread.start()
             self._cv.notify_all()
             return True
 
@@ -150,7 +163,7 @@ class AheadCompiler:
             self._queue.pop(key, None)
             patience = self._patience_s()
             deadline = None if patience is None else time.monotonic() + patience
-            while self._running == key:
+            while key in self._running:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     log.info("not waiting longer for the compile helper's %s: compiling it "
@@ -185,23 +198,23 @@ class AheadCompiler:
     def pending(self) -> int:
         """Jobs queued or running."""
         with self._cv:
-            return len(self._queue) + (self._running is not None)
+            return len(self._queue) + len(self._running)
 
     def wait_done(self, timeout: float | None = None) -> bool:
         """Block until no job is queued or running; returns False on timeout."""
         with self._cv:
-            return self._cv.wait_for(lambda: not self._queue and self._running is None, timeout)
+            return self._cv.wait_for(lambda: not self._queue and not self._running, timeout)
 
     def close(self) -> None:
-        """Drop queued jobs and wait for the running one: a compile on the thread cannot be
+        """Drop queued jobs and wait for the running ones: a compile on a thread cannot be
         interrupted; one in the helper is waited for at most ``_patience_s()`` (the helper may
         be starved of CPU, or stopped), then left to the helper (the thread is a daemon)."""
         with self._cv:
             self._closed = True
             self._queue.clear()
             self._cv.notify_all()
-            thread, patience = self._thread, self._patience_s()
-        if thread is not None:
+            threads, patience = list(self._threads), self._patience_s()
+        for thread in threads:
             thread.join(patience)
             if thread.is_alive():  # a compile ahead of need: nothing waits for it
                 log.info("closed without waiting longer than %.0f s for the compile helper's "
@@ -227,7 +240,7 @@ class AheadCompiler:
         return max(0.0, self._idle_since + after - time.monotonic())
 
     def _known(self, key: Hashable) -> bool:
-        return (key in self._done or key in self._queue or key == self._running
+        return (key in self._done or key in self._queue or key in self._running
                 or key in self._failed)
 
     def _work(self) -> None:
@@ -240,7 +253,7 @@ class AheadCompiler:
                     if self._closed:
                         return
                     key, job = self._queue.popitem(last=False)
-                    self._running = key
+                    self._running.add(key)
                 began = time.monotonic()
                 try:
                     self._run(key, job)
@@ -259,7 +272,7 @@ class AheadCompiler:
                     (self._done if ok else self._failed).add(key)
                     if ok:
                         self._job_seconds.append(seconds)
-                    self._running = None
+                    self._running.discard(key)
                     self._cv.notify_all()
 
     def _run(self, key: Hashable, job: Callable[[], None]) -> None:
@@ -273,7 +286,7 @@ class AheadCompiler:
     def _lose_helper(self, key: Hashable, job: Callable[[], None], error: HelperGone) -> None:
         """The helper is gone: put ``key`` back first in line, go on with this thread."""
         with self._cv:
-            self._running = None
+            self._running.discard(key)
             if not self._closed:
                 log.warning("%s; compiling ahead on a thread of the trainer from now on", error)
                 self._queue[key] = job

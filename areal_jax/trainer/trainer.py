@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from areal_jax.compilation import usable_cpus
 from areal_jax.config import ConfigError
 from areal_jax.models import (
     ModelConfig, Transformer, hf_state_dict, load_hf_model,
@@ -376,7 +377,8 @@ class Trainer:
     def _ahead_compiler(self) -> AheadCompiler:
         """Where programs compile ahead (``compile_ahead_in``): a helper process on a
         single-process CPU trainer with the persistent cache (on a CPU backend a compile beside
-        the steps slows them), else a thread."""
+        the steps slows them), else a thread; on an accelerator ``compile_ahead_threads``
+        threads, as soon as jobs are queued."""
         where, cache_dir = self.config.compile_ahead_in, jax.config.jax_compilation_cache_dir
         on_cpu = mesh_platform(self.mesh) == "cpu"
         helper_possible = jax.process_count() == 1 and bool(cache_dir)
@@ -390,7 +392,10 @@ class Trainer:
             log_path = Path(run_dir) / "logs" / "compile_helper.log" if run_dir else None
             spec = ProgramSpec.of(self.config, self.model.cfg, self.mesh)
             helper = functools.partial(shared_helper(cache_dir, log_path).compile, spec)
-        return AheadCompiler(fit_to_waits=on_cpu, helper=helper)
+        if on_cpu or helper is not None:
+            return AheadCompiler(fit_to_waits=on_cpu, helper=helper)
+        workers = self.config.compile_ahead_threads or max(1, min(8, usable_cpus() // 2))
+        return AheadCompiler(fit_to_waits=False, workers=workers)
 
     def _claim_shapes(self, shapes: set[tuple[int, int]]) -> int:
         """Record the step's micro-batch shapes, waiting for any still compiling ahead; returns

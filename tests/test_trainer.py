@@ -196,7 +196,7 @@ def test_an_accelerator_trainer_compiles_its_sketched_shapes_on_several_threads_
     # compiled ahead: the update's two programs, the shape's log-prob forward and accumulation
     assert programs[False] - programs[True] == 4
     assert_params_close(params[True], params[False], atol=0)
-    with pytest.raises(ConfigError, match="compile_ahead_threads must be >= 1 or null, got 0"):
+    with pytest.raises(ConfigError, match="compile_ahead_threads must be >= 1, got 0"):
         TrainerConfig(compile_ahead_threads=0)
 
 

@@ -31,9 +31,10 @@ accelerator, not on the host CPUs that compile, so there a job starts as soon as
 windows or not (``fit_to_waits=False``): a trainer that is the loop's slow side never waits, and
 on one H200 with a 0.5B-shaped model the rule of waiting for a window compiled nothing ahead
 after the first version, leaving 56% of the RL phase to compiles inside steps
-(``benchmarks/results/gpu.md``, run 12). There several jobs also run at once (``workers``
-threads): tracing and lowering hold the GIL, but XLA compiles without it, on the host's many
-cores, so a forecast of several new shapes compiles in about the time of its longest job.
+(``benchmarks/results/gpu.md``, run 12). There several jobs may also run at once
+(``workers`` threads: tracing and lowering hold the GIL, XLA's compile does not); one at a
+time is the trainer's default, since eight at once on a 16-core host made each job 3-8x as
+long and a step that needed one waited 82 s for it (run 14).
 
 With a ``CompileHelper`` (a child process at the lowest priority, ``compile_helper``), jobs
 run there instead, each as soon as it is queued, windows or not: the process takes only CPU time

@@ -52,8 +52,8 @@ class TrainerConfig:
     # where: "process" (a helper process at the lowest priority), "thread", or "auto": the
     # process on a single-process CPU trainer with the compilation cache on, else the thread
     compile_ahead_in: Literal["auto", "process", "thread"] = "auto"
-    # on an accelerator, jobs compiled ahead at once on threads; null: half the CPUs, 1 to 8
-    compile_ahead_threads: int | None = None
+    # on an accelerator, jobs compiled ahead at once, each on a thread (1: one at a time)
+    compile_ahead_threads: int = 1
     # XLA's backend (LLVM) optimisation level of the train programs on a CPU backend, 0-3;
     # null: XLA's own default (2). 1 compiles about a fifth faster at the same step time.
     cpu_opt_level: int | None = 1
@@ -77,9 +77,6 @@ class TrainerConfig:
         if self.compile_ahead_in not in ("auto", "process", "thread"):
             raise ConfigError("compile_ahead_in must be auto, process or thread, got "
                               f"{self.compile_ahead_in!r}")
-        if self.compile_ahead_threads is not None and self.compile_ahead_threads < 1:
-            raise ConfigError(f"compile_ahead_threads must be >= 1 or null, got "
-                              f"{self.compile_ahead_threads!r}")
         if self.cpu_opt_level is not None and self.cpu_opt_level not in (0, 1, 2, 3):
             raise ConfigError(f"cpu_opt_level must be 0, 1, 2, 3 or null, got "
                               f"{self.cpu_opt_level!r}")
@@ -93,7 +90,8 @@ class TrainerConfig:
                 f"temperature: {self.temperature:g} is below {GREEDY_TEMPERATURE:g}, which "
                 "samples greedily and reports log-probs at temperature 1: set 1.0")
         _at_least(self, 0, "warmup_steps", "total_steps", "weight_decay", "export_keep_every")
-        _at_least(self, 1, "ppo_n_minibatches", "logprob_chunk_size", "checkpoint_keep")
+        _at_least(self, 1, "ppo_n_minibatches", "logprob_chunk_size", "checkpoint_keep",
+                  "compile_ahead_threads")
         if self.export_keep < 2:  # with one, writing the next export removed the one served
             raise ConfigError(f"export_keep must be >= 2, got {self.export_keep}: with 1, "
                               "writing the next export removes the one the servers serve (a "

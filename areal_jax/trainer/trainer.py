@@ -23,7 +23,6 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from areal_jax.compilation import usable_cpus
 from areal_jax.config import ConfigError
 from areal_jax.models import (
     ModelConfig, Transformer, hf_state_dict, load_hf_model,
@@ -394,8 +393,7 @@ class Trainer:
             helper = functools.partial(shared_helper(cache_dir, log_path).compile, spec)
         if on_cpu or helper is not None:
             return AheadCompiler(fit_to_waits=on_cpu, helper=helper)
-        workers = self.config.compile_ahead_threads or max(1, min(8, usable_cpus() // 2))
-        return AheadCompiler(fit_to_waits=False, workers=workers)
+        return AheadCompiler(fit_to_waits=False, workers=self.config.compile_ahead_threads)
 
     def _claim_shapes(self, shapes: set[tuple[int, int]]) -> int:
         """Record the step's micro-batch shapes, waiting for any still compiling ahead; returns

@@ -229,6 +229,21 @@ def test_an_accelerator_trainers_jobs_compile_several_at_once():
     ahead.close()
 
 
+def test_closing_without_waiting_drops_the_queue_and_a_second_close_waits_for_the_job():
+    ahead = AheadCompiler(fit_to_waits=False)
+    started, release, ran = threading.Event(), threading.Event(), []
+    ahead.submit("running", lambda: (started.set(), release.wait(10), ran.append("running")))
+    ahead.submit("queued", lambda: ran.append("queued"))
+    assert started.wait(10)
+    began = time.monotonic()
+    ahead.close(wait=False)  # e.g. a stopping trainer, about to finish its checkpoint writes
+    assert time.monotonic() - began < 1.0 and ahead.pending() == 1
+    assert not ahead.submit("late", lambda: ran.append("late"))
+    release.set()
+    ahead.close()
+    assert ran == ["running"] and ahead.pending() == 0
+
+
 def test_several_workers_only_where_jobs_start_as_soon_as_queued():
     with pytest.raises(ValueError, match="workers must be 1"):
         AheadCompiler(workers=2)  # fit_to_waits: jobs share idle windows with the steps

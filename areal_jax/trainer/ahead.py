@@ -206,15 +206,18 @@ class AheadCompiler:
         with self._cv:
             return self._cv.wait_for(lambda: not self._queue and not self._running, timeout)
 
-    def close(self) -> None:
-        """Drop queued jobs and wait for the running ones: a compile on a thread cannot be
-        interrupted; one in the helper is waited for at most ``_patience_s()`` (the helper may
-        be starved of CPU, or stopped), then left to the helper (the thread is a daemon)."""
+    def close(self, wait: bool = True) -> None:
+        """Drop queued jobs and (``wait``) wait for the running ones: a compile on a thread
+        cannot be interrupted; one in the helper is waited for at most ``_patience_s()`` (the
+        helper may be starved of CPU, or stopped), then left to the helper (the thread is a
+        daemon). Closing again waits for what the first close did not."""
         with self._cv:
             self._closed = True
             self._queue.clear()
             self._cv.notify_all()
             threads, patience = list(self._threads), self._patience_s()
+        if not wait:
+            return
         for thread in threads:
             thread.join(patience)
             if thread.is_alive():  # a compile ahead of need: nothing waits for it

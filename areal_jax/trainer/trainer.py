@@ -344,11 +344,15 @@ class Trainer:
         return self.snapshot_for_publish(version).write()
 
     def close(self) -> None:
-        """Finish pending checkpoint writes; stop compiling ahead."""
+        """Stop compiling ahead, finish pending checkpoint writes, then wait for the compile
+        still running (it cannot be interrupted): a stopping run's checkpoint does not wait
+        for a program compiled ahead of need."""
         if self._ahead is not None:
-            self._ahead.close()
+            self._ahead.close(wait=False)
         if self._checkpoints is not None:
             self._checkpoints.close()
+        if self._ahead is not None:
+            self._ahead.close()
 
     def idle(self) -> contextlib.AbstractContextManager:
         """A window in which the caller waits (for a batch, for a command): the programs queued

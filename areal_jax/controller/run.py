@@ -64,8 +64,8 @@ def claim_devices(cfg: ExperimentConfig, with_servers: bool = True) -> Callable[
 @contextlib.contextmanager
 def run_log(path: Path) -> Iterator[None]:
     """Write this process's areal-jax messages from INFO up (programs compiled ahead, new
-    micro-batch shapes, servers started and stopped, weights delivered) to ``path`` meanwhile;
-    what reaches the console is left as it was (warnings and errors)."""
+    micro-batch shapes, compiles per version, and every warning) to ``path`` meanwhile; what
+    reaches the console is left as it was (warnings and errors)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(path)
     handler.setFormatter(logging.Formatter(

@@ -95,6 +95,38 @@ def test_each_reward_error_names_the_setting_and_what_to_fix(tmp_path, capsys, m
     assert import_path("my_rewards:adapted")("x", {}) == 1.0
 
 
+def test_a_reward_found_only_in_the_current_directory_is_refused_for_local_servers(
+        tmp_path, capsys, monkeypatch):
+    """``python -m areal_jax.cli`` puts the current directory on the import path; the local
+    servers start without it. Such a reward passed the checks and the servers failed to import
+    it after SFT."""
+    from areal_jax.commands._preflight import preflight
+
+    project = tmp_path / "project"
+    (project / "here_rewards").mkdir(parents=True)
+    (project / "here_rewards" / "__init__.py").write_text(
+        "def score(completion, metadata):\n    return 1.0\n")
+    monkeypatch.chdir(project)
+    monkeypatch.syspath_prepend(str(project))  # what python -m does
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    cfg = _config(tmp_path, dataset={"reward": "here_rewards:score"}, sft={"steps": 3})
+    assert main(["train", "--config", _write(tmp_path, cfg)]) == 2
+    err = capsys.readouterr().err
+    assert ("dataset.reward: 'here_rewards:score' is imported from the current directory, "
+            "which the local rollout servers do not have") in err and "PYTHONPATH=$PWD" in err
+    assert not (tmp_path / "run").exists()
+    listed = _config(tmp_path, rollout={"server": {"rewards": {"custom": {
+        "mine": "here_rewards:score"}}}}, dataset={"reward": "mine"})
+    with pytest.raises(ConfigError, match="rollout.server.rewards.custom.mine: 'here_rewards"):
+        preflight(from_dict(ExperimentConfig, listed))
+    # the servers get it through PYTHONPATH; remote servers are the user's to set up
+    monkeypatch.setenv("PYTHONPATH", str(project))
+    preflight(from_dict(ExperimentConfig, cfg))
+    monkeypatch.delenv("PYTHONPATH")
+    remote = {**cfg, "rollout": {"addresses": ["localhost:1"]}}
+    preflight(from_dict(ExperimentConfig, remote))
+
+
 def test_a_model_path_without_a_hugging_face_config_names_the_setting(tmp_path, capsys):
     (tmp_path / "not_a_model").mkdir()
     cfg = _config(tmp_path, model_path=str(tmp_path / "not_a_model"))

@@ -34,12 +34,31 @@ def check_rewards(cfg: ExperimentConfig) -> None:
         check_custom(listed)
     except ConfigError as e:
         raise ConfigError(f"rollout.server.rewards.custom: {e}") from e
+    paths = {f"rollout.server.rewards.custom.{name}": path for name, path in listed.items()}
     for key, dataset in (("dataset", cfg.dataset), ("eval.dataset", cfg.eval.dataset)):
         if dataset is not None:
             try:
                 check_reward(dataset.reward, with_dataset_reward(listed, dataset.reward))
             except ConfigError as e:
                 raise ConfigError(f"{key}.reward: {e}") from e
+            if ":" in dataset.reward:
+                paths[f"{key}.reward"] = dataset.reward
+    if not cfg.rollout.remote:
+        _check_local_servers_import(paths)
+
+
+def _check_local_servers_import(paths: dict[str, str]) -> None:
+    """The local rollout servers can import each reward ``paths`` names (by setting): they
+    start without the current directory on their import path."""
+    from areal_jax.processes import only_in_current_directory
+
+    for setting, path in paths.items():
+        module = path.partition(":")[0] if ":" in path else path.rpartition(".")[0]
+        if only_in_current_directory(module.partition(".")[0]):
+            raise ConfigError(
+                f"{setting}: {path!r} is imported from the current directory, which the local "
+                "rollout servers do not have on their import path (python -m puts it on this "
+                "process's only): run with PYTHONPATH=$PWD, or install your package")
 
 
 def preflight(cfg: ExperimentConfig) -> None:

@@ -23,6 +23,7 @@ from areal_jax.controller.requests import rollout_request
 from areal_jax.controller.rollout_pool import PoolOptions, RequestFailedError, RolloutPool
 from areal_jax.controller.rollout_pool import WeightsRejectedError
 from areal_jax.controller.servers import sync_servers
+from areal_jax.trajectory import Trajectory
 from rollout.engine import GenerationChunk, WeightLoadError
 
 
@@ -125,7 +126,7 @@ def test_a_workflow_whose_extra_reward_calls_fail_is_not_stopped():
 
     def batch(calls, failures):
         meta = {"reward_calls": calls, "reward_failures": failures, "reward_error": "draft: boom"}
-        return [TrajectoryGroup(f"g{i}", [None] * 2, dict(meta)) for i in range(3)]
+        return [TrajectoryGroup(f"g{i}", _scored(0.0, 1.0), dict(meta)) for i in range(3)]
 
     watch = RewardWatch("r")
     for _ in range(5):
@@ -134,6 +135,37 @@ def test_a_workflow_whose_extra_reward_calls_fail_is_not_stopped():
         watch.observe(batch(calls=4, failures=4))
     with pytest.raises(RewardFailingError, match="failed in every call of 3 batches"):
         watch.observe(batch(calls=4, failures=4))
+
+
+def _scored(*rewards):
+    return [Trajectory([1], [2], np.zeros(1), np.zeros(1), reward=r) for r in rewards]
+
+
+def test_batches_without_a_learning_signal_are_counted_and_a_run_of_them_is_reported(caplog):
+    """A reward that scores every sample alike (always 0: a prompt format it cannot read)
+    trains on zero advantages: said after three such batches in a row, at most three times."""
+    from areal_jax.controller.reward_watch import RewardWatch
+    from areal_jax.trajectory import TrajectoryGroup
+
+    def batch(*groups):
+        return [TrajectoryGroup(f"g{i}", _scored(*rewards)) for i, rewards in enumerate(groups)]
+
+    watch = RewardWatch("mine")
+    assert watch.observe(batch((0.0, 0.0), (1.0, 0.0)))["reward/flat_groups"] == 0.5
+    for _ in range(2):
+        assert watch.observe(batch((0.0, 0.0), (1.0, 1.0)))["reward/flat_groups"] == 1.0
+    assert "no learning signal" not in caplog.text
+    watch.observe(batch((0.0, 0.0), (0.0, 0.0)))
+    warnings = [r.getMessage() for r in caplog.records if "no learning signal" in r.getMessage()]
+    assert len(warnings) == 1 and "last 3 batches" in warnings[0]
+    assert "(rewards seen: 0)" in warnings[0] and "reward 'mine'" in warnings[0]
+    for _ in range(30):  # one long run of them: one warning; later runs: two more at most
+        watch.observe(batch((0.0, 0.0)))
+    for _ in range(5):
+        watch.observe(batch((0.0, 1.0)))
+        for _ in range(3):
+            watch.observe(batch((0.0, 0.0)))
+    assert sum("no learning signal" in r.getMessage() for r in caplog.records) == 3
 
 
 def test_reward_failures_are_counted_per_batch(tmp_path):

@@ -43,6 +43,14 @@ def nan_reward(completion: str, metadata: dict) -> float:
     return float("nan")
 
 
+def text_reward(completion: str, metadata: dict) -> float:
+    return "1.0"  # a number's text, not a number
+
+
+async def async_reward(completion: str, metadata: dict) -> float:
+    return 1.0
+
+
 def length_reward(completion: str, metadata: dict) -> float:
     return float(len(completion))
 
@@ -115,7 +123,7 @@ def test_math_reward_needs_a_usable_gold_answer():
 CUSTOM = {
     name: f"{__name__}:{name}"
     for name in ("constant_reward", "raising_reward", "nan_reward", "hanging_reward",
-                 "hanging_on_request_reward", "crashing_reward")
+                 "hanging_on_request_reward", "crashing_reward", "text_reward")
 }
 
 
@@ -152,6 +160,14 @@ def test_pool_queues_more_calls_than_workers(pool):
     assert asyncio.run(main()) == [float(n) for n in range(7)]
 
 
+def test_an_async_reward_is_refused_before_any_call():
+    from areal_jax.rewards.registry import RewardConfigError, import_path
+
+    with pytest.raises(RewardConfigError, match="async_reward is an async function; .* def, "
+                                                "not async def"):
+        import_path(f"{__name__}:async_reward")
+
+
 def test_pool_rejects_unknown_reward_before_scoring(pool):
     with pytest.raises(RewardNotFoundError):
         pool.score_sync("no_such_reward", "", {})
@@ -162,7 +178,8 @@ def test_errors_score_zero_and_the_worker_keeps_serving(pool):
     assert pool.score_sync("raising_reward", "", {}) == 0.0
     assert pool.score_sync("nan_reward", "", {}) == 0.0
     assert pool.score_sync("math", r"\boxed{1}", {}) == 0.0  # missing answer
-    assert pool.num_errors == errors + 3
+    assert pool.score_sync("text_reward", "", {}) == 0.0  # float("1.0") passed it as 1.0
+    assert pool.num_errors == errors + 4
     assert pool.score_sync("test_length", "ab", {}) == 2.0
 
 

@@ -1,6 +1,8 @@
 """Reward calls that fail (raise, time out, crash their worker) score 0 on the rollout servers;
 here they are counted per batch, shown on the console, and a run whose reward fails in every
-call is stopped instead of training on its zeros."""
+call is stopped instead of training on its zeros. Batches without a learning signal (every
+group's samples scored alike, so group-relative advantages are zero) are counted and, several
+in a row, reported."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ log = logging.getLogger(__name__)
 
 FAILING_BATCHES_TO_STOP = 3  # batches in a row whose every reward call failed
 MAX_DISTINCT_WARNINGS = 5  # distinct failure messages shown; the metrics count the rest
+FLAT_BATCHES_TO_WARN = 3  # batches in a row in which every group's rewards were all equal
+MAX_FLAT_WARNINGS = 3  # such warnings per run; the metric counts the rest
 
 
 class RewardFailingError(RuntimeError):
@@ -28,11 +32,14 @@ class RewardWatch:
         self.failing_batches_to_stop = failing_batches_to_stop
         self._failing_batches = 0
         self._shown: set[str] = set()
+        self._flat_batches = 0
+        self._flat_warnings = 0
 
     def observe(self, groups: Sequence[TrajectoryGroup]) -> dict[str, float]:
-        """Metrics of one batch's reward failures; warns on each new failure message and
-        raises ``RewardFailingError`` once ``failing_batches_to_stop`` batches in a row had
-        every reward call fail."""
+        """Metrics of one batch's reward failures and of its groups whose rewards were all
+        equal; warns on each new failure message and when ``FLAT_BATCHES_TO_WARN`` batches in a
+        row had only such groups, and raises ``RewardFailingError`` once
+        ``failing_batches_to_stop`` batches in a row had every reward call fail."""
         failed = sum(g.metadata.get("reward_failures", 0) for g in groups)
         calls = sum(g.metadata.get("reward_calls", 0) for g in groups)
         errors = [g.metadata["reward_error"] for g in groups if g.metadata.get("reward_error")]
@@ -48,5 +55,25 @@ class RewardWatch:
                 f"batches in a row, so training would only learn from zeros; the first "
                 f"failure: {errors[0] if errors else '?'} (each failure is in the rollout "
                 "servers' logs, <run_dir>/logs/rollout_server_*.log for local servers)")
+        flat = sum(len({t.reward for t in g.trajectories}) <= 1 for g in groups)
+        self._warn_if_flat(groups, flat)
         return {"reward/failed_calls": float(failed),
-                "reward/failed_fraction": failed / calls if calls else 0.0}
+                "reward/failed_fraction": failed / calls if calls else 0.0,
+                "reward/flat_groups": flat / len(groups) if groups else 0.0}
+
+    def _warn_if_flat(self, groups: Sequence[TrajectoryGroup], flat: int) -> None:
+        """Count batches in a row whose every group scored all its samples alike; say so when
+        there are ``FLAT_BATCHES_TO_WARN`` of them (at most ``MAX_FLAT_WARNINGS`` times)."""
+        self._flat_batches = self._flat_batches + 1 if groups and flat == len(groups) else 0
+        if self._flat_batches != FLAT_BATCHES_TO_WARN or self._flat_warnings >= MAX_FLAT_WARNINGS:
+            return
+        self._flat_warnings += 1
+        rewards = sorted({t.reward for g in groups for t in g.trajectories})
+        shown = ", ".join(f"{r:g}" for r in rewards[:5]) + (", ..." if len(rewards) > 5 else "")
+        log.warning(
+            "no learning signal in the last %d batches: in every group all samples got the "
+            "same reward (rewards seen: %s), so the group-relative advantages are zero and the "
+            "policy does not move; check what reward %r returns on a few completions (e.g. "
+            "areal-jax eval), that the prompts ask for what it reads, and that the task is "
+            "neither out of the model's reach nor already solved", self._flat_batches, shown,
+            self.reward)

@@ -92,7 +92,11 @@ def _worker_main(conn, scratch: str, parent: int | None) -> None:
         try:
             if path not in functions:
                 functions[path] = import_path(path)
-            value = float(functions[path](completion, metadata))
+            result = functions[path](completion, metadata)
+            if isinstance(result, (str, bytes)):  # float("1.0") would pass a typo's text
+                raise TypeError(f"reward returned {type(result).__name__} {result!r}, not a "
+                                "number")
+            value = float(result)
             if not math.isfinite(value):
                 raise ValueError(f"reward returned {value}")
             reply = ("ok", value)

@@ -168,6 +168,10 @@ def _check_reward_signature(fn: Callable, path: str, attr: str) -> None:
     """Raise RewardConfigError when ``fn`` cannot be called as ``fn(completion, metadata)``.
     The signature read is ``fn``'s own (a wrapper's, not the function it wraps); a callable
     without one readable is taken as it is."""
+    if inspect.iscoroutinefunction(fn):
+        raise RewardConfigError(
+            f"reward path {path!r}: {attr} is an async function; a reward is called in a "
+            "worker process and must return its float: define it with def, not async def")
     try:
         signature = inspect.signature(fn, follow_wrapped=False)
     except (TypeError, ValueError):

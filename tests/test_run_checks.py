@@ -415,6 +415,38 @@ def test_sft_refuses_a_null_or_overlong_response_before_its_first_step(tmp_path)
         sft_examples(cfg, tok)
 
 
+def test_sft_ends_answers_with_a_token_generation_stops_on(tmp_path, caplog):
+    """A tokenizer whose end token is not among the model's end ids (config.json,
+    generation_config.json): SFT appended it, the servers never stopped on it, and every answer
+    ran to max_new_tokens without a word."""
+    from areal_jax.controller.sft_phase import sft_end_token
+    from areal_jax.models.tiny import TinyModelSpec, build_tiny_model
+    from areal_jax.models.tokenizer import load_tokenizer
+
+    model = build_tiny_model(tmp_path / "m", TinyModelSpec(
+        hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
+        tokenizer_vocab_size=300))
+    config = json.loads((model / "config.json").read_text())
+    tok = load_tokenizer(model, config["vocab_size"], "model_path")
+    assert sft_end_token(model, tok) == tok.eos_token_id == config["eos_token_id"]
+    other = config["pad_token_id"]
+    assert other != tok.eos_token_id
+    (model / "generation_config.json").unlink(missing_ok=True)
+    (model / "config.json").write_text(json.dumps({**config, "eos_token_id": other}))
+    assert sft_end_token(model, tok) == other
+    assert f"the tokenizer's end token {tok.eos_token!r} (id {tok.eos_token_id}) is not one " \
+           f"the model stops on ([{other}]" in caplog.text
+    # generation_config.json's end ids count as the servers' (transformers and SGLang stop on
+    # them too)
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [
+        other, tok.eos_token_id]}))
+    assert sft_end_token(model, tok) == tok.eos_token_id
+    (model / "generation_config.json").unlink()
+    (model / "config.json").write_text(json.dumps({**config, "eos_token_id": None}))
+    with pytest.raises(ConfigError, match="lists no end-of-sequence id"):
+        sft_end_token(model, tok)
+
+
 def test_sft_trainer_settings_are_checked_with_no_sft_steps(tmp_path):
     with pytest.raises(ConfigError, match="unknown config key sft.trainer.lrr"):
         from_dict(ExperimentConfig, _config(tmp_path, sft={"steps": 0, "trainer": {"lrr": 1}}))

@@ -20,7 +20,8 @@ def run(args: argparse.Namespace) -> int:
     from areal_jax.controller.progress import TrainingProgress
     from areal_jax.controller.prepare import check_fingerprint, prepare_base_model, prepare_data
     from areal_jax.controller.run import claim_devices
-    from areal_jax.controller.sft_phase import run_sft, sft_examples, sft_model_kept
+    from areal_jax.controller.sft_phase import run_sft, sft_end_token, sft_examples
+    from areal_jax.controller.sft_phase import sft_model_kept
     from areal_jax.experiment import ExperimentConfig
     from areal_jax.models import ModelConfig
     from areal_jax.models.tokenizer import load_tokenizer
@@ -37,8 +38,9 @@ def run(args: argparse.Namespace) -> int:
     prepare_data(cfg)
     base = prepare_base_model(cfg)
     # a finished SFT is kept (run_sft): its examples are not read again
+    tokenizer = load_tokenizer(base, ModelConfig.from_pretrained(base).vocab_size, "model_path")
     examples = [] if sft_model_kept(cfg) else sft_examples(
-        cfg, load_tokenizer(base, ModelConfig.from_pretrained(base).vocab_size, "model_path"))
+        cfg, tokenizer, end_id=sft_end_token(base, tokenizer))
     check_fingerprint(cfg)  # the SFT model `train` would reuse must be this config's
     with TrainingProgress() as progress:
         out = run_sft(cfg, base, examples, progress)

@@ -28,7 +28,8 @@ from areal_jax.controller.evaluation import held_out_items
 from areal_jax.controller.progress import TrainingProgress
 from areal_jax.controller.rl_phase import check_trajectories_fit, run_rl
 from areal_jax.controller.servers import check_local_engine_context, servers_compiling
-from areal_jax.controller.sft_phase import run_sft, sft_examples, sft_model_kept
+from areal_jax.controller.sft_phase import run_sft, sft_end_token, sft_examples
+from areal_jax.controller.sft_phase import sft_model_kept
 from areal_jax.controller.trainers import make_trainer
 from areal_jax.data.dataset import PromptDataset
 from areal_jax.experiment import ExperimentConfig
@@ -154,7 +155,8 @@ def _train(cfg: ExperimentConfig, leader: bool) -> dict:
         check_local_engine_context(cfg, base, training=prompt_lengths,
                                    held_out=[len(item.prompt_ids) for item in eval_items])
         sft_pending = bool(cfg.sft.steps) and not sft_model_kept(cfg)
-        examples = sft_examples(cfg, tokenizer, train_set) if sft_pending else []
+        examples = sft_examples(cfg, tokenizer, train_set, sft_end_token(base, tokenizer)
+                                ) if sft_pending else []
         if leader:
             check_fingerprint(cfg)  # a refused config leaves the run's config.json as it was
             write_atomic(run_dir / "config.json", json.dumps(to_dict(cfg), indent=2))

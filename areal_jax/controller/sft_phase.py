@@ -8,6 +8,7 @@ the leader writes ``<run_dir>/sft_model``.
 from __future__ import annotations
 
 import contextlib
+import logging
 from pathlib import Path
 
 from areal_jax.config import ConfigError
@@ -17,14 +18,40 @@ from areal_jax.controller.trainers import make_trainer
 from areal_jax.data.dataset import PromptDataset
 from areal_jax.experiment import ExperimentConfig
 from areal_jax.metrics import MetricsLogger
-from areal_jax.models import export_hf_tensors
+from areal_jax.models import ModelConfig, export_hf_tensors
+from areal_jax.models.config import generation_eos_ids
 from areal_jax.models.hf_export import remove_unfinished_exports
 
+log = logging.getLogger(__name__)
 
-def sft_examples(cfg: ExperimentConfig, tokenizer, dataset: PromptDataset | None = None
-                 ) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, response ids + eos) for every training prompt (``dataset``, when the
-    caller has read it already); refuses a response key the dataset does not read, and, naming
+
+def sft_end_token(model_path: Path, tokenizer) -> int:
+    """The token SFT ends each response with: the tokenizer's end token where the model stops
+    on it (``config.json``'s and ``generation_config.json``'s end ids, which the rollout servers
+    stop on), else the model's first end id, with a warning: a model taught to end with a
+    token generation does not stop on would run every answer to ``max_new_tokens``.
+    ConfigError when the model lists no end id at all."""
+    cfg = ModelConfig.from_pretrained(model_path)
+    stops = sorted({*cfg.eos_token_ids, *generation_eos_ids(model_path, cfg.vocab_size)})
+    if tokenizer.eos_token_id in stops:
+        return tokenizer.eos_token_id
+    if not stops:
+        raise ConfigError(
+            f"model_path: {model_path} lists no end-of-sequence id (eos_token_id in config.json "
+            "or generation_config.json), so generation would run every answer to its "
+            "max_new_tokens; set the id of the token your answers end with there")
+    log.warning("the tokenizer's end token %r (id %s) is not one the model stops on (%s, from "
+                "config.json and generation_config.json): SFT ends each answer with id %d, "
+                "the one generation stops on", tokenizer.eos_token, tokenizer.eos_token_id,
+                stops, stops[0])
+    return stops[0]
+
+
+def sft_examples(cfg: ExperimentConfig, tokenizer, dataset: PromptDataset | None = None,
+                 end_id: int | None = None) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, response ids + ``end_id``) for every training prompt (``dataset``, when the
+    caller has read it already; ``end_id``: ``sft_end_token``'s choice, default the
+    tokenizer's end token); refuses a response key the dataset does not read, and, naming
     the prompt, a response whose prompt + response fits no SFT micro-batch (its step would fail
     mid-SFT, after the steps before it). The dataset refuses null values itself."""
     key = cfg.sft.response_key
@@ -36,10 +63,11 @@ def sft_examples(cfg: ExperimentConfig, tokenizer, dataset: PromptDataset | None
     if dataset is None:
         dataset = PromptDataset(dataset_config(cfg.dataset, cfg.run_dir), tokenizer)
     budget = cfg.sft_trainer.micro_batch.token_budget
+    end = tokenizer.eos_token_id if end_id is None else end_id
     examples = []
     for item in dataset:
-        response = tokenizer(str(item.metadata[key]) + tokenizer.eos_token,
-                             add_special_tokens=False)["input_ids"]
+        response = tokenizer(str(item.metadata[key]), add_special_tokens=False)["input_ids"]
+        response = [*response, end]
         if len(item.prompt_ids) + len(response) > budget:
             raise ConfigError(
                 f"sft.response_key: prompt {item.id}'s prompt ({len(item.prompt_ids)} tokens) + "

@@ -143,12 +143,23 @@ def test_a_model_path_without_a_hugging_face_config_names_the_setting(tmp_path, 
     assert main(["train", "--config", _write(tmp_path, cfg)]) == 2
     assert f"model_path: {tmp_path / 'not_a_model'} has no tokenizer vocabulary" in (
         capsys.readouterr().err)
-    # eval checks its --model the same way, before starting any server.
-    for model in (tmp_path / "missing", tmp_path / "not_a_model"):
+    # eval checks its --model the same way, before starting any server; a run directory, one
+    # of its checkpoints or a model's config.json given for a model is named as what it is.
+    run = tmp_path / "a_run"
+    (run / "checkpoints" / "4").mkdir(parents=True)
+    (run / "config.json").write_text("{}")
+    (run / "fingerprint.json").write_text("{}")
+    for model, says in ((tmp_path / "missing", "does not exist"),
+                        (tmp_path / "not_a_model", "has no tokenizer vocabulary"),
+                        (tmp_path / "not_a_model" / "config.json", "is a file"),
+                        (run, "is a run directory, not a model: name one of its exports"),
+                        (run / "checkpoints" / "4", "is a training checkpoint, not a model: "
+                                                    "`areal-jax export --config CONFIG "
+                                                    "--version 4 --out DIR`")):
         assert main(["eval", "--config", _write(tmp_path, _config(tmp_path)), "--model",
                      str(model)]) == 2
         err = capsys.readouterr().err
-        assert err.startswith(f"areal-jax eval: error: --model: {model} has no ") and (
+        assert err.startswith(f"areal-jax eval: error: --model: {model} {says}") and (
             "Traceback" not in err)
 
 

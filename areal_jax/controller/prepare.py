@@ -45,9 +45,22 @@ def check_model_dir(path: Path, key: str) -> Path:
     """``path`` if it is a local Hugging Face model directory with its tokenizer's vocabulary,
     else a ``ConfigError`` naming ``key`` (without it transformers builds a tokenizer of a few
     special tokens from ``tokenizer_config.json`` alone, and every prompt encodes to nothing)."""
+    expected = "a local Hugging Face model directory is expected (nothing is downloaded)"
+    if not path.exists():
+        raise ConfigError(f"{key}: {path} does not exist; {expected}")
+    if not path.is_dir():
+        raise ConfigError(f"{key}: {path} is a file; {expected}: name the directory holding "
+                          "its config.json, weights and tokenizer")
+    if (path / FINGERPRINT_FILE).is_file():
+        raise ConfigError(
+            f"{key}: {path} is a run directory, not a model: name one of its exports "
+            f"({path / 'exports'}/v<version>), or write one with `areal-jax export`")
+    if path.parent.name == "checkpoints" and (path.parent.parent / FINGERPRINT_FILE).is_file():
+        raise ConfigError(
+            f"{key}: {path} is a training checkpoint, not a model: `areal-jax export --config "
+            f"CONFIG --version {path.name} --out DIR` writes it as one")
     if not (path / "config.json").is_file():
-        raise ConfigError(f"{key}: {path} has no config.json; a local Hugging Face model "
-                          "directory is expected (nothing is downloaded)")
+        raise ConfigError(f"{key}: {path} has no config.json; {expected}")
     try:
         check_vocabulary(path, key)
     except ModelConfigError as e:

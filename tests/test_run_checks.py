@@ -335,9 +335,11 @@ def test_a_server_context_the_model_or_the_answers_do_not_fit_fails_before_sft(t
     for options, sampling, message in (
             ({"max_seq_len": 512}, {}, f"{key}: 512 exceeds the model's "
                                        "max_position_embeddings 256"),
-            ({}, {"max_new_tokens": 250}, rf"{key} \(unset: 256\) is below the longest training "
-                                          r"prompt \(\d+ tokens\) \+ sampling.max_new_tokens "
-                                          r"\(250\)"),
+            # at the model's positions already: raising it is no remedy
+            ({}, {"max_new_tokens": 250}, rf"{key} \(unset: 256, all the model holds\) is below "
+                                          r"the longest training prompt \(\d+ tokens\) \+ "
+                                          r"sampling.max_new_tokens \(250\) = \d+: the servers "
+                                          r"would reject those requests; lower sampling"),
             ({"max_seq_len": 64}, {"max_new_tokens": 60}, rf"{key} \(64\) is below"),
             # The held-out prompts with their own answer length: every evaluation request
             # would be rejected, and the accuracy measured on none of them.

@@ -71,7 +71,8 @@ def server_config(cfg: ExperimentConfig, model_path: Path, version: int) -> dict
 def _check_context(cfg: ExperimentConfig, context: int, what: str, remedy: str,
                    training: list[int], held_out: list[int]) -> None:
     """Refuse a context of ``context`` tokens (``what`` names it and where it comes from;
-    ``remedy`` says what can raise it) too short for the longest training prompt and
+    ``remedy`` says what can raise it, empty where nothing can) too short for the longest
+    training prompt and
     ``sampling.max_new_tokens``, or the longest held-out prompt and ``eval.max_new_tokens``:
     each such request would be rejected. ``training`` and ``held_out``: token counts."""
     answers = [("training", training if cfg.schedule.total_steps else (), "sampling",
@@ -84,7 +85,8 @@ def _check_context(cfg: ExperimentConfig, context: int, what: str, remedy: str,
         raise ConfigError(
             f"{what} is below the longest {kind} prompt ({longest} tokens) + "
             f"{section}.max_new_tokens ({max_new}) = {longest + max_new}: the servers would "
-            f"reject those requests; {remedy} or lower {section}.max_new_tokens")
+            f"reject those requests; {remedy + ' or ' if remedy else ''}lower "
+            f"{section}.max_new_tokens")
 
 
 def check_local_engine_context(cfg: ExperimentConfig, model_path: Path, *,
@@ -108,8 +110,11 @@ def check_local_engine_context(cfg: ExperimentConfig, model_path: Path, *,
     except ConfigError as e:
         raise ConfigError(f"rollout.server.{e} ({model_path / 'config.json'})") from e
     unset = "" if getattr(options, options.context_option) else "unset: "
-    _check_context(cfg, context, f"{key} ({unset}{context})",
-                   f"raise it (the model holds {positions})", list(training), list(held_out))
+    at_limit = context >= positions
+    _check_context(cfg, context, f"{key} ({unset}{context}"
+                   f"{', all the model holds' if at_limit else ''})",
+                   "" if at_limit else f"raise it (the model holds {positions})",
+                   list(training), list(held_out))
 
 
 def make_pool(cfg: ExperimentConfig, addresses: list[str], *, addresses_file: str | None = None,

@@ -460,6 +460,20 @@ def test_sft_ends_answers_with_a_token_generation_stops_on(tmp_path, caplog):
         sft_end_token(model, tok)
 
 
+def test_a_run_refused_before_it_starts_leaves_no_run_directory(tmp_path, capsys):
+    """With the user's own model and data, a config refused by the checks before SFT (here the
+    answers do not fit the model's context) leaves no empty run directory, nor a log."""
+    from areal_jax.models.tiny import TinyModelSpec, build_tiny_model
+
+    model = build_tiny_model(tmp_path / "m", TinyModelSpec(
+        hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
+        max_position_embeddings=128, tokenizer_vocab_size=300))
+    cfg = _config(tmp_path, model_path=str(model), sampling={"max_new_tokens": 200})
+    assert main(["train", "--config", _write(tmp_path, cfg)]) == 2
+    assert "lower sampling.max_new_tokens" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
 def test_sft_trainer_settings_are_checked_with_no_sft_steps(tmp_path):
     with pytest.raises(ConfigError, match="unknown config key sft.trainer.lrr"):
         from_dict(ExperimentConfig, _config(tmp_path, sft={"steps": 0, "trainer": {"lrr": 1}}))

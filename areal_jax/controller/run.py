@@ -62,13 +62,24 @@ def claim_devices(cfg: ExperimentConfig, with_servers: bool = True) -> Callable[
     return release
 
 
+class _FileOnFirstRecord(logging.FileHandler):
+    """A file handler that creates its file, and the directories above it, with its first
+    record: a run refused before it logs anything leaves no directory behind."""
+
+    def __init__(self, path: Path):
+        super().__init__(path, delay=True)
+
+    def _open(self):
+        Path(self.baseFilename).parent.mkdir(parents=True, exist_ok=True)
+        return super()._open()
+
+
 @contextlib.contextmanager
 def run_log(path: Path) -> Iterator[None]:
     """Write this process's areal-jax messages from INFO up (programs compiled ahead, new
     micro-batch shapes, compiles per version, and every warning) to ``path`` meanwhile; what
     reaches the console is left as it was (warnings and errors)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(path)
+    handler = _FileOnFirstRecord(path)
     handler.setFormatter(logging.Formatter(
         "%(asctime)s %(levelname)s %(name)s [%(threadName)s] %(message)s"))
     loggers = [logging.getLogger(name) for name in ("areal_jax", "rollout")]
@@ -138,7 +149,6 @@ def _train(cfg: ExperimentConfig, leader: bool) -> dict:
         _report_default_memory_shares(cfg)
     run_dir = Path(cfg.run_dir)
     if leader:
-        run_dir.mkdir(parents=True, exist_ok=True)
         prepare_data(cfg)
         prepare_base_model(cfg)
     barrier("data and base model prepared")
@@ -158,6 +168,7 @@ def _train(cfg: ExperimentConfig, leader: bool) -> dict:
         examples = sft_examples(cfg, tokenizer, train_set, sft_end_token(base, tokenizer)
                                 ) if sft_pending else []
         if leader:
+            run_dir.mkdir(parents=True, exist_ok=True)  # a config refused before: no run_dir
             check_fingerprint(cfg)  # a refused config leaves the run's config.json as it was
             write_atomic(run_dir / "config.json", json.dumps(to_dict(cfg), indent=2))
         barrier("run directory prepared")

@@ -180,6 +180,18 @@ def test_changing_the_data_of_a_run_directory_is_detected(tmp_path):
     changed = from_dict(ExperimentConfig, _config(tmp_path, dataset={"reward": "code"}))
     with pytest.raises(ConfigError, match="data"):
         check_fingerprint(changed)
+    # With the config the run started with recorded (train writes it), the refusal names
+    # what changed: the setting, or the file whose contents changed.
+    from areal_jax.config import to_dict
+
+    (tmp_path / "run" / "config.json").write_text(json.dumps(to_dict(cfg)))
+    with pytest.raises(ConfigError, match=r"another data configuration: dataset.reward was "
+                                          r"'math', now 'code' \(see"):
+        check_fingerprint(changed)
+    (tmp_path / "train.jsonl").write_text('{"question": "1+2?", "answer": "3"}\n')
+    with pytest.raises(ConfigError, match=r"another data configuration: the contents of "
+                                          rf"{re.escape(str(tmp_path / 'train.jsonl'))} \(see"):
+        check_fingerprint(cfg)
     # A longer run of the same experiment is not a change.
     longer = from_dict(ExperimentConfig, _config(tmp_path, schedule={"total_steps": 500}))
     (tmp_path / "train.jsonl").write_text('{"question": "1+1?", "answer": "2"}\n')

@@ -11,6 +11,7 @@ import hashlib
 import json
 import uuid
 from pathlib import Path
+from typing import Any
 
 from areal_jax.config import ConfigError, to_dict
 from areal_jax.data.config import DatasetConfig
@@ -209,5 +210,41 @@ def check_fingerprint(cfg: ExperimentConfig) -> None:
     if changed:
         raise ConfigError(
             f"run_dir {cfg.run_dir} was started with another {' and '.join(changed)} "
-            f"configuration (see {path}): its SFT model and checkpoints do not belong to this "
-            "config. Use a new run_dir, or delete that directory to start over.")
+            f"configuration{_what_changed(cfg, changed)} (see {path}): its SFT model and "
+            "checkpoints do not belong to this config. Use a new run_dir, or delete that "
+            "directory to start over.")
+
+
+# The settings each part of the fingerprint hashes (its files aside).
+_PART_SETTINGS = {"model": ("model_path", "tiny"), "data": ("dataset", "synthetic"),
+                  "sft": ("sft",)}
+
+
+def _what_changed(cfg: ExperimentConfig, parts: list[str]) -> str:
+    """What differs in ``parts`` from the config the run last started with (its
+    ``config.json``): the settings, or, where they are the same, the files; empty without that
+    record."""
+    try:
+        recorded = read_json(Path(cfg.run_dir) / "config.json")
+    except (ConfigError, OSError):  # none, or unreadable: the refusal stands without it
+        return ""
+    current = to_dict(cfg)
+    details = []
+    for part in parts:
+        found = [d for key in _PART_SETTINGS[part]
+                 for d in _differences(key, recorded.get(key), current.get(key))]
+        if found:
+            details += found
+        elif part == "data":
+            details.append(f"the contents of {dataset_config(cfg.dataset, cfg.run_dir).path}")
+        elif part == "model":
+            details.append(f"the model's files in {base_model_path(cfg)}")
+    return ": " + "; ".join(details[:5]) + ("; ..." if len(details) > 5 else "")
+
+
+def _differences(key: str, before: Any, now: Any) -> list[str]:
+    """``key.sub: was X, now Y`` for each setting under ``key`` that differs."""
+    if isinstance(before, dict) and isinstance(now, dict):
+        return [d for k in sorted({*before, *now}, key=str)
+                for d in _differences(f"{key}.{k}", before.get(k), now.get(k))]
+    return [] if before == now else [f"{key} was {before!r}, now {now!r}"]

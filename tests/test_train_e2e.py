@@ -72,6 +72,8 @@ def test_train_resume_and_export(tmp_path, capsys):
     assert main(["train", "--config", str(cfg)]) == 0
     out = capsys.readouterr().out
     assert "resumed from checkpoint at version 3" in out
+    assert f"settings changed since {run_dir} last started: " in out  # said, not refused
+    assert "schedule.total_steps was 3, now 5" in out
     assert "compiled during SFT" not in out  # the SFT model was kept: no SFT to compile beside
     assert _steps(run_dir) == [1, 2, 3, 4, 5]
     # The accuracy before RL is the one measured before RL, not the resumed version's.

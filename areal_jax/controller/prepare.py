@@ -224,9 +224,8 @@ def _what_changed(cfg: ExperimentConfig, parts: list[str]) -> str:
     """What differs in ``parts`` from the config the run last started with (its
     ``config.json``): the settings, or, where they are the same, the files; empty without that
     record."""
-    try:
-        recorded = read_json(Path(cfg.run_dir) / "config.json")
-    except (ConfigError, OSError):  # none, or unreadable: the refusal stands without it
+    recorded = _recorded_config(cfg)
+    if recorded is None:
         return ""
     current = to_dict(cfg)
     details = []
@@ -240,6 +239,26 @@ def _what_changed(cfg: ExperimentConfig, parts: list[str]) -> str:
         elif part == "model":
             details.append(f"the model's files in {base_model_path(cfg)}")
     return ": " + "; ".join(details[:5]) + ("; ..." if len(details) > 5 else "")
+
+
+def changed_since_last_start(cfg: ExperimentConfig) -> list[str]:
+    """Each setting that differs from the config the run directory last started with
+    (``key.sub was X, now Y``; ``run_dir`` aside); empty for a new run directory."""
+    recorded = _recorded_config(cfg)
+    if recorded is None:
+        return []
+    current = to_dict(cfg)
+    return [d for key in sorted({*recorded, *current} - {"run_dir"})
+            for d in _differences(key, recorded.get(key), current.get(key))]
+
+
+def _recorded_config(cfg: ExperimentConfig) -> dict | None:
+    """The config the run directory last started with (its ``config.json``), or None where
+    there is none or it does not read."""
+    try:
+        return read_json(Path(cfg.run_dir) / "config.json")
+    except (ConfigError, OSError):
+        return None
 
 
 def _differences(key: str, before: Any, now: Any) -> list[str]:

@@ -23,7 +23,8 @@ from areal_jax.config import to_dict
 from areal_jax.controller.local_servers import MEMORY_FRACTION_VARIABLE, device_env
 from areal_jax.controller.local_servers import with_deterministic_ops
 from areal_jax.controller.prepare import check_fingerprint, prepare_base_model, prepare_data
-from areal_jax.controller.prepare import base_model_path, dataset_config
+from areal_jax.controller.prepare import base_model_path, changed_since_last_start
+from areal_jax.controller.prepare import dataset_config
 from areal_jax.controller.evaluation import held_out_items
 from areal_jax.controller.progress import TrainingProgress
 from areal_jax.controller.rl_phase import check_trajectories_fit, run_rl
@@ -170,6 +171,9 @@ def _train(cfg: ExperimentConfig, leader: bool) -> dict:
         if leader:
             run_dir.mkdir(parents=True, exist_ok=True)  # a config refused before: no run_dir
             check_fingerprint(cfg)  # a refused config leaves the run's config.json as it was
+            if changed := changed_since_last_start(cfg):
+                print(f"settings changed since {run_dir} last started: {'; '.join(changed)}",
+                      flush=True)
             write_atomic(run_dir / "config.json", json.dumps(to_dict(cfg), indent=2))
         barrier("run directory prepared")
         start = base

@@ -94,6 +94,14 @@ def run_log(path: Path) -> Iterator[None]:
             logger.setLevel(logging.INFO)
     try:
         yield
+    except BaseException as e:  # in the file too, once the run has written to it (a config
+        # refused before that leaves no run directory; the console shows the error either way)
+        if handler.stream is not None:
+            handler.handle(loggers[0].makeRecord(
+                loggers[0].name, logging.ERROR, __file__, 0, "the run stopped: %s: %s",
+                (type(e).__name__, e), None if isinstance(e, KeyboardInterrupt) else
+                (type(e), e, e.__traceback__)))
+        raise
     finally:
         for logger, level in zip(loggers, levels):
             logger.removeHandler(handler)

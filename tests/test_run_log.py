@@ -1,0 +1,45 @@
+"""The run's own log file (``<run_dir>/logs/train.log``): what goes there, what stays off the
+console, and what a refused run leaves behind."""
+
+import io
+import logging
+
+import pytest
+
+from areal_jax.controller.run import run_log
+
+
+@pytest.fixture
+def console():
+    """A console handler on the root logger at warnings, as ``areal-jax train`` sets up."""
+    root, stream = logging.getLogger(), io.StringIO()
+    handler, level = logging.StreamHandler(stream), root.level
+    root.addHandler(handler)
+    root.setLevel(logging.WARNING)
+    yield stream
+    root.removeHandler(handler)
+    root.setLevel(level)
+
+
+def test_the_run_log_keeps_info_the_console_leaves_out_and_the_error_that_stopped_the_run(
+        tmp_path, console):
+    path = tmp_path / "run" / "logs" / "train.log"
+    log = logging.getLogger("areal_jax.trainer.ahead")
+    with pytest.raises(RuntimeError, match="boom"), run_log(path):
+        log.info("compiled ('train', (8, 128)) ahead in 0.5 s")
+        log.warning("a server left")
+        raise RuntimeError("boom")
+    text = path.read_text()
+    assert "INFO areal_jax.trainer.ahead [MainThread] compiled ('train', (8, 128))" in text
+    assert "WARNING" in text and "a server left" in text
+    assert "ERROR areal_jax [MainThread] the run stopped: RuntimeError: boom" in text
+    assert "Traceback" in text
+    assert console.getvalue() == "a server left\n"  # the console: warnings only, as before
+    log.info("after the run")  # levels are as they were: nothing more goes anywhere
+    assert "after the run" not in path.read_text() + console.getvalue()
+
+
+def test_a_run_stopped_before_it_logged_anything_leaves_no_file(tmp_path, console):
+    with pytest.raises(ValueError), run_log(tmp_path / "run" / "logs" / "train.log"):
+        raise ValueError("max_new_tokens does not fit")
+    assert not (tmp_path / "run").exists()

@@ -186,6 +186,28 @@ def test_reward_failures_are_counted_per_batch(tmp_path):
     assert len(seen) > 1  # batches with more and fewer failures: the count is per batch
 
 
+def test_no_prompt_is_submitted_once_the_loop_has_ended(tmp_path):
+    """With room under the gate at the last version, each group finishing after the loop
+    ended (during the evaluation after RL) submitted another training prompt that was never
+    trained: the ledger showed submits after its end, missing from its pending list."""
+    trainer = RecordingTrainer(exports_dir(tmp_path))
+    prompts = items(80)
+    # generation the slow side, the in-flight cap binding, the gate far from full
+    cfg = config(tmp_path, {"max_staleness": 20, "max_in_flight": 4})
+
+    async def linger(loop, pool, servers):  # as the evaluation after RL: the pool still open
+        while trainer.version < 3:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(1.0)
+
+    run_on_servers(tmp_path, [ArithmeticEngine(step_s=0.02)], cfg, trainer, prompts, 3,
+                   during=linger)
+    events = read_ledger(tmp_path / "ledger.jsonl")
+    end = max(i for i, e in enumerate(events) if e["event"] == "end")
+    assert [e for e in events[end + 1:] if e["event"] == "submit"] == []
+    assert_nothing_lost(tmp_path / "ledger.jsonl", prompts)
+
+
 def test_engine_failure_behind_a_live_server_loses_nothing(tmp_path):
     prompts = items(80)
     trainer = RecordingTrainer(exports_dir(tmp_path))

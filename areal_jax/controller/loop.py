@@ -93,6 +93,7 @@ class RLLoop:
         self._rejected = self._consecutive_rejected = self._dropped = 0
         self._fatal: BaseException | None = None
         self._paused = False
+        self._ended = False  # set once run() stops training: no more prompts are submitted
         self._publisher: Publisher | None = None
         self._busy = BusyWindow()
         self._compiles = CompileMeter()
@@ -133,7 +134,7 @@ class RLLoop:
     def _fill(self) -> None:
         """Submit while the gate has room; called whenever room may have appeared."""
         sp = self.cfg.sampling
-        while (not self._paused and self._fatal is None
+        while (not self._paused and not self._ended and self._fatal is None
                and self.gate.can_submit(self.served_version)):
             item = self._next_item()
             index = self._next_index
@@ -269,7 +270,7 @@ class RLLoop:
     async def run(self, total_steps: int, checkpoint: Callable[[dict], None]) -> None:
         """Train until the trainer reaches ``total_steps`` versions; the last version is
         published when this returns."""
-        self._fatal = None
+        self._fatal, self._ended = None, False
         sync = self.cfg.schedule.mode == "sync"
         every_ckpt, every_eval = self.cfg.checkpoint_every, self.cfg.eval.every_steps
         push = self.cfg.rollout.weights_transport == "push"
@@ -309,11 +310,13 @@ class RLLoop:
                 self.on_step(self.version, metrics)
                 if every_ckpt and (self.version % every_ckpt == 0 or self.version == total_steps):
                     await asyncio.to_thread(checkpoint, self.state_dict())
+            self._ended = True  # what is still in flight is pending; nothing more is asked for
             await self._publisher.flush()
             if self.ledger is not None:
                 self.ledger.record("end", version=self.version, pending=self.pending_ids(),
                                    data=self.prompts.state_dict())
         finally:
+            self._ended = True
             await self._publisher.close()
 
     def _busy_fractions(self) -> dict[str, float]:

@@ -486,6 +486,41 @@ def test_a_run_refused_before_it_starts_leaves_no_run_directory(tmp_path, capsys
     assert not (tmp_path / "run").exists()
 
 
+def test_a_run_directory_in_use_by_another_process_is_refused_until_that_process_dies(
+        tmp_path, capsys):
+    """The same run started twice (a requeued job while its first attempt runs): the second
+    resumed from the first one's checkpoint, pruned its exports and forced its own weights on
+    the shared server. Now it is refused before it reads or writes the run."""
+    import signal
+    import subprocess
+    import sys
+
+    cfg = _config(tmp_path, sft={"steps": 3, "response_key": "answer"})
+    run = tmp_path / "run"
+    run.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from pathlib import Path\n"
+        "from areal_jax.controller.run_lock import hold_run_dir\n"
+        "with hold_run_dir(Path(sys.argv[1]), 'train'):\n"
+        "    print('held', flush=True); time.sleep(120)\n"), str(run)],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        for command in ("train", "sft"):
+            assert main([command, "--config", _write(tmp_path, cfg)]) == 2
+            err = capsys.readouterr().err
+            assert f"run_dir {run} is in use by `areal-jax train` (pid {holder.pid} on " in err
+            assert not (run / "config.json").exists() and not (run / "sft_model").exists()
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    # the kernel released the killed holder's lock: nothing stale to clean up
+    from areal_jax.controller.run_lock import hold_run_dir
+
+    with hold_run_dir(run, "sft"):
+        assert "`areal-jax sft` (pid" in (run / ".lock").read_text()
+
+
 def test_sft_trainer_settings_are_checked_with_no_sft_steps(tmp_path):
     with pytest.raises(ConfigError, match="unknown config key sft.trainer.lrr"):
         from_dict(ExperimentConfig, _config(tmp_path, sft={"steps": 0, "trainer": {"lrr": 1}}))

@@ -20,6 +20,7 @@ def run(args: argparse.Namespace) -> int:
     from areal_jax.controller.progress import TrainingProgress
     from areal_jax.controller.prepare import check_fingerprint, prepare_base_model, prepare_data
     from areal_jax.controller.run import claim_devices
+    from areal_jax.controller.run_lock import hold_run_dir
     from areal_jax.controller.sft_phase import run_sft, sft_end_token, sft_examples
     from areal_jax.controller.sft_phase import sft_model_kept
     from areal_jax.experiment import ExperimentConfig
@@ -41,8 +42,9 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(base, ModelConfig.from_pretrained(base).vocab_size, "model_path")
     examples = [] if sft_model_kept(cfg) else sft_examples(
         cfg, tokenizer, end_id=sft_end_token(base, tokenizer))
-    check_fingerprint(cfg)  # the SFT model `train` would reuse must be this config's
-    with TrainingProgress() as progress:
-        out = run_sft(cfg, base, examples, progress)
+    with hold_run_dir(Path(cfg.run_dir), "sft"):
+        check_fingerprint(cfg)  # the SFT model `train` would reuse must be this config's
+        with TrainingProgress() as progress:
+            out = run_sft(cfg, base, examples, progress)
     print(f"wrote {out}")
     return 0

@@ -28,6 +28,7 @@ from areal_jax.controller.prepare import dataset_config
 from areal_jax.controller.evaluation import held_out_items
 from areal_jax.controller.progress import TrainingProgress
 from areal_jax.controller.rl_phase import check_trajectories_fit, run_rl
+from areal_jax.controller.run_lock import hold_run_dir
 from areal_jax.controller.servers import check_local_engine_context, servers_compiling
 from areal_jax.controller.sft_phase import run_sft, sft_end_token, sft_examples
 from areal_jax.controller.sft_phase import sft_model_kept
@@ -142,12 +143,14 @@ def train(cfg: ExperimentConfig) -> dict:
     leader = is_leader()  # JAX's backends start here and read the claim
     release_memory_fraction()
     name = "train.log" if leader else f"train_process{jax.process_index()}.log"
-    with run_log(Path(cfg.run_dir) / "logs" / name):
-        return _train(cfg, leader)
+    with run_log(Path(cfg.run_dir) / "logs" / name), contextlib.ExitStack() as held:
+        return _train(cfg, leader, held)
 
 
-def _train(cfg: ExperimentConfig, leader: bool) -> dict:
-    """``train`` once this process has claimed its devices and joined the process group."""
+def _train(cfg: ExperimentConfig, leader: bool, held: contextlib.ExitStack) -> dict:
+    """``train`` once this process has claimed its devices and joined the process group; the
+    leader holds the run directory (``hold_run_dir``) in ``held`` once the config is accepted
+    by the checks that read it."""
     from jax.experimental.multihost_utils import sync_global_devices as barrier
 
     from areal_jax.models import ModelConfig
@@ -178,6 +181,7 @@ def _train(cfg: ExperimentConfig, leader: bool) -> dict:
                                 ) if sft_pending else []
         if leader:
             run_dir.mkdir(parents=True, exist_ok=True)  # a config refused before: no run_dir
+            held.enter_context(hold_run_dir(run_dir, "train"))  # before it reads or writes it
             check_fingerprint(cfg)  # a refused config leaves the run's config.json as it was
             if changed := changed_since_last_start(cfg):
                 print(f"settings changed since {run_dir} last started: {'; '.join(changed)}",

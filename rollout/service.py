@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import functools
 import logging
 import os
@@ -48,6 +49,18 @@ from rollout.weight_intake import PushStalledError, PushStream, WeightIntake
 from rollout.workflows.base import RewardScorer, RolloutTask, Workflow
 
 log = logging.getLogger(__name__)
+
+
+def _push_failure(error: Exception) -> tuple[grpc.StatusCode, str]:
+    """The status a failed push is answered with: a bad stream is the client's error, a stalled
+    one a deadline, a full disk a resource exhausted, any other write failure internal."""
+    if isinstance(error, InvalidParamError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(error)
+    if isinstance(error, PushStalledError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, str(error)
+    full = getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT)
+    return (grpc.StatusCode.RESOURCE_EXHAUSTED if full else grpc.StatusCode.INTERNAL,
+            f"writing weights: {error}")
 _DONE = object()
 
 
@@ -500,14 +513,11 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             directory, header = await self._intake.receive(stream, check_header)
             return await self._update(str(directory), header.version, header.force, run,
                                       pushed=directory)
-        except InvalidParamError as e:
-            code, message = grpc.StatusCode.INVALID_ARGUMENT, str(e)
-        except Rejected as e:
+        except Rejected as e:  # the caller's run or version: the caller is told
             code, message = e.code, str(e)
-        except PushStalledError as e:
-            code, message = grpc.StatusCode.DEADLINE_EXCEEDED, str(e)
-        except OSError as e:
-            code, message = grpc.StatusCode.RESOURCE_EXHAUSTED, f"writing weights: {e}"
+        except (InvalidParamError, PushStalledError, OSError) as e:
+            code, message = _push_failure(e)
+            log.warning("a weights push failed (%s): %s", code.name, message)
         # Read what the client still sends (for a bounded time) before answering: a status
         # sent while it is mid-stream can reach it as a transport error instead.
         await stream.drain(PUSH_DRAIN_S)

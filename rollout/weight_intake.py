@@ -10,6 +10,7 @@ the bytes their headers announce are reserved against the free disk space until 
 from __future__ import annotations
 
 import asyncio
+import errno
 import shutil
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -123,8 +124,8 @@ class WeightIntake:
         self.root.mkdir(parents=True, exist_ok=True)
         free = shutil.disk_usage(self.root).free
         if needed > free - self.reserved:
-            raise OSError(f"push needs {needed} bytes, {self.root} has {free} free, "
-                          f"{self.reserved} of them announced by pushes in progress")
+            raise OSError(errno.ENOSPC, f"push needs {needed} bytes, {self.root} has {free} "
+                          f"free, {self.reserved} of them announced by pushes in progress")
         deadline = (asyncio.get_running_loop().time() + self.idle_timeout_s
                     + needed / self.min_bytes_per_s)
         directory = self.root / f"v{version}-{uuid.uuid4().hex[:8]}"

@@ -763,6 +763,32 @@ def test_bad_pushes_are_rejected_and_leave_nothing_behind(tmp_path, tok_dir):
     assert os.listdir(tmp_path / "push") == []
 
 
+def test_a_push_the_server_cannot_write_is_logged_there_and_answered_as_its_fault(
+        tmp_path, tok_dir, caplog):
+    """The push directory replaced by a file: the server's log said nothing, and the answer
+    was RESOURCE_EXHAUSTED for 'File exists'. A full disk keeps RESOURCE_EXHAUSTED."""
+    src = write_checkpoint(tmp_path / "src", "x")
+
+    async def scenario():
+        async with serving(tmp_path, tok_dir) as h:
+            shutil.rmtree(tmp_path / "push", ignore_errors=True)
+            (tmp_path / "push").write_text("not a directory")
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await h.stub.PushWeights(push_weight_requests(src, 1))
+            status = await h.stub.GetStatus(pb.GetStatusRequest())
+        return err.value, status
+
+    error, status = asyncio.run(scenario())
+    assert error.code() == grpc.StatusCode.INTERNAL
+    assert error.details().startswith("writing weights: ")
+    assert status.version == 0  # the old weights serve on
+    assert "a weights push failed (INTERNAL): writing weights: " in caplog.text
+    from rollout.service import _push_failure
+
+    assert _push_failure(OSError(28, "No space left on device"))[0] == (
+        grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+
 def _update_beside(h, push_requests, good):
     """Start a push of ``push_requests``, then load ``good`` by path as version 2 while it
     runs: (version served, seconds the update took, the push's error)."""

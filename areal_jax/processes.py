@@ -65,26 +65,17 @@ def rollout_shadowed_by() -> str | None:
     return origin or str(list(spec.submodule_search_locations or []))
 
 
-def only_in_current_directory(module: str) -> bool:
-    """Whether top-level ``module`` is importable here only from the current directory, which
-    ``python -m`` puts on this process's import path, and which a child started with
-    ``own_module_argv`` does not get (``-P``) unless ``PYTHONPATH`` names it."""
-    import importlib.machinery
+def child_can_import(module: str) -> bool:
+    """Whether a child started with ``own_module_argv`` (``-P``: without the current
+    directory on its import path; this project's import root first; this environment, so
+    ``PYTHONPATH`` and installed packages) finds the top-level ``module``: asked of such a
+    child, since ``.pth`` files, editable installs and ``python -m`` all shape the path."""
+    import subprocess
 
-    cwd = os.path.realpath(os.getcwd())
-    listed = os.environ.get("PYTHONPATH", "")
-    if listed and cwd in {os.path.realpath(p or cwd) for p in listed.split(os.pathsep)}:
-        return False
-    if importlib.machinery.PathFinder.find_spec(module, [cwd]) is None:
-        return False
-    elsewhere = [p for p in sys.path if p and os.path.realpath(p) != cwd]
-    for finder in sys.meta_path:  # e.g. an editable install's finder, which a child has too
-        if finder is importlib.machinery.PathFinder:
-            if finder.find_spec(module, elsewhere) is not None:
-                return False
-        elif hasattr(finder, "find_spec") and finder.find_spec(module, None) is not None:
-            return False
-    return True
+    code = (f"import importlib.util, sys; sys.path.insert(0, {IMPORT_ROOT!r}); "
+            f"sys.exit(0 if importlib.util.find_spec({module!r}) else 1)")
+    return subprocess.run([sys.executable, "-P", "-c", code], capture_output=True,
+                          timeout=120).returncode == 0
 
 
 def tied_argv(argv: list[str], sig: int = signal.SIGTERM,

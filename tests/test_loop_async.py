@@ -158,7 +158,7 @@ def test_batches_without_a_learning_signal_are_counted_and_a_run_of_them_is_repo
     watch.observe(batch((0.0, 0.0), (0.0, 0.0)))
     warnings = [r.getMessage() for r in caplog.records if "no learning signal" in r.getMessage()]
     assert len(warnings) == 1 and "last 3 batches" in warnings[0]
-    assert "(rewards seen: 0)" in warnings[0] and "reward 'mine'" in warnings[0]
+    assert "(seen: 0)" in warnings[0] and "reward 'mine'" in warnings[0]
     for _ in range(30):  # one long run of them: one warning; later runs: two more at most
         watch.observe(batch((0.0, 0.0)))
     for _ in range(5):
@@ -166,6 +166,22 @@ def test_batches_without_a_learning_signal_are_counted_and_a_run_of_them_is_repo
         for _ in range(3):
             watch.observe(batch((0.0, 0.0)))
     assert sum("no learning signal" in r.getMessage() for r in caplog.records) == 3
+    # The run's estimator decides: REINFORCE's batch-mean baseline learns from rewards that
+    # differ between groups (groups of one included), GRPO from none of groups of one.
+    from areal_jax.rl import AdvantageConfig
+
+    caplog.clear()
+    reinforce = RewardWatch("mine", advantage=AdvantageConfig(estimator="reinforce"))
+    grpo = RewardWatch("mine")
+    for _ in range(5):
+        assert reinforce.observe(batch((0.0,), (1.0,)))["reward/flat_groups"] == 1.0
+        grpo.observe(batch((0.0,), (1.0,)))
+    warned = [r.getMessage() for r in caplog.records if "no learning signal" in r.getMessage()]
+    assert len(warned) == 1 and "under the grpo estimator" in warned[0]
+    shaped = RewardWatch("mine", advantage=AdvantageConfig(overlong_window=4))
+    for _ in range(5):  # an overlong penalty gives alike rewards a signal: not called flat
+        shaped.observe(batch((0.0, 0.0)))
+    assert len([r for r in caplog.records if "no learning signal" in r.getMessage()]) == 1
 
 
 def test_reward_failures_are_counted_per_batch(tmp_path):

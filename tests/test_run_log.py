@@ -25,8 +25,10 @@ def test_the_run_log_keeps_info_the_console_leaves_out_and_the_error_that_stoppe
         tmp_path, console):
     path = tmp_path / "run" / "logs" / "train.log"
     log = logging.getLogger("areal_jax.trainer.ahead")
-    with pytest.raises(RuntimeError, match="boom"), run_log(path):
-        log.info("compiled ('train', (8, 128)) ahead in 0.5 s")
+    with pytest.raises(RuntimeError, match="boom"), run_log(path) as accept:
+        log.info("compiled ('train', (8, 128)) ahead in 0.5 s")  # held until accepted
+        assert not path.exists()
+        accept()
         log.warning("a server left")
         raise RuntimeError("boom")
     text = path.read_text()
@@ -39,7 +41,11 @@ def test_the_run_log_keeps_info_the_console_leaves_out_and_the_error_that_stoppe
     assert "after the run" not in path.read_text() + console.getvalue()
 
 
-def test_a_run_stopped_before_it_logged_anything_leaves_no_file(tmp_path, console):
+def test_a_run_refused_before_it_was_accepted_writes_nothing(tmp_path, console):
+    """A config the checks refuse, or a run directory another process trains: what it logged
+    (here a warning) goes to the console, not into a file of its own or of the running run."""
     with pytest.raises(ValueError), run_log(tmp_path / "run" / "logs" / "train.log"):
-        raise ValueError("max_new_tokens does not fit")
+        logging.getLogger("areal_jax.controller.sft_phase").warning("the tokenizer's end token")
+        raise ValueError("run_dir is in use")
     assert not (tmp_path / "run").exists()
+    assert console.getvalue() == "the tokenizer's end token\n"

@@ -50,15 +50,29 @@ def check_rewards(cfg: ExperimentConfig) -> None:
 def _check_local_servers_import(paths: dict[str, str]) -> None:
     """The local rollout servers can import each reward ``paths`` names (by setting): they
     start without the current directory on their import path."""
-    from areal_jax.processes import only_in_current_directory
+    from areal_jax.processes import child_can_import
 
     for setting, path in paths.items():
         module = path.partition(":")[0] if ":" in path else path.rpartition(".")[0]
-        if only_in_current_directory(module.partition(".")[0]):
-            raise ConfigError(
-                f"{setting}: {path!r} is imported from the current directory, which the local "
-                "rollout servers do not have on their import path (python -m puts it on this "
-                "process's only): run with PYTHONPATH=$PWD, or install your package")
+        top = module.partition(".")[0]
+        if child_can_import(top):
+            continue
+        raise ConfigError(
+            f"{setting}: the local rollout servers cannot import {top!r} (of {path!r}), which "
+            f"this process finds in {_found_in(top)}: they start without the current "
+            "directory on their import path (python -m puts it on this process's only); run "
+            f"with PYTHONPATH={_found_in(top)}, or install your package")
+
+
+def _found_in(module: str) -> Path:
+    """The directory on this process's import path that holds the top-level ``module``."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(module)
+    if spec.origin:  # a module's file, or a package's __init__.py
+        origin = Path(spec.origin)
+        return origin.parent.parent if origin.name == "__init__.py" else origin.parent
+    return Path(next(iter(spec.submodule_search_locations))).parent  # a namespace package
 
 
 def preflight(cfg: ExperimentConfig) -> None:

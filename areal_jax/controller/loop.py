@@ -97,7 +97,7 @@ class RLLoop:
         self._publisher: Publisher | None = None
         self._busy = BusyWindow()
         self._compiles = CompileMeter()
-        self._rewards = RewardWatch(cfg.dataset.reward)
+        self._rewards = RewardWatch(cfg.dataset.reward, advantage=cfg.trainer.advantage)
 
     # ---- state that survives a restart -------------------------------------------------
     def pending_ids(self) -> list[str]:

@@ -1,14 +1,15 @@
 """Reward calls that fail (raise, time out, crash their worker) score 0 on the rollout servers;
 here they are counted per batch, shown on the console, and a run whose reward fails in every
-call is stopped instead of training on its zeros. Batches without a learning signal (every
-group's samples scored alike, so group-relative advantages are zero) are counted and, several
-in a row, reported."""
+call is stopped instead of training on its zeros. Groups whose samples all scored alike are
+counted, and batches without a learning signal (every advantage the run's estimator gives their
+rewards is zero: under GRPO, every group scored alike) are reported several in a row."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
 
+from areal_jax.rl import AdvantageConfig, compute_advantages
 from areal_jax.trajectory import TrajectoryGroup
 
 log = logging.getLogger(__name__)
@@ -27,8 +28,13 @@ class RewardWatch:
     """Counts the failed reward calls the servers report with each group (see
     ``group_from_proto``)."""
 
-    def __init__(self, reward: str, failing_batches_to_stop: int = FAILING_BATCHES_TO_STOP):
+    def __init__(self, reward: str, failing_batches_to_stop: int = FAILING_BATCHES_TO_STOP,
+                 advantage: AdvantageConfig | None = None):
+        """``advantage``: the trainer's options, whose estimator says whether a batch's rewards
+        carry a learning signal (default GRPO's); with a reward shaping that depends on more
+        than the reward (an overlong penalty, a KL penalty) no batch is called flat."""
         self.reward = reward
+        self.advantage = advantage or AdvantageConfig()
         self.failing_batches_to_stop = failing_batches_to_stop
         self._failing_batches = 0
         self._shown: set[str] = set()
@@ -56,24 +62,37 @@ class RewardWatch:
                 f"failure: {errors[0] if errors else '?'} (each failure is in the rollout "
                 "servers' logs, <run_dir>/logs/rollout_server_*.log for local servers)")
         flat = sum(len({t.reward for t in g.trajectories}) <= 1 for g in groups)
-        self._warn_if_flat(groups, flat)
+        self._warn_if_flat(groups)
         return {"reward/failed_calls": float(failed),
                 "reward/failed_fraction": failed / calls if calls else 0.0,
                 "reward/flat_groups": flat / len(groups) if groups else 0.0}
 
-    def _warn_if_flat(self, groups: Sequence[TrajectoryGroup], flat: int) -> None:
-        """Count batches in a row whose every group scored all its samples alike; say so when
-        there are ``FLAT_BATCHES_TO_WARN`` of them (at most ``MAX_FLAT_WARNINGS`` times)."""
-        self._flat_batches = self._flat_batches + 1 if groups and flat == len(groups) else 0
+    def _without_signal(self, groups: Sequence[TrajectoryGroup]) -> bool:
+        """Whether every advantage of the batch's rewards is zero under the run's estimator."""
+        a = self.advantage
+        if not groups or a.overlong_window > 0 or a.kl_beta > 0:
+            return False
+        rewards = [[t.reward for t in g.trajectories] for g in groups]
+        try:
+            advantages = compute_advantages(a.estimator, rewards, eps=a.eps,
+                                            group_std=a.group_std)
+        except ValueError:  # the trainer's own step reports what its estimator refuses
+            return False
+        return all(not x.any() for x in advantages)
+
+    def _warn_if_flat(self, groups: Sequence[TrajectoryGroup]) -> None:
+        """Count batches in a row without a learning signal; say so when there are
+        ``FLAT_BATCHES_TO_WARN`` of them (at most ``MAX_FLAT_WARNINGS`` times)."""
+        self._flat_batches = self._flat_batches + 1 if self._without_signal(groups) else 0
         if self._flat_batches != FLAT_BATCHES_TO_WARN or self._flat_warnings >= MAX_FLAT_WARNINGS:
             return
         self._flat_warnings += 1
         rewards = sorted({t.reward for g in groups for t in g.trajectories})
         shown = ", ".join(f"{r:g}" for r in rewards[:5]) + (", ..." if len(rewards) > 5 else "")
         log.warning(
-            "no learning signal in the last %d batches: in every group all samples got the "
-            "same reward (rewards seen: %s), so the group-relative advantages are zero and the "
-            "policy does not move; check what reward %r returns on a few completions (e.g. "
+            "no learning signal in the last %d batches: the rewards (seen: %s) give every "
+            "sample a zero advantage under the %s estimator (for GRPO: in every group all "
+            "samples scored alike), so the policy does not move; check what reward %r returns on a few completions (e.g. "
             "areal-jax eval), that the prompts ask for what it reads, and that the task is "
             "neither out of the model's reach nor already solved", self._flat_batches, shown,
-            self.reward)
+            self.advantage.estimator, self.reward)

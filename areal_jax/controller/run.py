@@ -10,6 +10,7 @@ the leader closes the group. Re-running the same command resumes from the last c
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import logging
@@ -64,24 +65,58 @@ def claim_devices(cfg: ExperimentConfig, with_servers: bool = True) -> Callable[
     return release
 
 
-class _FileOnFirstRecord(logging.FileHandler):
-    """A file handler that creates its file, and the directories above it, with its first
-    record: a run refused before it logs anything leaves no directory behind."""
+class _RunLogHandler(logging.Handler):
+    """Records kept in memory until the run is accepted (``accept``), then written to the
+    file, with those that follow: a run refused before that (a config the checks refuse,
+    a run directory another process trains) writes nothing, neither a file of its own nor
+    into the running run's."""
+
+    MAX_HELD = 10_000  # records held before acceptance; the oldest are dropped past it
 
     def __init__(self, path: Path):
-        super().__init__(path, delay=True)
+        super().__init__()
+        self._path = path
+        self._held: collections.deque[logging.LogRecord] = collections.deque(
+            maxlen=self.MAX_HELD)
+        self._file: logging.FileHandler | None = None
 
-    def _open(self):
-        Path(self.baseFilename).parent.mkdir(parents=True, exist_ok=True)
-        return super()._open()
+    @property
+    def accepted(self) -> bool:
+        return self._file is not None
+
+    def accept(self) -> None:
+        """Open the file and write the records held so far."""
+        self.acquire()
+        try:
+            self._path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = logging.FileHandler(self._path)
+            self._file.setFormatter(self.formatter)
+            for record in self._held:
+                self._file.handle(record)
+            self._held.clear()
+        finally:
+            self.release()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self._file is None:
+            self._held.append(record)
+        else:
+            self._file.handle(record)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+        super().close()
 
 
 @contextlib.contextmanager
-def run_log(path: Path) -> Iterator[None]:
-    """Write this process's areal-jax messages from INFO up (programs compiled ahead, new
-    micro-batch shapes, compiles per version, and every warning) to ``path`` meanwhile; what
-    reaches the console is left as it was (warnings and errors)."""
-    handler = _FileOnFirstRecord(path)
+def run_log(path: Path) -> Iterator[Callable[[], None]]:
+    """Keep this process's areal-jax messages from INFO up (programs compiled ahead, new
+    micro-batch shapes, compiles per version, and every warning) for ``path``, written there
+    once the run calls the function this yields (its run directory accepted) and from then on,
+    with the error that stops the run; what reaches the console is left as it was (warnings
+    and errors)."""
+    handler = _RunLogHandler(path)
     handler.setFormatter(logging.Formatter(
         "%(asctime)s %(levelname)s %(name)s [%(threadName)s] %(message)s"))
     loggers = [logging.getLogger(name) for name in ("areal_jax", "rollout")]
@@ -94,10 +129,9 @@ def run_log(path: Path) -> Iterator[None]:
         if logger.getEffectiveLevel() > logging.INFO:
             logger.setLevel(logging.INFO)
     try:
-        yield
-    except BaseException as e:  # in the file too, once the run has written to it (a config
-        # refused before that leaves no run directory; the console shows the error either way)
-        if handler.stream is not None:
+        yield handler.accept
+    except BaseException as e:  # in the file too (the console shows the command's own line)
+        if handler.accepted:
             handler.handle(loggers[0].makeRecord(
                 loggers[0].name, logging.ERROR, __file__, 0, "the run stopped: %s: %s",
                 (type(e).__name__, e), None if isinstance(e, KeyboardInterrupt) else
@@ -143,14 +177,17 @@ def train(cfg: ExperimentConfig) -> dict:
     leader = is_leader()  # JAX's backends start here and read the claim
     release_memory_fraction()
     name = "train.log" if leader else f"train_process{jax.process_index()}.log"
-    with run_log(Path(cfg.run_dir) / "logs" / name), contextlib.ExitStack() as held:
-        return _train(cfg, leader, held)
+    with run_log(Path(cfg.run_dir) / "logs" / name) as accept_log, \
+            contextlib.ExitStack() as held:
+        return _train(cfg, leader, held, accept_log)
 
 
-def _train(cfg: ExperimentConfig, leader: bool, held: contextlib.ExitStack) -> dict:
+def _train(cfg: ExperimentConfig, leader: bool, held: contextlib.ExitStack,
+           accept_log: Callable[[], None]) -> dict:
     """``train`` once this process has claimed its devices and joined the process group; the
     leader holds the run directory (``hold_run_dir``) in ``held`` once the config is accepted
-    by the checks that read it."""
+    by the checks that read it, and from then on every process writes its log
+    (``accept_log``)."""
     from jax.experimental.multihost_utils import sync_global_devices as barrier
 
     from areal_jax.models import ModelConfig
@@ -188,6 +225,7 @@ def _train(cfg: ExperimentConfig, leader: bool, held: contextlib.ExitStack) -> d
                       flush=True)
             write_atomic(run_dir / "config.json", json.dumps(to_dict(cfg), indent=2))
         barrier("run directory prepared")
+        accept_log()
         start = base
         if cfg.sft.steps:
             with servers_compiling(cfg, base, leader and sft_pending):

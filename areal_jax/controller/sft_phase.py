@@ -28,11 +28,13 @@ log = logging.getLogger(__name__)
 def sft_end_token(model_path: Path, tokenizer) -> int:
     """The token SFT ends each response with: the tokenizer's end token where the model stops
     on it (``config.json``'s and ``generation_config.json``'s end ids, which the rollout servers
-    stop on), else the model's first end id, with a warning: a model taught to end with a
+    stop on), else the model's first end id (config.json's first, then
+    generation_config.json's), with a warning: a model taught to end with a
     token generation does not stop on would run every answer to ``max_new_tokens``.
     ConfigError when the model lists no end id at all."""
     cfg = ModelConfig.from_pretrained(model_path)
-    stops = sorted({*cfg.eos_token_ids, *generation_eos_ids(model_path, cfg.vocab_size)})
+    stops = list(dict.fromkeys([*cfg.eos_token_ids,
+                                *generation_eos_ids(model_path, cfg.vocab_size)]))
     if tokenizer.eos_token_id in stops:
         return tokenizer.eos_token_id
     if not stops:

@@ -52,7 +52,7 @@ class TrainerConfig:
     # where: "process" (a helper process at the lowest priority), "thread", or "auto": the
     # process on a single-process CPU trainer with the compilation cache on, else the thread
     compile_ahead_in: Literal["auto", "process", "thread"] = "auto"
-    # on an accelerator, jobs compiled ahead at once, each on a thread (1: one at a time)
+    # on an accelerator, jobs compiled ahead at once, each on a thread (not in the helper)
     compile_ahead_threads: int = 1
     # XLA's backend (LLVM) optimisation level of the train programs on a CPU backend, 0-3;
     # null: XLA's own default (2). 1 compiles about a fifth faster at the same step time.

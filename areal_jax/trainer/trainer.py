@@ -349,10 +349,12 @@ class Trainer:
         for a program compiled ahead of need."""
         if self._ahead is not None:
             self._ahead.close(wait=False)
-        if self._checkpoints is not None:
-            self._checkpoints.close()
-        if self._ahead is not None:
-            self._ahead.close()
+        try:
+            if self._checkpoints is not None:
+                self._checkpoints.close()
+        finally:  # a failed write raised: the compile is waited for all the same
+            if self._ahead is not None:
+                self._ahead.close()
 
     def idle(self) -> contextlib.AbstractContextManager:
         """A window in which the caller waits (for a batch, for a command): the programs queued

@@ -540,6 +540,30 @@ def test_a_run_directory_that_cannot_be_locked_is_used_unguarded_with_a_warning(
     assert "could not lock" in caplog.text and "No locks available" in caplog.text
 
 
+def test_a_synthetic_task_no_dataset_reads_is_named(tmp_path, caplog):
+    """A quickstart config adapted to one's own data kept its synthetic section: the task was
+    generated for nothing, without a word."""
+    from pathlib import Path
+
+    from areal_jax.commands._preflight import warn_unused_sections
+    from areal_jax.config import load_config
+
+    configs = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
+    quickstart = str(next(p for p in configs if p.stem == "quickstart"))
+    for path in configs:  # as shipped: every section used
+        warn_unused_sections(load_config(ExperimentConfig, path, [f"run_dir={tmp_path}"]))
+    own_model = load_config(ExperimentConfig, quickstart, [
+        f"run_dir={tmp_path}", "model_path=/models/mine"])
+    warn_unused_sections(own_model)  # the synthetic task is still the data
+    assert "no dataset reads it" not in caplog.text
+    own_data = load_config(ExperimentConfig, quickstart, [
+        f"run_dir={tmp_path}", "dataset.path=/data/train.jsonl",
+        "eval.dataset.path=/data/test.jsonl"])
+    warn_unused_sections(own_data)
+    assert (f"synthetic: writes the arithmetic task to {tmp_path}/data, but no dataset reads "
+            "it (dataset.path: /data/train.jsonl)") in caplog.text
+
+
 def test_sft_trainer_settings_are_checked_with_no_sft_steps(tmp_path):
     with pytest.raises(ConfigError, match="unknown config key sft.trainer.lrr"):
         from_dict(ExperimentConfig, _config(tmp_path, sft={"steps": 0, "trainer": {"lrr": 1}}))

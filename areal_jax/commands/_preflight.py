@@ -3,10 +3,13 @@ instead of deep inside a rollout server's log."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from areal_jax.config import ConfigError, from_dict
 from areal_jax.experiment import ExperimentConfig
+
+log = logging.getLogger(__name__)
 
 
 def check_rollout_server(cfg: ExperimentConfig) -> None:
@@ -75,6 +78,23 @@ def _found_in(module: str) -> Path:
     return Path(next(iter(spec.submodule_search_locations))).parent  # a namespace package
 
 
+def warn_unused_sections(cfg: ExperimentConfig) -> None:
+    """Say when the ``synthetic`` section writes a task no dataset reads: a quickstart config
+    adapted to one's own data keeps it, and it was generated for nothing without a word."""
+    from areal_jax.controller.prepare import dataset_config
+
+    if cfg.synthetic is not None:
+        data = Path(cfg.run_dir) / "data"
+        written = {(data / f"{split}.jsonl").resolve() for split in ("train", "test")}
+        read = {Path(dataset_config(d, cfg.run_dir).path).resolve()
+                for d in (cfg.dataset, cfg.eval.dataset) if d is not None}
+        if not written & read:
+            log.warning("synthetic: writes the arithmetic task to %s, but no dataset reads it "
+                        "(dataset.path: %s): it is generated for nothing (remove the section)",
+                        data, cfg.dataset.path)
+
+
 def preflight(cfg: ExperimentConfig) -> None:
     check_rollout_server(cfg)
     check_rewards(cfg)
+    warn_unused_sections(cfg)

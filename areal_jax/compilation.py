@@ -57,14 +57,6 @@ def enable_compilation_cache(directory: str | Path | None = None) -> Path | None
     return path
 
 
-def usable_cpus() -> int:
-    """CPUs this process may run on (its affinity where the OS tells it), for how many
-    programs to compile at once."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
 _thread_state = threading.local()
 
 

@@ -55,16 +55,20 @@ def _check_local_servers_import(paths: dict[str, str]) -> None:
     start without the current directory on their import path."""
     from areal_jax.processes import child_can_import
 
+    importable: dict[str, bool] = {}  # by top-level module: one child asked for each
     for setting, path in paths.items():
         module = path.partition(":")[0] if ":" in path else path.rpartition(".")[0]
         top = module.partition(".")[0]
-        if child_can_import(top):
+        if top not in importable:
+            importable[top] = child_can_import(top)
+        if importable[top]:
             continue
+        where = _found_in(top)
         raise ConfigError(
             f"{setting}: the local rollout servers cannot import {top!r} (of {path!r}), which "
-            f"this process finds in {_found_in(top)}: they start without the current "
-            "directory on their import path (python -m puts it on this process's only); run "
-            f"with PYTHONPATH={_found_in(top)}, or install your package")
+            f"this process finds in {where}: they start without the current directory on "
+            "their import path (python -m puts it on this process's only); run with "
+            f"PYTHONPATH={where}, or install your package")
 
 
 def _found_in(module: str) -> Path:

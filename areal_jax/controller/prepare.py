@@ -10,6 +10,7 @@ import dataclasses
 import hashlib
 import json
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -224,14 +225,11 @@ def _what_changed(cfg: ExperimentConfig, parts: list[str]) -> str:
     """What differs in ``parts`` from the config the run last started with (its
     ``config.json``): the settings, or, where they are the same, the files; empty without that
     record."""
-    recorded = _recorded_config(cfg)
-    if recorded is None:
+    if _recorded_config(cfg) is None:
         return ""
-    current = to_dict(cfg)
     details = []
     for part in parts:
-        found = [d for key in _PART_SETTINGS[part]
-                 for d in _differences(key, recorded.get(key), current.get(key))]
+        found = changed_since_last_start(cfg, _PART_SETTINGS[part])
         if found:
             details += found
         elif part == "data":
@@ -241,15 +239,17 @@ def _what_changed(cfg: ExperimentConfig, parts: list[str]) -> str:
     return ": " + "; ".join(details[:5]) + ("; ..." if len(details) > 5 else "")
 
 
-def changed_since_last_start(cfg: ExperimentConfig) -> list[str]:
-    """Each setting that differs from the config the run directory last started with
-    (``key.sub was X, now Y``; ``run_dir`` aside); empty for a new run directory."""
+def changed_since_last_start(cfg: ExperimentConfig, keys: Sequence[str] | None = None
+                             ) -> list[str]:
+    """Each setting under ``keys`` (default: all but ``run_dir``) that differs from the config
+    the run directory last started with (``key.sub was X, now Y``); empty for a new one."""
     recorded = _recorded_config(cfg)
     if recorded is None:
         return []
     current = to_dict(cfg)
-    return [d for key in sorted({*recorded, *current} - {"run_dir"})
-            for d in _differences(key, recorded.get(key), current.get(key))]
+    if keys is None:
+        keys = sorted({*recorded, *current} - {"run_dir"})
+    return [d for key in keys for d in _differences(key, recorded.get(key), current.get(key))]
 
 
 def _recorded_config(cfg: ExperimentConfig) -> dict | None:

@@ -16,7 +16,7 @@ log = logging.getLogger(__name__)
 
 FAILING_BATCHES_TO_STOP = 3  # batches in a row whose every reward call failed
 MAX_DISTINCT_WARNINGS = 5  # distinct failure messages shown; the metrics count the rest
-FLAT_BATCHES_TO_WARN = 3  # batches in a row in which every group's rewards were all equal
+FLAT_BATCHES_TO_WARN = 3  # batches in a row without a learning signal
 MAX_FLAT_WARNINGS = 3  # such warnings per run; the metric counts the rest
 
 
@@ -44,7 +44,7 @@ class RewardWatch:
     def observe(self, groups: Sequence[TrajectoryGroup]) -> dict[str, float]:
         """Metrics of one batch's reward failures and of its groups whose rewards were all
         equal; warns on each new failure message and when ``FLAT_BATCHES_TO_WARN`` batches in a
-        row had only such groups, and raises ``RewardFailingError`` once
+        row had no learning signal, and raises ``RewardFailingError`` once
         ``failing_batches_to_stop`` batches in a row had every reward call fail."""
         failed = sum(g.metadata.get("reward_failures", 0) for g in groups)
         calls = sum(g.metadata.get("reward_calls", 0) for g in groups)
@@ -92,7 +92,8 @@ class RewardWatch:
         log.warning(
             "no learning signal in the last %d batches: the rewards (seen: %s) give every "
             "sample a zero advantage under the %s estimator (for GRPO: in every group all "
-            "samples scored alike), so the policy does not move; check what reward %r returns on a few completions (e.g. "
-            "areal-jax eval), that the prompts ask for what it reads, and that the task is "
-            "neither out of the model's reach nor already solved", self._flat_batches, shown,
+            "samples scored alike), so the policy does not move; check what reward %r "
+            "returns on a few completions (e.g. areal-jax eval), that the prompts ask for what "
+            "it reads, and that the task is neither out of the model's reach nor already "
+            "solved", self._flat_batches, shown,
             self.advantage.estimator, self.reward)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -40,7 +41,6 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from areal_jax.compilation import usable_cpus
 from areal_jax.models import KVCache, ModelConfig
 from areal_jax.rl import packing
 from rollout.engine import EngineError, GenerationChunk, WeightLoadError
@@ -176,7 +176,8 @@ class DecodeWorker:
             function.lower(*before, self._cache, self._stop_mask, *after).compile()
 
         if threads is None:
-            threads = usable_cpus()
+            threads = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                       else os.cpu_count() or 1)
         with ThreadPoolExecutor(min(threads, len(programs)), "jax-engine-compile") as pool:
             for _ in pool.map(compile_one, programs):  # each compile releases the GIL
                 pass

@@ -261,16 +261,20 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
 
     async def _read(self, requests: AsyncIterator, out: asyncio.Queue, tasks: set) -> None:
         """Admit each request of one stream; put ``_DONE`` once all its groups are out."""
-        in_flight: set[str] = set()
+        jobs: dict[str, asyncio.Task] = {}  # by request_id, the groups in flight
         try:
             async for req in requests:
+                if req.cancel:  # withdrawn by its client: nothing comes back for it
+                    if (job := jobs.get(req.request_id)) is not None:
+                        job.cancel()
+                    continue
                 await _until_read(out)
                 if self._draining:  # not run here: its client sends it elsewhere
                     out.put_nowait(_draining_group(req.request_id))
                     continue
                 try:
                     task = rollout_task_from_proto(req, self._limits())
-                    if task.request_id in in_flight:
+                    if task.request_id in jobs:
                         raise InvalidParamError("request_id", "already in flight on this stream")
                 except InvalidParamError as e:
                     code = grpc.StatusCode.INVALID_ARGUMENT
@@ -282,10 +286,11 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                     self._admission.release(False, place.size)
                     out.put_nowait(_draining_group(req.request_id))
                     continue
-                in_flight.add(task.request_id)
-                job = asyncio.create_task(self._run_group(task, out, in_flight, place))
+                job = asyncio.create_task(self._run_group(task, out, place))
+                jobs[task.request_id] = job
                 tasks.add(job)
                 job.add_done_callback(tasks.discard)
+                job.add_done_callback(lambda _, rid=task.request_id: jobs.pop(rid, None))
                 # Given back when the job ends, however: a job cancelled before its first step
                 # (the client gone) runs none of its own code.
                 job.add_done_callback(lambda _, place=place: self._admission.release(
@@ -300,8 +305,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                 await asyncio.gather(*tasks, return_exceptions=True)
             out.put_nowait(_DONE)
 
-    async def _run_group(self, task: RolloutTask, out: asyncio.Queue, in_flight: set,
-                         place: _Place) -> None:
+    async def _run_group(self, task: RolloutTask, out: asyncio.Queue, place: _Place) -> None:
         admitted = time.monotonic()
         try:
             await self._admission.start()
@@ -323,8 +327,6 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                                                         scorer.calls))
         except Exception as e:  # noqa: BLE001 - reported to the client, the stream goes on
             msg = self._failure(task.request_id, _first_leaf(e))
-        finally:
-            in_flight.discard(task.request_id)
         out.put_nowait(msg)
 
     def _fits_one_message(self, msg: pb.TrajectoryGroup) -> pb.TrajectoryGroup:

@@ -433,6 +433,26 @@ def test_paused_reports_the_workers_state_and_paused_engines_drop_given_up_reque
     assert len(served.output_ids) == 16 and not after_shutdown
 
 
+def test_a_cancelled_running_request_frees_its_slot(model_dir):
+    # What a server does for a request its client withdrew: the generating sequence stops,
+    # its slot is free, and the engine serves the next request.
+    async def main():
+        engine = await started(model_dir, max_seq_len=256, prefill_buckets=[256],
+                               decode_steps_per_call=1)
+        task = asyncio.ensure_future(engine.generate_full(
+            PROMPTS[0], SamplingParams(240, temperature=0.0), "long"))
+        await until(lambda: engine.stats()["tokens_generated"] >= 2)
+        task.cancel()
+        await until(lambda: engine.stats()["running_slots"] == 0)
+        stopped_at = engine.stats()["decode_rows"]  # one row per step of the one sequence
+        served = await engine.generate_full(PROMPTS[1], GREEDY, "after")
+        await engine.shutdown()
+        return stopped_at, served
+
+    stopped_at, served = run(main())
+    assert stopped_at < 240 and len(served.output_ids) == 16
+
+
 def test_shutdown_aborts_in_flight_requests(model_dir):
     async def main():
         engine = await started(model_dir, max_seq_len=256, prefill_buckets=[256],

@@ -224,6 +224,31 @@ def test_no_prompt_is_submitted_once_the_loop_has_ended(tmp_path):
     assert_nothing_lost(tmp_path / "ledger.jsonl", prompts)
 
 
+def test_groups_in_flight_when_the_loop_ends_are_withdrawn_and_stay_pending(tmp_path):
+    """The groups still generating at the last version went on taking the servers' slots
+    during the evaluation after RL, though nothing would train them."""
+    trainer = RecordingTrainer(exports_dir(tmp_path))
+    prompts = items(80)
+    cfg = config(tmp_path, {"max_staleness": 20, "max_in_flight": 4})
+    engine = ArithmeticEngine(step_s=0.1)  # a group takes at least 0.3 s
+    seen = {}
+
+    async def after_the_end(loop, pool, servers):
+        while not loop._ended:
+            await asyncio.sleep(0.005)
+        seen["withdrawn"] = len(loop.pending_ids()) - len(loop._buffer)
+        await asyncio.sleep(0.15)
+        seen["held"], seen["active"] = servers[0].servicer.held, engine.active
+
+    loop = run_on_servers(tmp_path, [engine], cfg, trainer, prompts, 2, during=after_the_end)
+    assert seen["withdrawn"] == 4  # the in-flight cap's worth, still pending
+    assert (seen["held"], seen["active"]) == (0, 0)
+    assert loop.gate.in_flight == 0
+    end = [e for e in read_ledger(tmp_path / "ledger.jsonl") if e["event"] == "end"][-1]
+    assert len(end["pending"]) == 4 + len(loop._buffer)
+    assert_nothing_lost(tmp_path / "ledger.jsonl", prompts)
+
+
 def test_engine_failure_behind_a_live_server_loses_nothing(tmp_path):
     prompts = items(80)
     trainer = RecordingTrainer(exports_dir(tmp_path))

@@ -995,6 +995,31 @@ def test_a_group_cancelled_before_it_ran_gives_its_admission_place_back(tmp_path
     assert group.request_id == "after" and not group.HasField("error")
 
 
+def test_a_withdrawn_request_stops_generating_and_nothing_comes_back_for_it(tmp_path, tok_dir):
+    # A trainer done with a group (its run ended) withdraws it: the engine stops on it at once,
+    # its admission place is free, and the stream goes on with the next request.
+    async def scenario():
+        engine = ArithmeticEngine(step_s=0.01)
+        async with serving(tmp_path, tok_dir, engine=engine) as h:
+            call = h.stub.Rollout()
+            await call.write(rollout_request("long", prompt="none", max_new_tokens=50))
+            await until(lambda: engine.tokens >= 4)
+            await call.write(pb.RolloutRequest(request_id="long", cancel=True))
+            await call.write(pb.RolloutRequest(request_id="unknown", cancel=True))
+            await until(lambda: engine.active == 0)
+            tokens_at_cancel = engine.tokens
+            await call.write(rollout_request("after", prompt="1+1=", temperature=0.0))
+            await call.done_writing()
+            replies = [r async for r in call]
+            admission = h.server.servicer._admission
+            return replies, tokens_at_cancel, (admission.queued, admission.running)
+
+    replies, tokens_at_cancel, held = asyncio.run(scenario())
+    assert [r.request_id for r in replies] == ["after"] and not replies[0].HasField("error")
+    assert tokens_at_cancel < 2 * 50 // 2  # two samples of 50 tokens each: stopped early
+    assert held == (0, 0)
+
+
 def test_stop_returns_unfinished_groups_as_aborted_errors(tmp_path, tok_dir):
     async def scenario():
         engine = ArithmeticEngine(step_s=0.01)

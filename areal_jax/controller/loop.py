@@ -139,7 +139,7 @@ class RLLoop:
             item = self._next_item()
             index = self._next_index
             self._next_index += 1
-            rid = f"{index}:{item.id}"
+            rid = _request_id(index, item)
             request = rollout_request(item, rid, self.cfg.dataset.reward,
                                       sp.group_size, sp.max_new_tokens, sp.temperature,
                                       sp.top_p, sp.top_k, seed=self.cfg.seed * 1_000_003 + index)
@@ -311,6 +311,7 @@ class RLLoop:
                 if every_ckpt and (self.version % every_ckpt == 0 or self.version == total_steps):
                     await asyncio.to_thread(checkpoint, self.state_dict())
             self._ended = True  # what is still in flight is pending; nothing more is asked for
+            self._withdraw_in_flight()
             await self._publisher.flush()
             if self.ledger is not None:
                 self.ledger.record("end", version=self.version, pending=self.pending_ids(),
@@ -318,6 +319,16 @@ class RLLoop:
         finally:
             self._ended = True
             await self._publisher.close()
+
+    def _withdraw_in_flight(self) -> None:
+        """Take back the groups still generating: the servers stop on them (the final
+        evaluation has them to itself) and they stay pending, sent again if the run goes on."""
+        withdrawn = sorted(self._in_flight.items())
+        self._in_flight.clear()
+        self._retry[:0] = [item for _, item in withdrawn]
+        for _ in withdrawn:
+            self.gate.on_failed()
+        self.pool.withdraw([_request_id(index, item) for index, item in withdrawn])
 
     def _busy_fractions(self) -> dict[str, float]:
         """Per server, its busy fraction since the last call (see ``controller.busy``)."""
@@ -354,6 +365,11 @@ class RLLoop:
         if live_busy:
             out["rollout/busy_fraction"] = float(min(live_busy))
         return out
+
+
+def _request_id(index: int, item: PromptItem) -> str:
+    """The id of the ``index``-th request of the run, for ``item``."""
+    return f"{index}:{item.id}"
 
 
 def _generated_versions(t) -> np.ndarray:

@@ -416,11 +416,35 @@ class RolloutPool:
             return
         self._mark_dead(server, "the server closed its stream", charge=True)
 
+    def withdraw(self, request_ids) -> None:
+        """Stop waiting for ``request_ids``: each future is cancelled and the server holding
+        the request is told to stop generating it (nothing comes back for it)."""
+        withdrawn = set()
+        for request_id in request_ids:
+            future = self._futures.pop(request_id, None)
+            self._attempts.pop(request_id, None)
+            if future is not None:
+                future.cancel()
+                withdrawn.add(request_id)
+        self._parked = [r for r in self._parked if r.request_id not in withdrawn]
+        for server in [*self._servers, *self._leaving.values()]:
+            mine = [r for r in withdrawn if r in server.in_flight]
+            for request_id in mine:
+                del server.in_flight[request_id]
+                server.busy.remove()
+                server.outbox.put_nowait(pb.RolloutRequest(request_id=request_id, cancel=True))
+            if mine:
+                self._leave_if_done(server)
+
     def _on_group(self, server: _Server, group: pb.TrajectoryGroup) -> None:
         if group.error.draining:
             self._on_draining(server, group.request_id)
         else:
             self._take_group(server, group)
+        self._leave_if_done(server)
+
+    def _leave_if_done(self, server: _Server) -> None:
+        """A draining or unlisted ``server`` leaves the pool once nothing of it is in flight."""
         if not server.in_flight:
             if server.draining:
                 self._mark_dead(server, "draining, nothing of it in flight")

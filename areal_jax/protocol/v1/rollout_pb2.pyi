@@ -37,7 +37,7 @@ class SamplingParams(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., greedy: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class RolloutRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_ids", "prompt_text", "metadata", "reward_name", "group_size", "sampling_params")
+    __slots__ = ("request_id", "prompt_ids", "prompt_text", "metadata", "reward_name", "group_size", "sampling_params", "cancel")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +52,7 @@ class RolloutRequest(_message.Message):
     REWARD_NAME_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     prompt_text: str
@@ -59,7 +60,8 @@ class RolloutRequest(_message.Message):
     reward_name: str
     group_size: int
     sampling_params: SamplingParams
-    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., prompt_text: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., reward_name: _Optional[str] = ..., group_size: _Optional[int] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    cancel: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., prompt_text: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., reward_name: _Optional[str] = ..., group_size: _Optional[int] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., cancel: _Optional[bool] = ...) -> None: ...
 
 class Trajectory(_message.Message):
     __slots__ = ("output_ids", "behav_logprobs", "versions", "output_mask", "reward", "finish_reason")

@@ -221,7 +221,7 @@ class ExperimentConfig:
     model_path: str  # a Hugging Face directory, or "tiny"
     dataset: DatasetConfig
     trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
-    tiny: TinyModelSpec = dataclasses.field(default_factory=TinyModelSpec)
+    tiny: TinyModelSpec | None = None  # the tiny model's shape (model_path: tiny); see tiny_model
     synthetic: SyntheticConfig | None = None
     sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
     schedule: ScheduleConfig = dataclasses.field(default_factory=ScheduleConfig)
@@ -254,6 +254,11 @@ class ExperimentConfig:
     # SFT runs (in a process that exits before the servers start); null: where that takes no
     # CPU from SFT (an accelerator backend, or disjoint trainer_cpus and rollout.cpu_sets).
     compile_servers_during_sft: bool | None = None
+
+    @property
+    def tiny_model(self) -> TinyModelSpec:
+        """The shape ``model_path: tiny`` builds: the ``tiny`` section, or the defaults."""
+        return self.tiny or TinyModelSpec()
 
     def __post_init__(self):
         # The trainer recomputes log-probs at its temperature; a mismatch would silently train

@@ -540,9 +540,11 @@ def test_a_run_directory_that_cannot_be_locked_is_used_unguarded_with_a_warning(
     assert "could not lock" in caplog.text and "No locks available" in caplog.text
 
 
-def test_a_synthetic_task_no_dataset_reads_is_named(tmp_path, caplog):
+def test_a_synthetic_task_no_dataset_reads_and_a_tiny_model_not_built_are_named(tmp_path,
+                                                                                 caplog):
     """A quickstart config adapted to one's own data kept its synthetic section: the task was
-    generated for nothing, without a word."""
+    generated for nothing, without a word; adapted to one's own model, its tiny section was
+    ignored as silently."""
     from pathlib import Path
 
     from areal_jax.commands._preflight import warn_unused_sections
@@ -554,8 +556,15 @@ def test_a_synthetic_task_no_dataset_reads_is_named(tmp_path, caplog):
         warn_unused_sections(load_config(ExperimentConfig, path, [f"run_dir={tmp_path}"]))
     own_model = load_config(ExperimentConfig, quickstart, [
         f"run_dir={tmp_path}", "model_path=/models/mine"])
+    assert "no dataset reads it" not in caplog.text and "tiny:" not in caplog.text
     warn_unused_sections(own_model)  # the synthetic task is still the data
     assert "no dataset reads it" not in caplog.text
+    assert ("tiny: describes the model built for model_path: tiny, but model_path is "
+            "/models/mine: the section is ignored (remove it)") in caplog.text
+    caplog.clear()
+    warn_unused_sections(load_config(ExperimentConfig, quickstart, [
+        f"run_dir={tmp_path}", "model_path=/models/mine", "tiny=null"]))
+    assert "tiny:" not in caplog.text
     own_data = load_config(ExperimentConfig, quickstart, [
         f"run_dir={tmp_path}", "dataset.path=/data/train.jsonl",
         "eval.dataset.path=/data/test.jsonl"])

@@ -83,10 +83,14 @@ def _found_in(module: str) -> Path:
 
 
 def warn_unused_sections(cfg: ExperimentConfig) -> None:
-    """Say when the ``synthetic`` section writes a task no dataset reads: a quickstart config
-    adapted to one's own data keeps it, and it was generated for nothing without a word."""
+    """Say when the ``synthetic`` section writes a task no dataset reads, or a ``tiny`` section
+    describes a model not built: a quickstart config adapted to one's own data or model keeps
+    them, and they were generated, or ignored, without a word."""
     from areal_jax.controller.prepare import dataset_config
 
+    if cfg.tiny is not None and cfg.model_path != "tiny":
+        log.warning("tiny: describes the model built for model_path: tiny, but model_path is "
+                    "%s: the section is ignored (remove it)", cfg.model_path)
     if cfg.synthetic is not None:
         data = Path(cfg.run_dir) / "data"
         written = {(data / f"{split}.jsonl").resolve() for split in ("train", "test")}

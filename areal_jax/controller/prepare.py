@@ -78,7 +78,7 @@ def prepare_base_model(cfg: ExperimentConfig) -> Path:
     if not (path / "config.json").is_file():
         from areal_jax.models.tiny import build_tiny_model
 
-        build_tiny_model(path, cfg.tiny)
+        build_tiny_model(path, cfg.tiny_model)
     return path
 
 
@@ -160,7 +160,7 @@ def _edges_sha256(path: Path) -> str:
 def _path_model_digest(cfg: ExperimentConfig) -> str:
     """The model part as run directories recorded it before the model's files were hashed
     (``tiny`` keeps this form)."""
-    return _digest({"model_path": cfg.model_path, "tiny": to_dict(cfg.tiny)})
+    return _digest({"model_path": cfg.model_path, "tiny": to_dict(cfg.tiny_model)})
 
 
 def _data_digest(cfg: ExperimentConfig, dataset: DatasetConfig) -> str:

@@ -122,13 +122,18 @@ async def _close_all(closers: list) -> None:
 _PUSH_PREFIX = "areal-jax-push-"
 
 
-def _fresh_push_dir() -> str:
-    """A new default push directory, named by this process's id; those of servers that are
-    gone without removing theirs (killed: each holds a full checkpoint) are removed first."""
-    root = Path(tempfile.gettempdir())
-    for stale in root.glob(f"{_PUSH_PREFIX}*-*"):
-        pid = stale.name[len(_PUSH_PREFIX):].split("-", 1)[0]
-        if not pid.isdigit() or int(pid) == os.getpid():
+def _fresh_push_dir(root: str | None = None) -> str:
+    """A new push directory under ``root`` (default: the temp dir), named by this process and
+    host; those of this host's servers that are gone without removing theirs (killed: each
+    holds a full checkpoint) are removed first. ``root`` may be shared by servers of several
+    hosts (a network file system): only this host's are looked at."""
+    base = Path(root) if root is not None else Path(tempfile.gettempdir())
+    base.mkdir(parents=True, exist_ok=True)
+    host = socket.gethostname()
+    for stale in base.glob(f"{_PUSH_PREFIX}*-*"):
+        owner = stale.name[len(_PUSH_PREFIX):].rsplit("-", 1)[0]  # "pid@host" ("pid" before)
+        pid, _, its_host = owner.partition("@")
+        if its_host not in ("", host) or not pid.isdigit() or int(pid) == os.getpid():
             continue
         try:
             os.kill(int(pid), 0)
@@ -137,7 +142,7 @@ def _fresh_push_dir() -> str:
             log.info("removed %s, left by a server that is gone", stale)
         except OSError:  # alive, another user's
             pass
-    return tempfile.mkdtemp(prefix=f"{_PUSH_PREFIX}{os.getpid()}-")
+    return tempfile.mkdtemp(prefix=f"{_PUSH_PREFIX}{os.getpid()}@{host}-", dir=base)
 
 
 def _check_port_free(host: str, port: int) -> None:
@@ -280,10 +285,8 @@ async def start_server(
         if scorer is None:
             scorer, reward_names = _reward_pool(config.rewards)
             closers.append(scorer.close)
-        push_dir = config.push_dir
-        if push_dir is None:
-            push_dir = _fresh_push_dir()
-            closers.append(lambda: shutil.rmtree(push_dir, ignore_errors=True))
+        push_dir = _fresh_push_dir(config.push_dir)
+        closers.append(lambda: shutil.rmtree(push_dir, ignore_errors=True))
         await engine.start()
         try:
             if tokenizer is None:  # the engine's vocabulary is known once it started

@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator, Collection
 from pathlib import Path
 
 import grpc
+import numpy as np
 
 from areal_jax.protocol import finish_reason_to_proto, group_to_proto
 from areal_jax.protocol.v1 import rollout_pb2 as pb
@@ -97,6 +98,16 @@ class _Unfinished(Exception):
     """A group did not complete: the server ended it, or the engine aborted one of its samples."""
 
 
+class _NonFinite(Exception):
+    """The served weights gave a non-finite log-prob: finite weights whose forward pass
+    overflows pass every check of the load, and such output must not pass as a result."""
+
+    def __init__(self, version: int):
+        super().__init__(f"the served weights (version {version}) gave non-finite log-probs: "
+                         "they overflow in the forward pass; load others")
+        self.version = version
+
+
 def _first_leaf(exc: BaseException) -> BaseException:
     while isinstance(exc, BaseExceptionGroup):
         exc = exc.exceptions[0]
@@ -136,6 +147,8 @@ def _check_group(group: TrajectoryGroup, task: RolloutTask) -> None:
     for traj in group.trajectories:
         if tuple(traj.prompt_ids.tolist()) != task.prompt_ids:
             raise RuntimeError("workflow returned a trajectory with another prompt")
+        if not np.isfinite(traj.behav_logprobs).all():
+            raise _NonFinite(int(traj.versions.max()) if traj.versions.size else -1)
 
 
 class RolloutServicer(pb_grpc.RolloutServiceServicer):
@@ -169,11 +182,17 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         self._lease = RunLease(config.run_lease_s)
         self._streams: set[asyncio.Queue] = set()  # the replies of each open Rollout stream
         self._instance_id = uuid.uuid4().hex  # tells the trainer this process from a restart
+        self._non_finite_versions: set[int] = set()  # logged once each (``_warn_non_finite``)
 
     @property
     def held(self) -> int:
         """Groups queued or generating."""
         return self._admission.queued + self._admission.running
+
+    @property
+    def push_dir(self) -> Path:
+        """Where pushed checkpoints are written (this process's own directory)."""
+        return self._intake.root
 
     @property
     def closing(self) -> bool:
@@ -329,6 +348,12 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             msg = self._failure(task.request_id, _first_leaf(e))
         out.put_nowait(msg)
 
+    def _warn_non_finite(self, exc: _NonFinite) -> None:
+        """Log ``exc`` once per weight version (every request then fails alike)."""
+        if exc.version not in self._non_finite_versions:
+            self._non_finite_versions.add(exc.version)
+            log.error("%s (each request generated with them fails with INTERNAL)", exc)
+
     def _fits_one_message(self, msg: pb.TrajectoryGroup) -> pb.TrajectoryGroup:
         """``msg``, or, when it exceeds ``max_message_mb`` (gRPC would end the whole stream
         with every other group on it), an ``OUT_OF_RANGE`` error group in its place."""
@@ -348,6 +373,9 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             return self._ended_group(request_id)
         if isinstance(exc, _Unfinished):
             return _error_group(request_id, grpc.StatusCode.ABORTED, str(exc))
+        if isinstance(exc, _NonFinite):
+            self._warn_non_finite(exc)
+            return _error_group(request_id, grpc.StatusCode.INTERNAL, str(exc))
         if isinstance(exc, InvalidParamError):
             return _error_group(request_id, grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.field)
         if isinstance(exc, EngineError):
@@ -391,10 +419,15 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                 async for chunk in chunks:
                     if chunk.finish_reason == "abort" and self.closing:
                         raise _Unfinished("the server ended the request")
+                    if not np.isfinite(chunk.logprobs).all():
+                        raise _NonFinite(max(chunk.versions, default=-1))
                     self._meter.add(len(chunk.token_ids))
                     yield _chunk_to_proto(chunk)
         except (AdmissionClosed, _Unfinished):
             await context.abort(*self._end)
+        except _NonFinite as e:
+            self._warn_non_finite(e)
+            await context.abort(grpc.StatusCode.INTERNAL, str(e))
         except EngineError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine: {e}")
         finally:

@@ -24,6 +24,11 @@ class Harness:
     engine: ArithmeticEngine
     scorer: ExactAnswerScorer
 
+    @property
+    def push_dir(self) -> Path:
+        """The server's own directory for pushed checkpoints, inside ``push_dir``."""
+        return self.server.servicer.push_dir
+
 
 def server_config(tmp_path: Path, tokenizer_dir: Path, **overrides) -> ServerConfig:
     data = {

@@ -118,6 +118,13 @@ def _meta_without_version(step_dir):
     (step_dir / "meta" / "metadata").write_text(json.dumps(meta))
 
 
+def _meta_missing_a_checksum(step_dir):
+    """The checksum of one array dropped: the array went unchecked."""
+    meta = json.loads((step_dir / "meta" / "metadata").read_text())
+    del meta["_array_checksums"][min(meta["_array_checksums"])]
+    (step_dir / "meta" / "metadata").write_text(json.dumps(meta))
+
+
 def _meta_of_another_version(step_dir):
     meta = json.loads((step_dir / "meta" / "metadata").read_text())
     (step_dir / "meta" / "metadata").write_text(json.dumps({**meta, "version": 1 << 40}))
@@ -142,6 +149,7 @@ def two_checkpoints(tmp_path_factory):
     (_flip_bytes, "(cannot be read|holds altered data)"),  # altered data where bytes stay decodable
     (_swap_arrays, r"holds altered data: the checksums written with opt_state\.1\.0\.count, "),
     (_delete_item, "its array metadata cannot be read"),
+    (_meta_missing_a_checksum, "holds altered data: the checksums written with "),
     # a KeyError traceback, and a version the servers refused as out of range
     (_meta_without_version, "its metadata names version None, not the step's 2"),
     (_meta_of_another_version, "its metadata names version 1099511627776, not the step's 2"),

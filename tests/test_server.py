@@ -618,16 +618,18 @@ def test_push_weights_writes_the_files_and_loads_that_directory(tmp_path, tok_di
             first_dir = h.engine.loaded[-1][0]
             kept_after_first = os.path.isdir(first_dir)
             two = await h.stub.PushWeights(push_weight_requests(second, 2, chunk_bytes=4096))
-            return one, two, first_dir, kept_after_first, h.engine.loaded
+            return (one, two, first_dir, kept_after_first, h.engine.loaded, h.push_dir,
+                    os.listdir(h.push_dir))
 
-    one, two, first_dir, kept_after_first, loaded = asyncio.run(scenario())
+    one, two, first_dir, kept_after_first, loaded, push_dir, left = asyncio.run(scenario())
     assert (one.version, two.version) == (1, 2)
+    assert push_dir.parent == tmp_path / "push"
     for (path, version, files), src in zip(loaded, [first, second], strict=True):
-        assert os.path.dirname(path) == str(tmp_path / "push")
+        assert os.path.dirname(path) == str(push_dir)
         assert files == {p.name: p.read_bytes() for p in src.iterdir()}
     # the previous pushed checkpoint is removed once the next one is loaded
     assert kept_after_first and not os.path.exists(first_dir)
-    assert os.listdir(tmp_path / "push") == [os.path.basename(loaded[1][0])]
+    assert left == [os.path.basename(loaded[1][0])]
 
 
 def test_force_takes_the_server_back_to_an_older_version(tmp_path, tok_dir):
@@ -752,15 +754,16 @@ def test_bad_pushes_are_rejected_and_leave_nothing_behind(tmp_path, tok_dir):
                 await h.stub.PushWeights(push_weight_requests(no_config, 1))
             results.append(("load", err.value.code(), err.value.details()))
             status = await h.stub.GetStatus(pb.GetStatusRequest())
-        return results, status
+            left = os.listdir(h.push_dir)
+        return results, status, left
 
-    results, status = asyncio.run(scenario())
+    results, status, left = asyncio.run(scenario())
     for field, code, details in results[:-1]:
         assert code == grpc.StatusCode.INVALID_ARGUMENT, (field, details)
         assert details.startswith(f"{field}: "), (field, details)
     assert results[-1][1] == grpc.StatusCode.FAILED_PRECONDITION
     assert status.version == 0
-    assert os.listdir(tmp_path / "push") == []
+    assert left == []
 
 
 def test_a_push_the_server_cannot_write_is_logged_there_and_answered_as_its_fault(
@@ -771,8 +774,8 @@ def test_a_push_the_server_cannot_write_is_logged_there_and_answered_as_its_faul
 
     async def scenario():
         async with serving(tmp_path, tok_dir) as h:
-            shutil.rmtree(tmp_path / "push", ignore_errors=True)
-            (tmp_path / "push").write_text("not a directory")
+            shutil.rmtree(h.push_dir, ignore_errors=True)
+            h.push_dir.write_text("not a directory")
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await h.stub.PushWeights(push_weight_requests(src, 1))
             status = await h.stub.GetStatus(pb.GetStatusRequest())
@@ -815,7 +818,7 @@ def test_a_stalled_push_ends_at_its_idle_timeout_and_holds_no_update_back(tmp_pa
 
     async def scenario():
         async with serving(tmp_path, tok_dir, push_idle_timeout_s=2) as h:
-            return *(await _update_beside(h, stalled(), good)), os.listdir(tmp_path / "push")
+            return *(await _update_beside(h, stalled(), good)), os.listdir(h.push_dir)
 
     version, waited, error, left = asyncio.run(scenario())
     assert version == 2 and waited < 1.5
@@ -845,7 +848,7 @@ def test_a_trickling_push_ends_at_its_deadline_and_holds_no_update_back(tmp_path
                            push_min_mib_per_s=size / 2**20) as h:
             start = time.monotonic()
             result = await _update_beside(h, trickle(), good)
-            return *result, time.monotonic() - start, os.listdir(tmp_path / "push")
+            return *result, time.monotonic() - start, os.listdir(h.push_dir)
 
     assert len(requests) * 0.2 > 8
     version, waited, error, took, left = asyncio.run(scenario())
@@ -933,7 +936,7 @@ def test_an_update_whose_caller_gave_up_loads_to_its_end_before_the_next(tmp_pat
                 await h.stub.PushWeights(push_weight_requests(pushed, 3), timeout=1.0)
             assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             await until(lambda: engine.version == 3)
-            return update.version, os.listdir(tmp_path / "push")
+            return update.version, os.listdir(h.push_dir)
 
     version, left = asyncio.run(scenario())
     assert version == 2 and engine.most_loading == 1
@@ -993,6 +996,36 @@ def test_a_group_cancelled_before_it_ran_gives_its_admission_place_back(tmp_path
 
     (group,) = asyncio.run(scenario())
     assert group.request_id == "after" and not group.HasField("error")
+
+
+def test_non_finite_log_probs_are_an_error_not_a_result(tmp_path, tok_dir, caplog):
+    # Finite weights that overflow in the forward pass load; their NaN log-probs came back in
+    # groups marked successful, and in Generate chunks.
+    from rollout.engine import GenerationChunk
+
+    class Overflowing(ArithmeticEngine):
+        async def generate(self, prompt_ids, params, request_id):
+            async for chunk in super().generate(prompt_ids, params, request_id):
+                yield GenerationChunk(chunk.token_ids, (float("nan"),) * len(chunk.logprobs),
+                                      chunk.versions, chunk.finish_reason)
+
+    async def scenario():
+        async with serving(tmp_path, tok_dir, engine=Overflowing()) as h:
+            groups = await rollout(h.stub, [rollout_request("a"), rollout_request("b")])
+            params = pb.SamplingParams(max_new_tokens=4)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in h.stub.Generate(pb.GenerateRequest(
+                        request_id="g", prompt_ids=encode("1+1="), sampling_params=params)):
+                    pass
+            return groups, err.value
+
+    groups, err = asyncio.run(scenario())
+    message = ("the served weights (version 0) gave non-finite log-probs: they overflow in the "
+               "forward pass; load others")
+    assert [(g.error.code, g.error.message) for g in groups] == [
+        (grpc.StatusCode.INTERNAL.value[0], message)] * 2
+    assert (err.code(), err.details()) == (grpc.StatusCode.INTERNAL, message)
+    assert caplog.text.count("gave non-finite log-probs") == 1  # once per version
 
 
 def test_a_withdrawn_request_stops_generating_and_nothing_comes_back_for_it(tmp_path, tok_dir):
@@ -1436,22 +1469,41 @@ def test_activity_clock_counts_overlapping_work_once():
     assert 0.04 <= clock.total < 0.2
 
 
-def test_push_directories_of_servers_that_are_gone_are_removed(tmp_path, monkeypatch):
-    # A SIGKILLed server left its default push directory (a whole checkpoint) for ever, and
-    # its restart made another.
+@pytest.mark.parametrize("configured", [False, True])
+def test_push_directories_of_servers_that_are_gone_are_removed(tmp_path, monkeypatch,
+                                                               configured):
+    # A SIGKILLed server left its push directory (a whole checkpoint) for ever, and its restart
+    # made another; in a configured push_dir every pushed checkpoint stayed, killed or not.
+    import socket
     import tempfile
 
     from rollout.server import _fresh_push_dir
 
+    root = tmp_path / "push" if configured else tmp_path
+    root.mkdir(exist_ok=True)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    host = socket.gethostname()
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
-    (tmp_path / f"areal-jax-push-{gone.pid}-k1ll3d").mkdir()
-    (tmp_path / "areal-jax-push-1-alive").mkdir()  # pid 1 is alive
-    fresh = Path(_fresh_push_dir())
-    assert fresh.name.startswith(f"areal-jax-push-{os.getpid()}-")
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["areal-jax-push-1-alive",
-                                                                   fresh.name])
+    kept = ["areal-jax-push-1-alive", f"areal-jax-push-1@{host}-alive",  # pid 1 is alive
+            f"areal-jax-push-{gone.pid}@other-host-elsewhere"]  # another host's: not ours
+    for name in kept + [f"areal-jax-push-{gone.pid}-k1ll3d", f"areal-jax-push-{gone.pid}@{host}-x"]:
+        (root / name).mkdir()
+    fresh = Path(_fresh_push_dir(str(root) if configured else None))
+    assert fresh.parent == root and fresh.name.startswith(f"areal-jax-push-{os.getpid()}@{host}-")
+    assert sorted(p.name for p in root.iterdir()) == sorted(kept + [fresh.name])
+
+
+def test_a_configured_push_dir_holds_nothing_of_a_server_that_stopped(tmp_path, tok_dir):
+    async def scenario():
+        async with serving(tmp_path, tok_dir, push_dir=str(tmp_path / "push")) as h:
+            inside = list((tmp_path / "push").iterdir())
+            await h.stub.GetStatus(pb.GetStatusRequest())
+        return inside
+
+    inside = asyncio.run(scenario())
+    assert len(inside) == 1 and inside[0].name.startswith("areal-jax-push-")
+    assert list((tmp_path / "push").iterdir()) == []
 
 
 def test_an_engine_that_does_not_start_is_one_line_from_serve(tmp_path, capsys):

@@ -44,6 +44,14 @@ def test_another_models_larger_tokenizer_is_refused(model_dir):
         load_tokenizer(model_dir, 200, "model_path")
 
 
+def test_a_malformed_tokenizer_file_is_refused_naming_the_setting(model_dir, tmp_path):
+    # Nested too deep, its parse raised RecursionError: a raw traceback at the server's start.
+    bad = shutil.copytree(model_dir, tmp_path / "deep")
+    (bad / "tokenizer.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ModelConfigError, match=r"engine.model_path: cannot load a tokenizer "):
+        load_tokenizer(bad, 300, "engine.model_path")
+
+
 def test_a_tokenizer_that_encodes_text_to_nothing_is_refused():
     class Hollow:  # what transformers builds from tokenizer_config.json alone
         def __len__(self):

@@ -184,6 +184,39 @@ def test_forged_safetensors_headers_are_refused(src, tmp_path, case):
         load_hf_model(path)
 
 
+def test_a_header_of_many_tensors_is_checked_in_one_pass_per_file(src, tmp_path, monkeypatch):
+    # Each tensor's presence was checked against a fresh list of the file's names: 40,000
+    # zero-size tensors took 48 s, a header at the size limit hours, the server's weight
+    # updates blocked meanwhile.
+    path = _variant(src, tmp_path / "many", lambda t: None)
+    end = max(e["data_offsets"][1] for k, e in json.loads(
+        (path / "model.safetensors").read_bytes()[8:8 + int.from_bytes(
+            (path / "model.safetensors").read_bytes()[:8], "little")]).items()
+        if k != "__metadata__")
+    _with_header(path, lambda h: h.update({f"extra.{i}": {"dtype": "F32", "shape": [0],
+                                                          "data_offsets": [end, end]}
+                                           for i in range(2000)}))
+    listed = []
+    keys = SafetensorsFile.keys
+    monkeypatch.setattr(SafetensorsFile, "keys", lambda self: listed.append(1) or keys(self))
+    with pytest.raises(CheckpointError, match="extra.0"):  # not the model's: refused
+        load_hf_model(path)
+    assert len(listed) <= 2  # the names listed once or twice, not once per tensor
+
+
+def test_config_files_over_the_size_limit_are_not_parsed(src, tmp_path):
+    # A pushed config.json of 37 MB (nested empty lists) took 1.1 GB to parse.
+    from areal_jax.models import ModelConfig, ModelConfigError
+    from areal_jax.models.config import MAX_CONFIG_BYTES
+
+    path = _variant(src, tmp_path / "big-config", lambda t: None)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "pad": [[]] * (MAX_CONFIG_BYTES // 4)}))
+    with pytest.raises(ModelConfigError, match=r"config.json is over 4 MiB, more than such a "
+                                               r"file ever holds: not read"):
+        ModelConfig.from_pretrained(path)
+
+
 def test_values_beyond_the_serving_dtype_are_refused(src, tmp_path):
     # Finite fp32, yet inf once cast to bf16: the check on the file's values passed them.
     path = _variant(src, tmp_path / "big", _set("model.norm.weight", _poison(3.4e38, (5,))))

@@ -40,6 +40,12 @@ class ModelConfigError(ValueError):
     """The Hugging Face config describes something we cannot build; the message names the field."""
 
 
+# Largest config.json / generation_config.json read: real ones are kilobytes. Parsing JSON can
+# take 25 times its size in memory (nested empty lists), and a pushed checkpoint's files are
+# otherwise bounded only by the disk.
+MAX_CONFIG_BYTES = 4 << 20
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
     """Frequency scaling of rotary embeddings: ``rope_type`` and the HF fields it uses
@@ -196,7 +202,7 @@ class ModelConfig:
         file = Path(path) / "config.json"
         if not file.is_file():
             raise ModelConfigError(f"no config.json in {path}")
-        hf = _read_json(file)
+        hf = read_json_file(file)
         try:
             return cls.from_hf_dict(hf)
         except ModelConfigError as e:
@@ -254,7 +260,7 @@ def generation_eos_ids(path: str | Path, vocab_size: int) -> tuple[int, ...]:
         if os.path.lexists(file):  # its end ids (Llama 3's <|eot_id|>) would be lost unseen
             raise ModelConfigError(f"{file} is not a regular file")
         return ()
-    gen = _read_json(file)
+    gen = read_json_file(file)
     if not isinstance(gen, dict):
         raise ModelConfigError(f"{file} must hold a JSON object, got {type(gen).__name__}")
     try:
@@ -263,9 +269,16 @@ def generation_eos_ids(path: str | Path, vocab_size: int) -> tuple[int, ...]:
         raise ModelConfigError(f"{file}: {e}") from None
 
 
-def _read_json(file: Path) -> Any:
+def read_json_file(file: Path, max_bytes: int = MAX_CONFIG_BYTES) -> Any:
+    """The JSON value in ``file``, which must hold at most ``max_bytes``; else (or when it does
+    not parse) ``ModelConfigError`` naming the file."""
+    with open(file, "rb") as f:
+        raw = f.read(max_bytes + 1)
+    if len(raw) > max_bytes:
+        raise ModelConfigError(f"{file} is over {max_bytes >> 20} MiB, more than such a file "
+                               "ever holds: not read")
     try:
-        return json.loads(file.read_text(encoding="utf-8"))
+        return json.loads(raw.decode("utf-8"))
     except (ValueError, RecursionError) as e:  # not JSON, not UTF-8, nested too deep
         raise ModelConfigError(f"{file} is not valid JSON: {e!s:.200}") from e
 

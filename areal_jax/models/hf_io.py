@@ -9,7 +9,6 @@ logits. Values are checked to be finite as each tensor is read.
 from __future__ import annotations
 
 import functools
-import json
 import re
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from areal_jax.models.build import abstract_model
-from areal_jax.models.config import ModelConfig
+from areal_jax.models.config import ModelConfig, read_json_file
 from areal_jax.models.hf_names import (
     DTYPE_ALIASES, TensorMap, get_var, hf_shapes, hf_to_ours, layer_names, tensor_maps,
 )
@@ -33,6 +32,10 @@ FLOAT_DTYPES = tuple(DTYPE_ALIASES)
 # Buffers some exporters write that carry no weights (recomputed from the config).
 _HARMLESS_SUFFIXES = (".rotary_emb.inv_freq",)
 _TIED_HEAD, _EMBED = "lm_head.weight", "model.embed_tokens.weight"
+
+
+# Largest model.safetensors.index.json read: a 671B-parameter model's lists 90k tensors in 9 MB.
+MAX_INDEX_BYTES = 64 << 20
 
 
 class CheckpointError(ValueError):
@@ -48,7 +51,7 @@ class WeightFiles:
         single = path / "model.safetensors"
         try:
             if index.is_file():
-                weight_map = json.loads(index.read_text())["weight_map"]
+                weight_map = read_json_file(index, MAX_INDEX_BYTES)["weight_map"]
                 if not isinstance(weight_map, dict):
                     raise CheckpointError(f"{index.name}: weight_map is not a JSON object")
                 for name, f in weight_map.items():  # never a file outside the checkpoint
@@ -70,7 +73,7 @@ class WeightFiles:
             # ValueError: an index that is not JSON or not UTF-8
             raise CheckpointError(f"cannot read weights in {path}: {e!s:.300}") from e
         for name, f in self._where.items():
-            if name not in f.keys():
+            if name not in f:
                 raise CheckpointError(
                     f"the index lists tensor {name} in {f.path.name}, which lacks it"
                 )

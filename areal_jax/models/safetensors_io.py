@@ -109,6 +109,9 @@ class SafetensorsFile:
     def keys(self) -> list[str]:
         return list(self._entries)
 
+    def __contains__(self, name: str) -> bool:
+        return name in self._entries
+
     def dtype(self, name: str) -> np.dtype:
         return DTYPES[self._entries[name]["dtype"]]
 

@@ -51,8 +51,10 @@ def load_tokenizer(path: str | Path, vocab_size: int | None, where: str | None =
     check_vocabulary(path, where)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as e:
-        raise ModelConfigError(f"{where}: cannot load a tokenizer from {path}: {e}") from e
+    except Exception as e:  # noqa: BLE001 - whatever a malformed file makes the loader raise
+        # (a tokenizer.json nested too deep: RecursionError), the run stops naming the setting
+        raise ModelConfigError(f"{where}: cannot load a tokenizer from {path}: "
+                               f"{type(e).__name__}: {e!s:.300}") from e
     if vocab_size is not None:
         check_tokenizer(tokenizer, vocab_size, where)
     return tokenizer

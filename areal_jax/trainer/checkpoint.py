@@ -194,9 +194,13 @@ class Checkpointer:
         if problem is not None:
             raise CheckpointCorruptError(f"{where}: its metadata {problem}")
         expected = meta.pop(_CHECKSUMS, None)
-        if expected is not None:
+        if expected is None:
+            log.warning("%s was written without checksums (by an older version): its arrays "
+                        "are not verified", where)
+        else:
             found = checksums(state)
-            altered = [name for name in expected if found.get(name) != expected[name]]
+            altered = [name for name in sorted(expected.keys() | found.keys())
+                       if found.get(name) != expected.get(name)]
             if altered:
                 more = f" and {len(altered) - 3} more arrays" if len(altered) > 3 else ""
                 raise CheckpointCorruptError(

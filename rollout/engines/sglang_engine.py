@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
-import json
 import logging
 import os
 import random
@@ -36,7 +35,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from areal_jax.config import ConfigError, from_dict
-from areal_jax.models.config import ModelConfigError, generation_eos_ids
+from areal_jax.models.config import ModelConfigError, generation_eos_ids, read_json_file
 from rollout.config import EngineConfig
 from rollout.engine import (
     EngineError,
@@ -100,7 +99,7 @@ def _read_config(model_path: str) -> dict:
     """The checkpoint's ``config.json``."""
     path = Path(model_path) / "config.json"
     try:
-        cfg = json.loads(path.read_text())
+        cfg = read_json_file(path)
     except (OSError, ValueError) as e:
         raise ConfigError(f"engine.model_path: cannot read {path}: {e}") from e
     if not isinstance(cfg, dict):

@@ -1341,6 +1341,7 @@ def test_an_evaluation_whose_every_request_fails_names_the_first_error(tmp_path,
     inside_a_run, result = asyncio.run(main())
     assert inside_a_run["eval/failed"] == 4 and np.isnan(inside_a_run["eval/accuracy"])
     assert result["eval/num_prompts"] == 4 and result["eval/failed"] == 0
+    assert 0 < result["eval/seconds"] < 60  # its wall time
 
 
 def test_an_evaluation_whose_every_reward_call_fails_names_the_error(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 import uuid
 
 import numpy as np
@@ -35,6 +36,7 @@ async def evaluate(pool: RolloutPool, items: list[PromptItem], reward: str, *,
     reward), unless not ``strict`` (an evaluation inside a run: the accuracy is then NaN, or 0,
     and the run goes on to its next checkpoint)."""
     tag = next(_rounds)
+    start = time.monotonic()
     futures = [
         pool.submit(rollout_request(item, f"eval-{tag}-{i}", reward, 1, max_new_tokens,
                                     temperature, seed=i))
@@ -80,12 +82,15 @@ async def evaluate(pool: RolloutPool, items: list[PromptItem], reward: str, *,
     if failed:
         log.warning("evaluation: %d of %d requests failed and are not counted; the first: %s",
                     failed, len(items), first_error)
+    seconds = time.monotonic() - start
+    log.info("evaluated %d held-out prompts in %.1f s", len(items), seconds)
     return {
         "eval/accuracy": float(np.mean(rewards)) if rewards else float("nan"),
         "eval/response_length": float(np.mean(lengths)) if lengths else float("nan"),
         "eval/num_prompts": float(len(rewards)),
         "eval/failed": float(failed),
         "eval/reward_failures": float(reward_failures),
+        "eval/seconds": seconds,
     }
 
 

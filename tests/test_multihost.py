@@ -1,5 +1,6 @@
 """Two processes x 4 CPU devices train as one 8-device trainer, commanded by process 0; both
-restore the newest intact checkpoint together.
+restore the newest intact checkpoint together. Two processes of one device each (one GPU per
+process, the common layout) do the same.
 
 The same file is the worker: ``python tests/test_multihost.py <process_id> <port> <run_dir>
 <out_dir>`` runs one process of the group.
@@ -52,7 +53,9 @@ def _worker(process_id: int, port: int, run_dir: Path, out: Path, mode: str) -> 
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(60)
         return
-    mesh = make_mesh(MeshConfig(fsdp=8))  # both processes' devices
+    import jax
+
+    mesh = make_mesh(MeshConfig(fsdp=len(jax.devices())))  # both processes' devices
     group = TrainerGroup(Trainer(_config(run_dir), mesh=mesh, model=tiny_model(seed=21)))
     if mode in ("follower_fails", "follower_killed"):
         _follower_fails(group, out, killed=mode == "follower_killed")
@@ -140,10 +143,11 @@ def _unshared(process_id: int, mesh, run_dir: Path, out: Path) -> None:
     (out / f"unshared_{process_id}.json").write_text(json.dumps(outcome))
 
 
-def _run_group(tmp_path, mode: str, timeout: float = 300) -> tuple[list, list, float]:
+def _run_group(tmp_path, mode: str, timeout: float = 300,
+               devices: int = 4) -> tuple[list, list, float]:
     run_dir, out = tmp_path / "run", tmp_path / "out"
     out.mkdir(exist_ok=True)
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
            "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
     port = _free_port()
     start = time.monotonic()
@@ -328,9 +332,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_train_like_one_and_restore_together(tmp_path):
+@pytest.mark.parametrize("devices", [4, 1])
+def test_two_processes_train_like_one_and_restore_together(tmp_path, devices):
+    # With one device per process the first checkpoint failed on both ("an argument array had
+    # 2 shard(s)"): the RNG key was placed from a single-device array.
     run_dir, out = tmp_path / "run", tmp_path / "out"
-    procs, logs, _ = _run_group(tmp_path, "train")
+    procs, logs, _ = _run_group(tmp_path, "train", devices=devices)
     # The group broke on purpose at the end: the leader exits 1; the follower exits 1 after
     # its own error, or is ended by JAX's coordination agent when the leader left first.
     assert procs[0].returncode == 1, logs[0][-3000:]

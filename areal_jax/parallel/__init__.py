@@ -8,7 +8,7 @@ from areal_jax.parallel.sharding import (
     DEFAULT_RULES,
     logical_to_spec,
     model_shardings,
-    shard_model_state,
+    place,
 )
 from areal_jax.parallel.trainer_group import TrainerGroup
 
@@ -24,5 +24,5 @@ __all__ = [
     "logical_to_spec",
     "make_mesh",
     "model_shardings",
-    "shard_model_state",
+    "place",
 ]

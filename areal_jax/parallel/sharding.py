@@ -66,6 +66,10 @@ def model_shardings(abstract_state: nnx.State, mesh: Mesh, rules=None):
     return jax.tree.map(one, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def shard_model_state(state: nnx.State, shardings) -> nnx.State:
-    """Place every array of ``state`` on its sharding (a no-op for arrays already there)."""
-    return jax.tree.map(lambda x, s: jax.device_put(x, s), state, shardings)
+def place(tree, shardings, may_alias: bool | None = None):
+    """``jax.device_put(tree, shardings)``; with several processes, from host copies: an array
+    on one local device cannot seed an array over several processes' devices (with one device
+    per process the result held a two-device shard that checkpointing could not take)."""
+    if jax.process_count() > 1:
+        tree = jax.device_get(tree)
+    return jax.device_put(tree, shardings, may_alias=may_alias)

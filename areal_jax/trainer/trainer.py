@@ -27,7 +27,7 @@ from areal_jax.config import ConfigError
 from areal_jax.models import (
     ModelConfig, Transformer, hf_state_dict, load_hf_model,
 )  # fmt: skip
-from areal_jax.parallel import make_mesh, model_shardings
+from areal_jax.parallel import make_mesh, model_shardings, place
 from areal_jax.parallel.multihost import host_array, is_leader
 from areal_jax.rl import (
     PackedBatch,
@@ -105,7 +105,7 @@ class Trainer:
         self._programs = TrainPrograms(config, graphdef, params, self.mesh)
         self._shardings = shardings = self._programs.shardings
         opt_state = jax.jit(self._programs.tx.init, out_shardings=shardings.opt_state)(params)
-        self._state = TrainState(params, opt_state, jax.device_put(jnp.int32(0), shardings.step))
+        self._state = TrainState(params, opt_state, place(np.int32(0), shardings.step))
         self._steps = self._programs.steps
         self._ref_params = self._load_reference() if config.uses_reference else None
         multiple = math.lcm(config.micro_batch.row_multiple, batches.batch_axis_size(self.mesh))
@@ -498,7 +498,7 @@ class Trainer:
             return graphdef, params, source_dtypes
         graphdef, abstract = abstract_policy(cfg, model.cfg)
         shardings = model_shardings(abstract, self.mesh)
-        params = jax.device_put(nnx.state(model, nnx.Param), shardings, may_alias=False)
+        params = place(nnx.state(model, nnx.Param), shardings, may_alias=False)
         return graphdef, params, {}
 
     def _load_reference(self) -> nnx.State:
@@ -531,7 +531,7 @@ class Trainer:
         return [np.asarray(kl_penalty(t.behav_logprobs, r, est)) for t, r in zip(trajs, ref)]
 
     def _checkpoint_tree(self) -> dict:
-        rng = jax.device_put(jax.random.key_data(self._rng), self._shardings.step)
+        rng = place(jax.random.key_data(self._rng), self._shardings.step)
         return self._programs.checkpoint_tree(self._state, rng)
 
     def _require_checkpoints(self) -> Checkpointer:

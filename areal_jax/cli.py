@@ -77,12 +77,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args._run(args) or 0)
     except Exception as e:
-        full = _disk_full(e)
-        if full is not None:
+        storage = _storage_error(e)
+        if storage is not None:
             again = ("run the same command again: it resumes from the last checkpoint"
                      if args.command == "train" else "run the command again")
-            print(f"areal-jax {args.command}: error: {full.strerror}"
-                  f"{f': {full.filename}' if full.filename else ''} (free space, then {again})",
+            fix = "free space" if storage.errno in _OUT_OF_SPACE else "make it writable"
+            print(f"areal-jax {args.command}: error: {storage.strerror}"
+                  f"{f': {storage.filename}' if storage.filename else ''} ({fix}, then {again})",
                   file=sys.stderr)
             return 1
         if not isinstance(e, _user_errors()):
@@ -91,16 +92,22 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def _disk_full(error: BaseException | None) -> OSError | None:
-    """The out-of-space ``OSError`` (ENOSPC, EDQUOT) behind ``error``, if any (followed
-    through its causes: a checkpoint or publishing error wraps it)."""
-    seen = set()
+_OUT_OF_SPACE = (errno.ENOSPC, errno.EDQUOT)
+_NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+def _storage_error(error: BaseException | None) -> OSError | None:
+    """The out-of-space or not-writable ``OSError`` behind ``error``, if any, followed through
+    its causes (a checkpoint or publishing error wraps it; a file closed after the failure
+    raises its own, without the file's name): the first of them that names its file, else the
+    first."""
+    seen, found = set(), []
     while error is not None and id(error) not in seen:
         seen.add(id(error))
-        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
-            return error
+        if isinstance(error, OSError) and error.errno in _OUT_OF_SPACE + _NOT_WRITABLE:
+            found.append(error)
         error = error.__cause__ or error.__context__
-    return None
+    return next((e for e in found if e.filename), found[0] if found else None)
 
 
 if __name__ == "__main__":

@@ -74,7 +74,7 @@ def test_cli_reports_config_errors_without_traceback(capsys):
     assert "Traceback" not in err
 
 
-def test_a_full_disk_is_one_line_saying_how_to_go_on(capsys, monkeypatch, tmp_path):
+def test_a_full_or_read_only_disk_is_one_line_saying_how_to_go_on(capsys, monkeypatch, tmp_path):
     # It was a traceback, the ENOSPC at its end, often under a checkpoint or publishing error.
     from areal_jax import cli
     from areal_jax.controller import run
@@ -95,6 +95,27 @@ def test_a_full_disk_is_one_line_saying_how_to_go_on(capsys, monkeypatch, tmp_pa
     monkeypatch.setattr("areal_jax.commands.eval.run", lambda args: full_disk(None))
     assert cli.main(["eval", "--config", str(QUICKSTART), "--model", str(tmp_path)]) == 1
     assert capsys.readouterr().err.endswith("(free space, then run the command again)\n")
+
+    def full_then_closed(cfg):
+        # The ledger's close after the publisher's failure raises its own error, without a
+        # file name: the message showed that one.
+        try:
+            full_disk(cfg)
+        finally:
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(run, "train", full_then_closed)
+    assert cli.main(["train", "--config", str(QUICKSTART), f"run_dir={tmp_path}"]) == 1
+    assert f"No space left on device: {tmp_path}/exports/v000035 (" in capsys.readouterr().err
+
+    def read_only(cfg):  # a traceback ended in EROFS, the run dir's disk remounted read-only
+        raise OSError(30, "Read-only file system", str(tmp_path / "exports" / ".v000046.tmp"))
+
+    monkeypatch.setattr(run, "train", read_only)
+    assert cli.main(["train", "--config", str(QUICKSTART), f"run_dir={tmp_path}"]) == 1
+    assert capsys.readouterr().err == (
+        f"areal-jax train: error: Read-only file system: {tmp_path}/exports/.v000046.tmp (make "
+        "it writable, then run the same command again: it resumes from the last checkpoint)\n")
 
 
 @pytest.mark.parametrize("overrides,message", [

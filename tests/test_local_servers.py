@@ -454,3 +454,24 @@ def test_a_users_own_rollout_module_neither_runs_as_a_server_nor_hides_the_packa
     assert f"hides areal-jax's package of the same name (rollout: {tmp_path / 'rollout.py'})" \
         in trained.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_a_frozen_server_is_stopped_by_its_sigterm_not_waited_out(tmp_path):
+    # A server frozen by SIGSTOP held its SIGTERM pending: stop() waited its whole timeout
+    # (20 s, blocking the trainer's event loop) and then SIGKILLed it.
+    import signal
+    import subprocess
+    import sys
+
+    from areal_jax.controller.local_servers import LocalServers, _Proc
+
+    servers = LocalServers({}, 1, tmp_path)
+    graceful = ("import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(3)); "
+                "print('ready', flush=True); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", graceful], stdout=subprocess.PIPE,
+                            start_new_session=True, text=True)
+    assert proc.stdout.readline() == "ready\n"
+    proc.send_signal(signal.SIGSTOP)
+    servers._procs.append(_Proc(index=0, port=0, proc=proc))
+    servers.stop(timeout_s=30)
+    assert proc.returncode == 3  # its own SIGTERM handler, not the SIGKILL after the timeout

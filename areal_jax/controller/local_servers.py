@@ -184,10 +184,12 @@ class LocalServers:
         return restarted
 
     def stop(self, timeout_s: float = 20.0) -> None:
-        """SIGTERM every server (graceful shutdown), then SIGKILL stragglers."""
+        """SIGTERM every server (graceful shutdown), then SIGKILL stragglers. A stopped
+        (SIGSTOP) server is continued so that it takes the SIGTERM at once."""
         for e in self._procs:
             if e.proc.poll() is None:
                 e.proc.send_signal(signal.SIGTERM)
+                e.proc.send_signal(signal.SIGCONT)
         deadline = time.monotonic() + timeout_s
         for e in self._procs:
             try:

@@ -294,6 +294,21 @@ def test_sft_and_a_refused_train_respect_the_run_directorys_fingerprint(tmp_path
     assert (tmp_path / "run" / "config.json").read_text() == "as recorded"
 
 
+def test_a_train_refused_after_sft_names_the_setting_it_changed(tmp_path, capsys, monkeypatch):
+    # `sft` left no config.json: a train with another reward in its run directory was refused
+    # as "another data configuration", naming nothing.
+    from areal_jax.controller import sft_phase
+
+    monkeypatch.setattr(sft_phase, "run_sft", lambda cfg, *a, **k: tmp_path / "run" / "sft_model")
+    cfg = _config(tmp_path, sft={"steps": 3, "response_key": "answer"})
+    assert main(["sft", "--config", _write(tmp_path, cfg)]) == 0
+    recorded = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert recorded["dataset"]["reward"] == "math"
+    assert main(["train", "--config", _write(tmp_path, cfg), "dataset.reward=code"]) == 2
+    assert ("another data configuration: dataset.reward was 'math', now 'code'"
+            in capsys.readouterr().err)
+
+
 def test_files_a_run_trusts_later_are_written_whole_and_a_torn_one_is_named(tmp_path,
                                                                            monkeypatch):
     import os

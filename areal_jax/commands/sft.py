@@ -19,6 +19,7 @@ def run(args: argparse.Namespace) -> int:
     from areal_jax.config import load_config
     from areal_jax.controller.progress import TrainingProgress
     from areal_jax.controller.prepare import check_fingerprint, prepare_base_model, prepare_data
+    from areal_jax.controller.prepare import record_config
     from areal_jax.controller.run import claim_devices
     from areal_jax.controller.run_lock import hold_run_dir
     from areal_jax.controller.sft_phase import run_sft, sft_end_token, sft_examples
@@ -44,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
         cfg, tokenizer, end_id=sft_end_token(base, tokenizer))
     with hold_run_dir(Path(cfg.run_dir), "sft"):
         check_fingerprint(cfg)  # the SFT model `train` would reuse must be this config's
+        record_config(cfg)  # a train refused later names what it changed against this
         with TrainingProgress() as progress:
             out = run_sft(cfg, base, examples, progress)
     print(f"wrote {out}")

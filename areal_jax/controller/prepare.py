@@ -252,6 +252,12 @@ def changed_since_last_start(cfg: ExperimentConfig, keys: Sequence[str] | None =
     return [d for key in keys for d in _differences(key, recorded.get(key), current.get(key))]
 
 
+def record_config(cfg: ExperimentConfig) -> None:
+    """Keep ``cfg`` as the config the run directory last started with (``config.json``): what
+    a later start's changed settings, and a refused one's, are named against."""
+    write_atomic(Path(cfg.run_dir) / "config.json", json.dumps(to_dict(cfg), indent=2))
+
+
 def _recorded_config(cfg: ExperimentConfig) -> dict | None:
     """The config the run directory last started with (its ``config.json``), or None where
     there is none or it does not read."""

@@ -20,12 +20,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from areal_jax.compilation import enable_compilation_cache
-from areal_jax.config import to_dict
 from areal_jax.controller.local_servers import MEMORY_FRACTION_VARIABLE, device_env
 from areal_jax.controller.local_servers import with_deterministic_ops
 from areal_jax.controller.prepare import check_fingerprint, prepare_base_model, prepare_data
 from areal_jax.controller.prepare import base_model_path, changed_since_last_start
-from areal_jax.controller.prepare import dataset_config
+from areal_jax.controller.prepare import dataset_config, record_config
 from areal_jax.controller.evaluation import held_out_items
 from areal_jax.controller.progress import TrainingProgress
 from areal_jax.controller.rl_phase import check_trajectories_fit, run_rl
@@ -36,7 +35,6 @@ from areal_jax.controller.sft_phase import sft_model_kept
 from areal_jax.controller.trainers import make_trainer
 from areal_jax.data.dataset import PromptDataset
 from areal_jax.experiment import ExperimentConfig
-from areal_jax.files import write_atomic
 from areal_jax.stopping import run_stoppable
 
 
@@ -223,7 +221,7 @@ def _train(cfg: ExperimentConfig, leader: bool, held: contextlib.ExitStack,
             if changed := changed_since_last_start(cfg):
                 print(f"settings changed since {run_dir} last started: {'; '.join(changed)}",
                       flush=True)
-            write_atomic(run_dir / "config.json", json.dumps(to_dict(cfg), indent=2))
+            record_config(cfg)
         barrier("run directory prepared")
         accept_log()
         start = base

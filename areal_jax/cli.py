@@ -78,10 +78,13 @@ def main(argv: list[str] | None = None) -> int:
         return int(args._run(args) or 0)
     except Exception as e:
         storage = _storage_error(e)
-        if storage is not None:
+        # a user error that names its setting (a model it cannot read) keeps its own message
+        if storage is not None and (storage.errno in _OUT_OF_SPACE
+                                    or not isinstance(e, _user_errors())):
             again = ("run the same command again: it resumes from the last checkpoint"
                      if args.command == "train" else "run the command again")
-            fix = "free space" if storage.errno in _OUT_OF_SPACE else "make it writable"
+            fix = ("free space" if storage.errno in _OUT_OF_SPACE else "make it writable"
+                   if storage.errno == errno.EROFS else "check its permissions")
             print(f"areal-jax {args.command}: error: {storage.strerror}"
                   f"{f': {storage.filename}' if storage.filename else ''} ({fix}, then {again})",
                   file=sys.stderr)

@@ -101,7 +101,9 @@ class ServerConfig:
     tls_key_path: str | None = None
     auth_token: str | None = None  # clients must send "authorization: Bearer <token>"
     auth_token_env: str | None = None  # or: name of the environment variable holding it
-    push_dir: str | None = None  # where PushWeights writes checkpoints (default: a temp dir)
+    # PushWeights writes checkpoints in a directory of this server's own in it (default: in the
+    # temp dir)
+    push_dir: str | None = None
     max_message_mb: int = 64
     push_idle_timeout_s: float = 60.0  # a PushWeights stream silent this long is ended
     # ... and one not complete after push_idle_timeout_s + its size at this rate
@@ -115,8 +117,8 @@ class ServerConfig:
     run_lease_s: float = 30.0
     status_log_interval_s: float = 30.0  # how often `serve` logs a status line; 0 = never
     parent_pid: int | None = None  # `serve` stops once its parent process is not this pid
-    # UpdateWeights loads only paths under these (real paths compared); empty: the push
-    # directory and the directory holding engine.model_path
+    # UpdateWeights loads only paths under these (real paths compared); empty: push_dir (unset:
+    # this server's own push directory) and the directory holding engine.model_path
     weights_allowed_roots: list[str] = dataclasses.field(default_factory=list)
     allow_insecure_remote: bool = False  # serve a non-loopback host without an auth token
     # an addresses file (a trainer's rollout.addresses_file) this server lists itself in while

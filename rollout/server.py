@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import fcntl
 import inspect
 import logging
 import os
@@ -122,27 +123,55 @@ async def _close_all(closers: list) -> None:
 _PUSH_PREFIX = "areal-jax-push-"
 
 
-def _fresh_push_dir(root: str | None = None) -> str:
+_PUSH_LOCK = ".owner.lock"  # in each push directory, locked while its server runs
+
+
+def _fresh_push_dir(root: str | None = None) -> tuple[str, int]:
     """A new push directory under ``root`` (default: the temp dir), named by this process and
-    host; those of this host's servers that are gone without removing theirs (killed: each
-    holds a full checkpoint) are removed first. ``root`` may be shared by servers of several
-    hosts (a network file system): only this host's are looked at."""
+    host, and the descriptor of the lock this server holds on it while it runs. Directories
+    of servers that are gone without removing theirs (killed: each holds a full checkpoint)
+    are removed first: those whose lock nobody holds (which holds across hosts and PID
+    namespaces sharing ``root``), and, of an older server without a lock, one of this host's
+    whose pid is gone."""
     base = Path(root) if root is not None else Path(tempfile.gettempdir())
     base.mkdir(parents=True, exist_ok=True)
-    host = socket.gethostname()
     for stale in base.glob(f"{_PUSH_PREFIX}*-*"):
-        owner = stale.name[len(_PUSH_PREFIX):].rsplit("-", 1)[0]  # "pid@host" ("pid" before)
-        pid, _, its_host = owner.partition("@")
-        if its_host not in ("", host) or not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
+        if _owner_gone(stale):
             shutil.rmtree(stale, ignore_errors=True)
             log.info("removed %s, left by a server that is gone", stale)
-        except OSError:  # alive, another user's
-            pass
-    return tempfile.mkdtemp(prefix=f"{_PUSH_PREFIX}{os.getpid()}@{host}-", dir=base)
+    path = tempfile.mkdtemp(prefix=f"{_PUSH_PREFIX}{os.getpid()}@{socket.gethostname()}-",
+                            dir=base)
+    lock = os.open(os.path.join(path, _PUSH_LOCK), os.O_CREAT | os.O_RDWR, 0o600)
+    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return path, lock
+
+
+def _owner_gone(directory: Path) -> bool:
+    """Whether the server that made push ``directory`` is gone (see ``_fresh_push_dir``)."""
+    owner = directory.name[len(_PUSH_PREFIX):].rsplit("-", 1)[0]  # "pid@host", or "pid"
+    pid, at, _ = owner.partition("@")
+    lock_path = directory / _PUSH_LOCK
+    if at:  # this version's: its lock tells (none yet: being made)
+        try:
+            fd = os.open(lock_path, os.O_RDWR)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except OSError:  # held: its server runs
+            return False
+        finally:
+            os.close(fd)
+    if not pid.isdigit() or int(pid) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # alive, another user's
+        pass
+    return False
 
 
 def _check_port_free(host: str, port: int) -> None:
@@ -285,8 +314,9 @@ async def start_server(
         if scorer is None:
             scorer, reward_names = _reward_pool(config.rewards)
             closers.append(scorer.close)
-        push_dir = _fresh_push_dir(config.push_dir)
-        closers.append(lambda: shutil.rmtree(push_dir, ignore_errors=True))
+        push_dir, push_lock = _fresh_push_dir(config.push_dir)
+        closers.append(lambda: (shutil.rmtree(push_dir, ignore_errors=True),
+                                os.close(push_lock)))
         await engine.start()
         try:
             if tokenizer is None:  # the engine's vocabulary is known once it started

@@ -99,12 +99,12 @@ class _Unfinished(Exception):
 
 
 class _NonFinite(Exception):
-    """The served weights gave a non-finite log-prob: finite weights whose forward pass
+    """A generated token's log-prob is not finite: finite weights whose forward pass
     overflows pass every check of the load, and such output must not pass as a result."""
 
     def __init__(self, version: int):
-        super().__init__(f"the served weights (version {version}) gave non-finite log-probs: "
-                         "they overflow in the forward pass; load others")
+        super().__init__(f"the served weights (version {version}) gave a non-finite log-prob "
+                         "(weights that overflow in the forward pass, most likely)")
         self.version = version
 
 
@@ -147,8 +147,9 @@ def _check_group(group: TrajectoryGroup, task: RolloutTask) -> None:
     for traj in group.trajectories:
         if tuple(traj.prompt_ids.tolist()) != task.prompt_ids:
             raise RuntimeError("workflow returned a trajectory with another prompt")
-        if not np.isfinite(traj.behav_logprobs).all():
-            raise _NonFinite(int(traj.versions.max()) if traj.versions.size else -1)
+        bad = (traj.output_mask == 1) & ~np.isfinite(traj.behav_logprobs)  # generated ones
+        if bad.any():
+            raise _NonFinite(int(traj.versions[bad][0]))
 
 
 class RolloutServicer(pb_grpc.RolloutServiceServicer):
@@ -174,7 +175,8 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         self._update_lock = asyncio.Lock()
         self._intake = WeightIntake(push_dir, config.push_idle_timeout_s,
                                     config.push_min_mib_per_s * 2**20)
-        self._weight_roots = config.allowed_weight_roots(str(push_dir))
+        # a configured push_dir is the root, as it was before each server had its own in it
+        self._weight_roots = config.allowed_weight_roots(config.push_dir or str(push_dir))
         self._readers: set[asyncio.Task] = set()
         self._end: tuple[grpc.StatusCode, str] | None = None
         self._ended = asyncio.Event()
@@ -419,8 +421,9 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                 async for chunk in chunks:
                     if chunk.finish_reason == "abort" and self.closing:
                         raise _Unfinished("the server ended the request")
-                    if not np.isfinite(chunk.logprobs).all():
-                        raise _NonFinite(max(chunk.versions, default=-1))
+                    bad = ~np.isfinite(np.asarray(chunk.logprobs, np.float32))
+                    if bad.any():
+                        raise _NonFinite(int(np.asarray(chunk.versions)[bad][0]))
                     self._meter.add(len(chunk.token_ids))
                     yield _chunk_to_proto(chunk)
         except (AdmissionClosed, _Unfinished):

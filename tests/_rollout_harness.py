@@ -29,6 +29,10 @@ class Harness:
         """The server's own directory for pushed checkpoints, inside ``push_dir``."""
         return self.server.servicer.push_dir
 
+    def pushed(self) -> list[str]:
+        """The names of the pushed checkpoints kept in ``push_dir`` (not its lock file)."""
+        return sorted(p.name for p in self.push_dir.iterdir() if not p.name.startswith("."))
+
 
 def server_config(tmp_path: Path, tokenizer_dir: Path, **overrides) -> ServerConfig:
     data = {

@@ -117,6 +117,19 @@ def test_a_full_or_read_only_disk_is_one_line_saying_how_to_go_on(capsys, monkey
         f"areal-jax train: error: Read-only file system: {tmp_path}/exports/.v000046.tmp (make "
         "it writable, then run the same command again: it resumes from the last checkpoint)\n")
 
+    def unreadable_model(cfg):  # a setting's own error, a permission error behind it
+        from areal_jax.config import ConfigError
+
+        try:
+            raise PermissionError(13, "Permission denied", "/models/qwen/config.json")
+        except OSError as e:
+            raise ConfigError("engine.model_path: cannot read /models/qwen/config.json") from e
+
+    monkeypatch.setattr(run, "train", unreadable_model)
+    assert cli.main(["train", "--config", str(QUICKSTART), f"run_dir={tmp_path}"]) == 2
+    assert capsys.readouterr().err == ("areal-jax train: error: engine.model_path: cannot read "
+                                       "/models/qwen/config.json\n")
+
 
 @pytest.mark.parametrize("overrides,message", [
     (["trainer_memory_fraction=0.5", "rollout.server_memory_fraction=0.6"],

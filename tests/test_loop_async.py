@@ -224,28 +224,47 @@ def test_no_prompt_is_submitted_once_the_loop_has_ended(tmp_path):
     assert_nothing_lost(tmp_path / "ledger.jsonl", prompts)
 
 
-def test_groups_in_flight_when_the_loop_ends_are_withdrawn_and_stay_pending(tmp_path):
+@pytest.mark.parametrize("every_steps", [0, 2])
+def test_groups_in_flight_when_the_loop_ends_are_withdrawn_and_stay_pending(tmp_path,
+                                                                           every_steps):
     """The groups still generating at the last version went on taking the servers' slots
-    during the evaluation after RL, though nothing would train them."""
+    during the evaluation after RL (the loop's own, where eval.every_steps divides the steps;
+    each group finishing then even asked for another), though nothing would train them."""
+    from _rollout_fakes import until
+
     trainer = RecordingTrainer(exports_dir(tmp_path))
     prompts = items(80)
-    cfg = config(tmp_path, {"max_staleness": 20, "max_in_flight": 4})
-    engine = ArithmeticEngine(step_s=0.1)  # a group takes at least 0.3 s
+    cfg = config(tmp_path, {"max_staleness": 20, "max_in_flight": 4},
+                 eval={"every_steps": every_steps})
+    engine = ArithmeticEngine(step_s=0.5)  # a group takes at least 1.5 s
     seen = {}
 
-    async def after_the_end(loop, pool, servers):
+    async def evaluation_after_rl(loop, servers):
+        seen["ended"], submitted = loop._ended, loop.gate.submitted
+        seen["withdrawn"] = len(loop.pending_ids()) - len(loop._buffer)
+        await until(lambda: servers[0].servicer.held == 0, timeout_s=1.0)  # before any finished
+        seen["active"], seen["asked"] = engine.active, loop.gate.submitted - submitted
+
+    async def hook(loop, pool, servers):
+        if every_steps:
+            async def on_eval(version):
+                if version == 2:
+                    await evaluation_after_rl(loop, servers)
+                return {}
+
+            loop.on_eval = on_eval
+            return
         while not loop._ended:
             await asyncio.sleep(0.005)
-        seen["withdrawn"] = len(loop.pending_ids()) - len(loop._buffer)
-        await asyncio.sleep(0.15)
-        seen["held"], seen["active"] = servers[0].servicer.held, engine.active
+        await evaluation_after_rl(loop, servers)
 
-    loop = run_on_servers(tmp_path, [engine], cfg, trainer, prompts, 2, during=after_the_end)
-    assert seen["withdrawn"] == 4  # the in-flight cap's worth, still pending
-    assert (seen["held"], seen["active"]) == (0, 0)
+    loop = run_on_servers(tmp_path, [engine], cfg, trainer, prompts, 2, during=hook)
+    assert seen == {"ended": True, "withdrawn": 4, "active": 0, "asked": 0}
     assert loop.gate.in_flight == 0
-    end = [e for e in read_ledger(tmp_path / "ledger.jsonl") if e["event"] == "end"][-1]
-    assert len(end["pending"]) == 4 + len(loop._buffer)
+    pending = [e for e in read_ledger(tmp_path / "ledger.jsonl") if e["event"] == "end"][-1][
+        "pending"]
+    assert len(pending) == 4 + len(loop._buffer)
+    assert trainer.saved[-1][1]["pending"] == pending  # the last checkpoint keeps them too
     assert_nothing_lost(tmp_path / "ledger.jsonl", prompts)
 
 

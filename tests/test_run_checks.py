@@ -309,6 +309,23 @@ def test_a_train_refused_after_sft_names_the_setting_it_changed(tmp_path, capsys
             in capsys.readouterr().err)
 
 
+def test_no_tiny_section_is_the_default_one_when_settings_are_compared(tmp_path):
+    # Run directories recorded the tiny section's defaults before it became optional: every
+    # resume printed "tiny was {...}, now None".
+    from areal_jax.config import to_dict
+    from areal_jax.controller.prepare import changed_since_last_start
+    from areal_jax.models import TinyModelSpec
+
+    cfg = from_dict(ExperimentConfig, _config(tmp_path))
+    assert cfg.tiny is None
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.json").write_text(json.dumps(
+        {**to_dict(cfg), "tiny": to_dict(TinyModelSpec())}))
+    assert changed_since_last_start(cfg) == []
+    wider = from_dict(ExperimentConfig, _config(tmp_path, tiny={"hidden_size": 256}))
+    assert changed_since_last_start(wider) == ["tiny.hidden_size was 128, now 256"]
+
+
 def test_files_a_run_trusts_later_are_written_whole_and_a_torn_one_is_named(tmp_path,
                                                                            monkeypatch):
     import os

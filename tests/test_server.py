@@ -619,7 +619,7 @@ def test_push_weights_writes_the_files_and_loads_that_directory(tmp_path, tok_di
             kept_after_first = os.path.isdir(first_dir)
             two = await h.stub.PushWeights(push_weight_requests(second, 2, chunk_bytes=4096))
             return (one, two, first_dir, kept_after_first, h.engine.loaded, h.push_dir,
-                    os.listdir(h.push_dir))
+                    h.pushed())
 
     one, two, first_dir, kept_after_first, loaded, push_dir, left = asyncio.run(scenario())
     assert (one.version, two.version) == (1, 2)
@@ -754,7 +754,7 @@ def test_bad_pushes_are_rejected_and_leave_nothing_behind(tmp_path, tok_dir):
                 await h.stub.PushWeights(push_weight_requests(no_config, 1))
             results.append(("load", err.value.code(), err.value.details()))
             status = await h.stub.GetStatus(pb.GetStatusRequest())
-            left = os.listdir(h.push_dir)
+            left = h.pushed()
         return results, status, left
 
     results, status, left = asyncio.run(scenario())
@@ -818,7 +818,7 @@ def test_a_stalled_push_ends_at_its_idle_timeout_and_holds_no_update_back(tmp_pa
 
     async def scenario():
         async with serving(tmp_path, tok_dir, push_idle_timeout_s=2) as h:
-            return *(await _update_beside(h, stalled(), good)), os.listdir(h.push_dir)
+            return *(await _update_beside(h, stalled(), good)), h.pushed()
 
     version, waited, error, left = asyncio.run(scenario())
     assert version == 2 and waited < 1.5
@@ -848,7 +848,7 @@ def test_a_trickling_push_ends_at_its_deadline_and_holds_no_update_back(tmp_path
                            push_min_mib_per_s=size / 2**20) as h:
             start = time.monotonic()
             result = await _update_beside(h, trickle(), good)
-            return *result, time.monotonic() - start, os.listdir(h.push_dir)
+            return *result, time.monotonic() - start, h.pushed()
 
     assert len(requests) * 0.2 > 8
     version, waited, error, took, left = asyncio.run(scenario())
@@ -936,7 +936,7 @@ def test_an_update_whose_caller_gave_up_loads_to_its_end_before_the_next(tmp_pat
                 await h.stub.PushWeights(push_weight_requests(pushed, 3), timeout=1.0)
             assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             await until(lambda: engine.version == 3)
-            return update.version, os.listdir(h.push_dir)
+            return update.version, h.pushed()
 
     version, left = asyncio.run(scenario())
     assert version == 2 and engine.most_loading == 1
@@ -1020,12 +1020,31 @@ def test_non_finite_log_probs_are_an_error_not_a_result(tmp_path, tok_dir, caplo
             return groups, err.value
 
     groups, err = asyncio.run(scenario())
-    message = ("the served weights (version 0) gave non-finite log-probs: they overflow in the "
-               "forward pass; load others")
+    message = ("the served weights (version 0) gave a non-finite log-prob (weights that "
+               "overflow in the forward pass, most likely)")
     assert [(g.error.code, g.error.message) for g in groups] == [
         (grpc.StatusCode.INTERNAL.value[0], message)] * 2
     assert (err.code(), err.details()) == (grpc.StatusCode.INTERNAL, message)
-    assert caplog.text.count("gave non-finite log-probs") == 1  # once per version
+    assert caplog.text.count("gave a non-finite log-prob") == 1  # once per version
+
+
+def test_only_generated_tokens_log_probs_must_be_finite():
+    # A workflow may give the tokens it inserts any log-prob (they are not trained on).
+    from areal_jax.trajectory import Trajectory, TrajectoryGroup
+    from rollout.service import _check_group, _NonFinite
+    from rollout.workflows.base import RolloutTask
+
+    task = RolloutTask(request_id="r", prompt_ids=(5, 6), metadata={}, reward_name="exact",
+                       group_size=1, sampling=SamplingParams(4))
+    nan = float("nan")
+
+    def group(logprobs, mask):
+        return TrajectoryGroup("r", [Trajectory([5, 6], [7, 8, 9], logprobs, [3, 4, 5],
+                                                output_mask=mask)])
+
+    _check_group(group([-1.0, nan, -1.0], [1, 0, 1]), task)
+    with pytest.raises(_NonFinite, match=r"\(version 5\) gave a non-finite log-prob"):
+        _check_group(group([-1.0, nan, nan], [1, 0, 1]), task)
 
 
 def test_a_withdrawn_request_stops_generating_and_nothing_comes_back_for_it(tmp_path, tok_dir):
@@ -1474,7 +1493,9 @@ def test_push_directories_of_servers_that_are_gone_are_removed(tmp_path, monkeyp
                                                                configured):
     # A SIGKILLed server left its push directory (a whole checkpoint) for ever, and its restart
     # made another; in a configured push_dir every pushed checkpoint stayed, killed or not.
-    import socket
+    # Whether its server is gone is told by the lock it held, not by its pid: servers of
+    # several containers (one host name, separate pid namespaces) may share a push_dir.
+    import fcntl
     import tempfile
 
     from rollout.server import _fresh_push_dir
@@ -1482,28 +1503,47 @@ def test_push_directories_of_servers_that_are_gone_are_removed(tmp_path, monkeyp
     root = tmp_path / "push" if configured else tmp_path
     root.mkdir(exist_ok=True)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    host = socket.gethostname()
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
-    kept = ["areal-jax-push-1-alive", f"areal-jax-push-1@{host}-alive",  # pid 1 is alive
-            f"areal-jax-push-{gone.pid}@other-host-elsewhere"]  # another host's: not ours
-    for name in kept + [f"areal-jax-push-{gone.pid}-k1ll3d", f"areal-jax-push-{gone.pid}@{host}-x"]:
+
+    def made(name: str, lock: bool = True) -> Path:
         (root / name).mkdir()
-    fresh = Path(_fresh_push_dir(str(root) if configured else None))
-    assert fresh.parent == root and fresh.name.startswith(f"areal-jax-push-{os.getpid()}@{host}-")
-    assert sorted(p.name for p in root.iterdir()) == sorted(kept + [fresh.name])
+        if lock:
+            (root / name / ".owner.lock").touch()
+        return root / name
+
+    held = os.open(made("areal-jax-push-1@elsewhere-running") / ".owner.lock", os.O_RDWR)
+    fcntl.flock(held, fcntl.LOCK_EX)  # its server runs (in another pid namespace, say)
+    made(f"areal-jax-push-{gone.pid}@here-beingmade", lock=False)  # no lock yet: being made
+    made("areal-jax-push-1-alive", lock=False)  # an older server's: pid 1 is alive
+    made(f"areal-jax-push-{gone.pid}@elsewhere-killed")  # its lock free: gone
+    made(f"areal-jax-push-{gone.pid}-k1ll3d", lock=False)  # an older server's, its pid gone
+    try:
+        fresh, lock = _fresh_push_dir(str(root) if configured else None)
+        os.close(lock)
+    finally:
+        os.close(held)
+    fresh = Path(fresh)
+    assert fresh.parent == root and fresh.name.startswith(f"areal-jax-push-{os.getpid()}@")
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("areal-jax-push-")) == \
+        sorted(["areal-jax-push-1@elsewhere-running", f"areal-jax-push-{gone.pid}@here-beingmade",
+                "areal-jax-push-1-alive", fresh.name])
 
 
 def test_a_configured_push_dir_holds_nothing_of_a_server_that_stopped(tmp_path, tok_dir):
+    # Its own directory inside push_dir goes with it; push_dir itself stays a root weights
+    # may be loaded from by path (a shared export directory).
     async def scenario():
         async with serving(tmp_path, tok_dir, push_dir=str(tmp_path / "push")) as h:
             inside = list((tmp_path / "push").iterdir())
-            await h.stub.GetStatus(pb.GetStatusRequest())
-        return inside
+            shared = write_checkpoint(tmp_path / "push" / "exports" / "v1", "v1")
+            update = await h.stub.UpdateWeights(pb.UpdateWeightsRequest(path=str(shared),
+                                                                        version=1))
+        return inside, update.version
 
-    inside = asyncio.run(scenario())
-    assert len(inside) == 1 and inside[0].name.startswith("areal-jax-push-")
-    assert list((tmp_path / "push").iterdir()) == []
+    inside, version = asyncio.run(scenario())
+    assert len(inside) == 1 and inside[0].name.startswith("areal-jax-push-") and version == 1
+    assert [p.name for p in (tmp_path / "push").iterdir()] == ["exports"]
 
 
 def test_an_engine_that_does_not_start_is_one_line_from_serve(tmp_path, capsys):

@@ -185,11 +185,13 @@ class LocalServers:
 
     def stop(self, timeout_s: float = 20.0) -> None:
         """SIGTERM every server (graceful shutdown), then SIGKILL stragglers. A stopped
-        (SIGSTOP) server is continued so that it takes the SIGTERM at once."""
+        (SIGSTOP) server is continued, with its process group, so that it takes the SIGTERM at
+        once."""
         for e in self._procs:
             if e.proc.poll() is None:
                 e.proc.send_signal(signal.SIGTERM)
-                e.proc.send_signal(signal.SIGCONT)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(e.proc.pid, signal.SIGCONT)
         deadline = time.monotonic() + timeout_s
         for e in self._procs:
             try:

@@ -278,7 +278,8 @@ class RLLoop:
                                     on_published=lambda v, t: self._fill())
         self._busy_fractions()
         try:
-            self._fill()
+            if self.version < total_steps:  # a finished run started again asks for nothing
+                self._fill()
             while self.version < total_steps:
                 wait_start = time.monotonic()
                 batch = await self._next_batch()
@@ -293,6 +294,8 @@ class RLLoop:
                 t1 = time.monotonic()
                 metrics.update(step_metrics)
                 self.version = self.trainer.version
+                if self.version >= total_steps:  # before the last evaluation and checkpoint
+                    self._end_submissions()
                 if self.ledger is not None:
                     self.ledger.record("train", version=self.version,
                                        prompts=[f.item.id for f in batch])
@@ -310,8 +313,7 @@ class RLLoop:
                 self.on_step(self.version, metrics)
                 if every_ckpt and (self.version % every_ckpt == 0 or self.version == total_steps):
                     await asyncio.to_thread(checkpoint, self.state_dict())
-            self._ended = True  # what is still in flight is pending; nothing more is asked for
-            self._withdraw_in_flight()
+            self._end_submissions()
             await self._publisher.flush()
             if self.ledger is not None:
                 self.ledger.record("end", version=self.version, pending=self.pending_ids(),
@@ -320,9 +322,11 @@ class RLLoop:
             self._ended = True
             await self._publisher.close()
 
-    def _withdraw_in_flight(self) -> None:
-        """Take back the groups still generating: the servers stop on them (the final
-        evaluation has them to itself) and they stay pending, sent again if the run goes on."""
+    def _end_submissions(self) -> None:
+        """The last version is trained: ask for nothing more, and take back the groups still
+        generating. The servers stop on them (the evaluation after RL has the servers to
+        itself) and they stay pending, sent again if the run goes on."""
+        self._ended = True
         withdrawn = sorted(self._in_flight.items())
         self._in_flight.clear()
         self._retry[:0] = [item for _, item in withdrawn]

@@ -19,6 +19,7 @@ from areal_jax.data.config import DatasetConfig
 from areal_jax.experiment import ExperimentConfig
 from areal_jax.files import read_json, write_atomic
 from areal_jax.models.config import ModelConfigError
+from areal_jax.models.tiny import TinyModelSpec
 from areal_jax.models.tokenizer import check_vocabulary
 from areal_jax.protocol.runs import MAX_RUN_ID_CHARS, is_run_id
 
@@ -247,6 +248,9 @@ def changed_since_last_start(cfg: ExperimentConfig, keys: Sequence[str] | None =
     if recorded is None:
         return []
     current = to_dict(cfg)
+    for config in (recorded, current):  # no tiny section is the default one (older records)
+        if config.get("tiny") is None:
+            config["tiny"] = to_dict(TinyModelSpec())
     if keys is None:
         keys = sorted({*recorded, *current} - {"run_dir"})
     return [d for key in keys for d in _differences(key, recorded.get(key), current.get(key))]

@@ -70,6 +70,7 @@ def place(tree, shardings, may_alias: bool | None = None):
     """``jax.device_put(tree, shardings)``; with several processes, from host copies: an array
     on one local device cannot seed an array over several processes' devices (with one device
     per process the result held a two-device shard that checkpointing could not take)."""
-    if jax.process_count() > 1:
-        tree = jax.device_get(tree)
+    if jax.process_count() > 1:  # arrays already over several processes' devices stay
+        tree = jax.tree.map(lambda x: x if not getattr(x, "is_fully_addressable", True)
+                            else jax.device_get(x), tree)
     return jax.device_put(tree, shardings, may_alias=may_alias)

@@ -199,8 +199,13 @@ class Checkpointer:
                         "are not verified", where)
         else:
             found = checksums(state)
-            altered = [name for name in sorted(expected.keys() | found.keys())
-                       if found.get(name) != expected.get(name)]
+            unlisted = sorted(found.keys() - expected.keys())
+            if unlisted:
+                more = f" and {len(unlisted) - 3} more" if len(unlisted) > 3 else ""
+                raise CheckpointCorruptError(
+                    f"{where}: its metadata holds no checksum for {', '.join(unlisted[:3])}"
+                    f"{more}: not the metadata written with these arrays")
+            altered = [name for name in expected if found.get(name) != expected[name]]
             if altered:
                 more = f" and {len(altered) - 3} more arrays" if len(altered) > 3 else ""
                 raise CheckpointCorruptError(

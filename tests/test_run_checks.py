@@ -165,6 +165,31 @@ def test_a_model_path_without_a_hugging_face_config_names_the_setting(tmp_path, 
             "Traceback" not in err)
 
 
+def test_eval_needs_only_the_held_out_reward(tmp_path, capsys, monkeypatch):
+    # The training reward, a module of the training machine, had to import for `eval` too.
+    from areal_jax.controller import evaluation
+    from areal_jax.models import TinyModelSpec, build_tiny_model
+
+    seen = []
+
+    async def evaluated(cfg, models):
+        seen.append(cfg.dataset.reward)
+        return [{"eval/accuracy": 1.0, "eval/response_length": 3.0}]
+
+    monkeypatch.setattr(evaluation, "evaluate_checkpoints", evaluated)
+    held_out = {"dataset": {"path": str(tmp_path / "train.jsonl"), "reward": "math",
+                            "metadata_fields": {"answer": "answer"}}}
+    cfg = _config(tmp_path, dataset={"reward": "not_installed_here.rewards:score"},
+                  eval=held_out)
+    model = build_tiny_model(tmp_path / "model", TinyModelSpec(
+        hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
+        max_position_embeddings=128, tokenizer_vocab_size=300))
+    assert main(["eval", "--config", _write(tmp_path, cfg), "--model", str(model)]) == 0
+    assert seen == ["math"] and '"eval/accuracy": 1.0' in capsys.readouterr().out
+    assert main(["train", "--config", _write(tmp_path, cfg)]) == 2  # training still needs it
+    assert "not_installed_here" in capsys.readouterr().err
+
+
 def test_an_unknown_reward_name_is_refused(tmp_path, capsys):
     cfg = _config(tmp_path, dataset={"reward": "nmath"})
     assert main(["train", "--config", _write(tmp_path, cfg)]) == 2

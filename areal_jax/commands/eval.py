@@ -23,6 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import asyncio
+    import dataclasses
     import json
     from pathlib import Path
 
@@ -36,6 +37,10 @@ def run(args: argparse.Namespace) -> int:
     from areal_jax.trainer import list_exports
 
     cfg = load_config(ExperimentConfig, args.config, args.overrides)
+    if cfg.eval.dataset is not None:  # the training reward plays no part: neither checked
+        # nor imported by the servers (it may live in a package this machine lacks)
+        cfg = dataclasses.replace(cfg, dataset=dataclasses.replace(
+            cfg.dataset, reward=cfg.eval.dataset.reward))
     preflight(cfg)
     if args.model is not None:
         model = check_model_dir(Path(args.model), "--model")

@@ -65,15 +65,37 @@ def _push_failure(error: Exception) -> tuple[grpc.StatusCode, str]:
 _DONE = object()
 
 
-MAX_UNREAD_REPLIES = 256  # per Rollout stream, before the server stops reading its requests
+# Per Rollout stream, replies not sent yet (the client's flow-control window is full) before
+# the server stops reading its requests: a count, and their bytes (a reply may be up to
+# max_message_mb).
+MAX_UNREAD_REPLIES = 256
+MAX_UNREAD_BYTES = 256 << 20
 PUSH_DRAIN_S = 2.0  # how long the rest of a rejected push is read before the status is sent
 
 
-async def _until_read(replies: asyncio.Queue) -> None:
-    """Wait while a stream's client has ``MAX_UNREAD_REPLIES`` replies it has not read: the
-    server reads no further request meanwhile (gRPC flow control then holds the client), so a
-    client that sends without reading cannot grow the server's memory without bound."""
-    while replies.qsize() >= MAX_UNREAD_REPLIES:
+class _Replies(asyncio.Queue):
+    """A Rollout stream's replies waiting to be sent, their bytes counted in ``bytes``."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+
+    def _put(self, item):
+        super()._put(item)
+        self.bytes += item.ByteSize() if isinstance(item, pb.TrajectoryGroup) else 0
+
+    def _get(self):
+        item = super()._get()
+        self.bytes -= item.ByteSize() if isinstance(item, pb.TrajectoryGroup) else 0
+        return item
+
+
+async def _until_read(replies: _Replies) -> None:
+    """Wait while a stream's client has ``MAX_UNREAD_REPLIES`` replies, or
+    ``MAX_UNREAD_BYTES`` of them, it has not read: the server reads no further request
+    meanwhile (gRPC flow control then holds the client), so a client that sends without
+    reading cannot grow the server's memory without bound."""
+    while replies.qsize() >= MAX_UNREAD_REPLIES or replies.bytes >= MAX_UNREAD_BYTES:
         await asyncio.sleep(0.02)
 
 
@@ -182,7 +204,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         self._ended = asyncio.Event()
         self._draining = False
         self._lease = RunLease(config.run_lease_s)
-        self._streams: set[asyncio.Queue] = set()  # the replies of each open Rollout stream
+        self._streams: set[_Replies] = set()  # the replies of each open Rollout stream
         self._instance_id = uuid.uuid4().hex  # tells the trainer this process from a restart
         self._non_finite_versions: set[int] = set()  # logged once each (``_warn_non_finite``)
 
@@ -261,7 +283,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         if self.closing:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"server is closing: {self._end[1]}")
         run = await self._caller(context)
-        out: asyncio.Queue = asyncio.Queue()
+        out = _Replies()
         if self._draining:  # its client learns it first: what it sends is turned away unrun
             out.put_nowait(_draining_group(""))
         tasks: set[asyncio.Task] = set()
@@ -280,7 +302,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             for task in tasks:
                 task.cancel()
 
-    async def _read(self, requests: AsyncIterator, out: asyncio.Queue, tasks: set) -> None:
+    async def _read(self, requests: AsyncIterator, out: _Replies, tasks: set) -> None:
         """Admit each request of one stream; put ``_DONE`` once all its groups are out."""
         jobs: dict[str, asyncio.Task] = {}  # by request_id, the groups in flight
         try:
@@ -326,7 +348,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                 await asyncio.gather(*tasks, return_exceptions=True)
             out.put_nowait(_DONE)
 
-    async def _run_group(self, task: RolloutTask, out: asyncio.Queue, place: _Place) -> None:
+    async def _run_group(self, task: RolloutTask, out: _Replies, place: _Place) -> None:
         admitted = time.monotonic()
         try:
             await self._admission.start()

@@ -33,7 +33,7 @@ from areal_jax.experiment import ExperimentConfig
 from areal_jax.controller.rollout_pool import RolloutPool
 from areal_jax.protocol import SERVICE_NAME, group_from_proto, push_weight_requests
 from areal_jax.protocol import rollout_pb2 as pb
-from rollout import engines, weight_intake
+from rollout import engines, service, weight_intake
 from rollout.service import PUSH_DRAIN_S
 from rollout.weight_intake import PushStream
 from rollout.admission import Admission, AdmissionClosed
@@ -270,14 +270,18 @@ def test_duplicate_request_id_in_flight_is_rejected(tmp_path, tok_dir):
     assert not second.HasField("error")
 
 
-def test_a_client_that_never_reads_its_replies_is_held_back(tmp_path, tok_dir, monkeypatch):
+@pytest.mark.parametrize("bound", ["MAX_UNREAD_REPLIES", "MAX_UNREAD_BYTES"])
+def test_a_client_that_never_reads_its_replies_is_held_back(tmp_path, tok_dir, monkeypatch,
+                                                           bound):
     # Invalid requests were answered into an unbounded per-stream queue, each echoing its
     # request_id (1 MB ones grew the server by 620 MB over 600 requests). Now the echo is at
     # most 256 characters, and once the client's receive window is full and MAX_UNREAD_REPLIES
-    # replies wait, the server stops reading the stream, so the client's writes block.
-    from rollout import service
-
-    monkeypatch.setattr(service, "MAX_UNREAD_REPLIES", 8)
+    # replies, or MAX_UNREAD_BYTES of them, wait, the server stops reading the stream, so the
+    # client's writes block. (Replies may be up to max_message_mb each: a count alone let 256
+    # of them wait.)
+    monkeypatch.setattr(service, bound, 8 if bound == "MAX_UNREAD_REPLIES" else 8 * 300)
+    other = "MAX_UNREAD_BYTES" if bound == "MAX_UNREAD_REPLIES" else "MAX_UNREAD_REPLIES"
+    monkeypatch.setattr(service, other, 10**9)  # only the bound under test binds
     bulky = pb.RolloutRequest(request_id="x" * 1000, prompt_ids=[7] * 100_000)  # no params
     small_window = [("grpc.http2.bdp_probe", 0)]  # the client's window stays at 64 KiB
 
@@ -988,7 +992,7 @@ def test_a_group_cancelled_before_it_ran_gives_its_admission_place_back(tmp_path
                     for job in tasks:  # the stream ends before the job's first step
                         job.cancel()
 
-                await asyncio.wait_for(servicer._read(requests(), asyncio.Queue(), tasks), 5)
+                await asyncio.wait_for(servicer._read(requests(), service._Replies(), tasks), 5)
                 await asyncio.sleep(0)  # the jobs' done callbacks
                 assert (admission.queued, admission.running) == (0, 0), i
             groups = await rollout(h.stub, [rollout_request("after", prompt="1+1=")])

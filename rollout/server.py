@@ -315,8 +315,8 @@ async def start_server(
             scorer, reward_names = _reward_pool(config.rewards)
             closers.append(scorer.close)
         push_dir, push_lock = _fresh_push_dir(config.push_dir)
-        closers.append(lambda: (shutil.rmtree(push_dir, ignore_errors=True),
-                                os.close(push_lock)))
+        closers.append(lambda: os.close(push_lock))  # closers run last first: after the rmtree
+        closers.append(lambda: shutil.rmtree(push_dir, ignore_errors=True))
         await engine.start()
         try:
             if tokenizer is None:  # the engine's vocabulary is known once it started

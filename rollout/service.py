@@ -15,6 +15,7 @@ request that still arrives comes back unrun the same way, for its client to send
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import errno
@@ -74,20 +75,22 @@ PUSH_DRAIN_S = 2.0  # how long the rest of a rejected push is read before the st
 
 
 class _Replies(asyncio.Queue):
-    """A Rollout stream's replies waiting to be sent, their bytes counted in ``bytes``."""
+    """A Rollout stream's replies waiting to be sent, their bytes counted in ``bytes`` (each
+    reply's size computed once)."""
 
     def __init__(self):
         super().__init__()
         self.bytes = 0
+        self._sizes: collections.deque[int] = collections.deque()
 
     def _put(self, item):
         super()._put(item)
-        self.bytes += item.ByteSize() if isinstance(item, pb.TrajectoryGroup) else 0
+        self._sizes.append(item.ByteSize() if isinstance(item, pb.TrajectoryGroup) else 0)
+        self.bytes += self._sizes[-1]
 
     def _get(self):
-        item = super()._get()
-        self.bytes -= item.ByteSize() if isinstance(item, pb.TrajectoryGroup) else 0
-        return item
+        self.bytes -= self._sizes.popleft()
+        return super()._get()
 
 
 async def _until_read(replies: _Replies) -> None:

@@ -97,6 +97,9 @@ class ServerConfig:
     # message bytes of admitted (queued and running) requests; then reading stops (one request
     # is admitted whatever its size when none is held)
     max_admitted_mb: int = 512
+    # Rollout streams open at once (a client needs one per server); one more is refused with
+    # RESOURCE_EXHAUSTED
+    max_rollout_streams: int = 64
     tls_cert_path: str | None = None  # PEM; with tls_key_path turns on TLS
     tls_key_path: str | None = None
     auth_token: str | None = None  # clients must send "authorization: Bearer <token>"
@@ -136,6 +139,7 @@ class ServerConfig:
             "max_group_size",
             "max_message_mb",
             "max_admitted_mb",
+            "max_rollout_streams",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")

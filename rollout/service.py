@@ -68,37 +68,67 @@ _DONE = object()
 
 # Per Rollout stream, replies not sent yet (the client's flow-control window is full) before
 # the server stops reading its requests: a count, and their bytes (a reply may be up to
-# max_message_mb).
+# max_message_mb); and the bytes of all streams together, past which every stream with a reply
+# waiting stops reading (streams are at most ``max_rollout_streams``).
 MAX_UNREAD_REPLIES = 256
 MAX_UNREAD_BYTES = 256 << 20
+MAX_UNREAD_BYTES_ALL_STREAMS = 512 << 20
 PUSH_DRAIN_S = 2.0  # how long the rest of a rejected push is read before the status is sent
 
 
-class _Replies(asyncio.Queue):
-    """A Rollout stream's replies waiting to be sent, their bytes counted in ``bytes`` (each
-    reply's size computed once)."""
+class _Unsent:
+    """The bytes of the replies waiting to be sent on all of a server's Rollout streams."""
 
     def __init__(self):
+        self.bytes = 0
+
+
+class _Replies(asyncio.Queue):
+    """A Rollout stream's replies waiting to be sent, their bytes counted in ``bytes`` and in
+    the server's ``unsent`` (each reply's size computed once)."""
+
+    def __init__(self, unsent: _Unsent):
         super().__init__()
         self.bytes = 0
+        self.unsent = unsent
+        self.closed = False
         self._sizes: collections.deque[int] = collections.deque()
 
     def _put(self, item):
+        if self.closed:  # its client is gone: nothing will take it
+            return
         super()._put(item)
         self._sizes.append(item.ByteSize() if isinstance(item, pb.TrajectoryGroup) else 0)
         self.bytes += self._sizes[-1]
+        self.unsent.bytes += self._sizes[-1]
 
     def _get(self):
-        self.bytes -= self._sizes.popleft()
+        size = self._sizes.popleft()
+        self.bytes -= size
+        self.unsent.bytes -= size
         return super()._get()
+
+    def close(self) -> None:
+        """Drop the replies left, and any put from now on: the stream closed."""
+        while not self.empty():
+            self.get_nowait()
+        self.closed = True
+
+
+def _held_back(replies: _Replies) -> bool:
+    """Whether a stream's client has ``MAX_UNREAD_REPLIES`` replies, or ``MAX_UNREAD_BYTES``
+    of them, it has not read, or has some while all streams together have
+    ``MAX_UNREAD_BYTES_ALL_STREAMS``."""
+    return (replies.qsize() >= MAX_UNREAD_REPLIES or replies.bytes >= MAX_UNREAD_BYTES
+            or (replies.bytes > 0 and replies.unsent.bytes >= MAX_UNREAD_BYTES_ALL_STREAMS))
 
 
 async def _until_read(replies: _Replies) -> None:
-    """Wait while a stream's client has ``MAX_UNREAD_REPLIES`` replies, or
-    ``MAX_UNREAD_BYTES`` of them, it has not read: the server reads no further request
-    meanwhile (gRPC flow control then holds the client), so a client that sends without
-    reading cannot grow the server's memory without bound."""
-    while replies.qsize() >= MAX_UNREAD_REPLIES or replies.bytes >= MAX_UNREAD_BYTES:
+    """Wait while the stream is ``_held_back``: the server reads no further request meanwhile
+    (gRPC flow control then holds the client), so clients that send without reading cannot
+    grow the server's memory without bound, and a client that reads is not held back by one
+    that does not (until its own replies wait too)."""
+    while _held_back(replies):
         await asyncio.sleep(0.02)
 
 
@@ -208,6 +238,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         self._draining = False
         self._lease = RunLease(config.run_lease_s)
         self._streams: set[_Replies] = set()  # the replies of each open Rollout stream
+        self._unsent = _Unsent()
         self._instance_id = uuid.uuid4().hex  # tells the trainer this process from a restart
         self._non_finite_versions: set[int] = set()  # logged once each (``_warn_non_finite``)
 
@@ -286,7 +317,13 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         if self.closing:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"server is closing: {self._end[1]}")
         run = await self._caller(context)
-        out = _Replies()
+        if len(self._streams) >= self._config.max_rollout_streams:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the server has max_rollout_streams ({self._config.max_rollout_streams}) "
+                "Rollout streams open: close one (a client needs one stream per server) or raise "
+                "max_rollout_streams")
+        out = _Replies(self._unsent)
         if self._draining:  # its client learns it first: what it sends is turned away unrun
             out.put_nowait(_draining_group(""))
         tasks: set[asyncio.Task] = set()
@@ -304,6 +341,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             reader.cancel()
             for task in tasks:
                 task.cancel()
+            out.close()
 
     async def _read(self, requests: AsyncIterator, out: _Replies, tasks: set) -> None:
         """Admit each request of one stream; put ``_DONE`` once all its groups are out."""

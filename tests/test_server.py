@@ -270,44 +270,100 @@ def test_duplicate_request_id_in_flight_is_rejected(tmp_path, tok_dir):
     assert not second.HasField("error")
 
 
-@pytest.mark.parametrize("bound", ["MAX_UNREAD_REPLIES", "MAX_UNREAD_BYTES"])
+_UNREAD_BOUNDS = ["MAX_UNREAD_REPLIES", "MAX_UNREAD_BYTES", "MAX_UNREAD_BYTES_ALL_STREAMS"]
+_BULKY = pb.RolloutRequest(request_id="x" * 1000, prompt_ids=[7] * 100_000)  # no params
+_SMALL_WINDOW = [("grpc.http2.bdp_probe", 0)]  # the client's window stays at 64 KiB
+
+
+async def _write_without_reading(call, sent: list[int], limit: int = 600) -> None:
+    while sent[0] < limit:
+        await call.write(_BULKY)
+        sent[0] += 1
+
+
+@pytest.mark.parametrize("bound", _UNREAD_BOUNDS)
 def test_a_client_that_never_reads_its_replies_is_held_back(tmp_path, tok_dir, monkeypatch,
                                                            bound):
     # Invalid requests were answered into an unbounded per-stream queue, each echoing its
     # request_id (1 MB ones grew the server by 620 MB over 600 requests). Now the echo is at
     # most 256 characters, and once the client's receive window is full and MAX_UNREAD_REPLIES
-    # replies, or MAX_UNREAD_BYTES of them, wait, the server stops reading the stream, so the
-    # client's writes block. (Replies may be up to max_message_mb each: a count alone let 256
-    # of them wait.)
+    # replies, or MAX_UNREAD_BYTES of them (on the stream, or on all streams together), wait,
+    # the server stops reading the stream, so the client's writes block. (Replies may be up to
+    # max_message_mb each: a count alone let 256 of them wait.)
+    for name in _UNREAD_BOUNDS:  # only the bound under test binds
+        monkeypatch.setattr(service, name, 10**9)
     monkeypatch.setattr(service, bound, 8 if bound == "MAX_UNREAD_REPLIES" else 8 * 300)
-    other = "MAX_UNREAD_BYTES" if bound == "MAX_UNREAD_REPLIES" else "MAX_UNREAD_REPLIES"
-    monkeypatch.setattr(service, other, 10**9)  # only the bound under test binds
-    bulky = pb.RolloutRequest(request_id="x" * 1000, prompt_ids=[7] * 100_000)  # no params
-    small_window = [("grpc.http2.bdp_probe", 0)]  # the client's window stays at 64 KiB
 
     async def scenario():
         async with serving(tmp_path, tok_dir, channel_factory=lambda t: grpc.aio.insecure_channel(
-                t, options=small_window)) as h:
+                t, options=_SMALL_WINDOW)) as h:
             call = h.stub.Rollout()
             sent = [0]
-
-            async def writer():
-                while sent[0] < 600:
-                    await call.write(bulky)
-                    sent[0] += 1
-
-            writing = asyncio.create_task(writer())
+            writing = asyncio.create_task(_write_without_reading(call, sent))
             await asyncio.wait({writing}, timeout=3.0)  # 600 x 100 KB unhindered: well under
             held_at = sent[0]
             first = await call.read()
             call.cancel()
             await asyncio.gather(writing, return_exceptions=True)
-            return held_at, first
+            await asyncio.sleep(0.1)  # the stream's end reaches the server
+            return held_at, first, h.server.servicer._unsent.bytes
 
-    sent, first = asyncio.run(scenario())
+    sent, first, unsent_after = asyncio.run(scenario())
     assert 8 <= sent < 600, sent
     assert (first.error.field, first.request_id) == ("request_id", "x" * 256)
     assert first.error.message == "request_id: 1000 characters, at most 256"
+    assert unsent_after == 0  # a closed stream's replies no longer count
+
+
+def test_a_client_that_reads_is_not_held_back_by_one_that_does_not(tmp_path, tok_dir,
+                                                                   monkeypatch):
+    # Each stream's bound alone let N streams hold N x 256 MiB of unsent replies; the bound on
+    # all streams together holds back only the streams that have replies waiting.
+    for name in _UNREAD_BOUNDS:
+        monkeypatch.setattr(service, name, 10**9)
+    monkeypatch.setattr(service, "MAX_UNREAD_BYTES_ALL_STREAMS", 8 * 300)
+
+    async def scenario():
+        async with serving(tmp_path, tok_dir, channel_factory=lambda t: grpc.aio.insecure_channel(
+                t, options=_SMALL_WINDOW)) as h:
+            stuck, sent = h.stub.Rollout(), [0]
+            writing = asyncio.create_task(_write_without_reading(stuck, sent))
+            await asyncio.wait({writing}, timeout=3.0)
+            held_at = sent[0]
+            unsent = h.server.servicer._unsent.bytes
+            # another client, reading its replies, gets every one of them meanwhile
+            replies = await asyncio.wait_for(rollout(h.stub, [
+                rollout_request(f"r{i}", prompt="1+1=") for i in range(20)]), 30)
+            stuck.cancel()
+            await asyncio.gather(writing, return_exceptions=True)
+            return held_at, unsent, replies
+
+    held_at, unsent, replies = asyncio.run(scenario())
+    assert held_at < 600 and unsent >= 8 * 300
+    assert sorted(r.request_id for r in replies) == sorted(f"r{i}" for i in range(20))
+    assert not any(r.HasField("error") for r in replies)
+
+
+def test_streams_past_max_rollout_streams_are_refused(tmp_path, tok_dir):
+    async def scenario():
+        async with serving(tmp_path, tok_dir, max_rollout_streams=2) as h:
+            first, second = h.stub.Rollout(), h.stub.Rollout()
+            for call in (first, second):
+                await call.write(rollout_request(f"open-{id(call)}", prompt="1+1="))
+                await call.read()  # the server has the stream open
+            third = h.stub.Rollout()
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await third.read()
+            first.cancel()
+            await asyncio.sleep(0.1)
+            after = await rollout(h.stub, [rollout_request("again", prompt="1+1=")])
+            second.cancel()
+            return refused.value, after
+
+    refused, (after,) = asyncio.run(scenario())
+    assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "max_rollout_streams (2)" in refused.details()
+    assert not after.HasField("error")  # a stream closed makes room
 
 
 def test_generate_streams_tokens_then_the_finish_reason(tmp_path, tok_dir):
@@ -992,7 +1048,8 @@ def test_a_group_cancelled_before_it_ran_gives_its_admission_place_back(tmp_path
                     for job in tasks:  # the stream ends before the job's first step
                         job.cancel()
 
-                await asyncio.wait_for(servicer._read(requests(), service._Replies(), tasks), 5)
+                replies = service._Replies(service._Unsent())
+                await asyncio.wait_for(servicer._read(requests(), replies, tasks), 5)
                 await asyncio.sleep(0)  # the jobs' done callbacks
                 assert (admission.queued, admission.running) == (0, 0), i
             groups = await rollout(h.stub, [rollout_request("after", prompt="1+1=")])

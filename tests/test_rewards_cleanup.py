@@ -1,6 +1,7 @@
 """The reward pool kills what a killed worker's sandboxes left, and sizes code calls' limits."""
 
 import asyncio
+import json
 import os
 import shutil
 import signal
@@ -14,7 +15,7 @@ import uuid
 import pytest
 
 from _procs import alive
-from areal_jax.rewards import RewardPool, sandbox
+from areal_jax.rewards import RewardPool, code_tests, sandbox
 from areal_jax.rewards.pool import SCRATCH_PREFIX
 from areal_jax.rewards.code_tests import time_budget_s
 from areal_jax.rewards.sandbox import SandboxLimits, reap_scratch_root, run_python
@@ -143,6 +144,11 @@ def test_metadata_cannot_lift_the_sandbox_limits_or_hold_a_worker_past_max_call_
     with pytest.raises(ValueError, match="513 cases, at most 512"):
         time_budget_s({"tests": tests * 513})
     assert time_budget_s({"tests": tests, "timeout_s": 60, "memory_mb": 8192}) == 61.0
+    # A JSON string decodes to many times its size, on the server's event loop: bounded too.
+    huge = "[" + ",".join(["[]"] * (code_tests.MAX_TESTS_CHARS // 3 + 1)) + "]"
+    with pytest.raises(ValueError, match=f"metadata 'tests': {len(huge)} characters, at most "
+                                         f"{code_tests.MAX_TESTS_CHARS}"):
+        time_budget_s({"tests": huge})
     with pytest.raises(ValueError, match="max_call_s must be >= timeout_s"):
         RewardPool(1, timeout_s=2.0, max_call_s=1.0)
     sleeper = "```python\nimport time\ntime.sleep(30)\nprint(1)\n```"
@@ -152,6 +158,20 @@ def test_metadata_cannot_lift_the_sandbox_limits_or_hold_a_worker_past_max_call_
         start = time.monotonic()  # a budget of 10 x 31 s, cut at max_call_s
         assert pool.score_sync("code", sleeper, {"tests": tests * 10, "timeout_s": 30}) == 0.0
         assert pool.num_timeouts == 1 and time.monotonic() - start < 10
+
+
+def test_a_groups_tests_string_is_decoded_once_for_its_time_limit(monkeypatch):
+    # Every sample of a group is scored with the same metadata; its budget decoded the JSON
+    # again for each (63 MiB of it: 4 s of the server's event loop per sample).
+    decoded = []
+    monkeypatch.setattr(code_tests.json, "loads",
+                        lambda text, _loads=json.loads: decoded.append(1) or _loads(text))
+    text = json.dumps([{"input": str(i), "output": str(i)} for i in range(5)])
+    for _ in range(8):
+        assert time_budget_s({"tests": text, "timeout_s": 2}) == 5 * 3.0
+    assert len(decoded) == 1
+    assert time_budget_s({"tests": text + " ", "timeout_s": 2}) == 5 * 3.0  # another text
+    assert len(decoded) == 2
 
 
 def test_a_new_pool_reaps_the_scratch_of_a_killed_one(tmp_path, monkeypatch):

@@ -6,13 +6,15 @@ is appended to the solution and must exit with status 0. Outputs are compared li
 trailing whitespace ignored. Optional ``metadata["timeout_s"]`` and ``metadata["memory_mb"]`` set
 the per-test wall-clock and memory limits (defaults: ``SandboxLimits``; at most
 ``MAX_TEST_TIMEOUT_S`` and ``MAX_TEST_MEMORY_MB``, since metadata may come from a client), and
-a problem has at most ``MAX_TEST_CASES`` cases; ``time_budget_s`` tells the reward pool how long
-a call may take with them. The solution is the last fenced code block of
+a problem has at most ``MAX_TEST_CASES`` cases, and a string ``tests`` at most
+``MAX_TESTS_CHARS`` characters; ``time_budget_s`` tells the reward pool how long a call may take
+with them. The solution is the last fenced code block of
 the completion (```python ... ``` preferred), or the whole completion when it has no fence.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 
@@ -24,6 +26,9 @@ RUN_OVERHEAD_S = 1.0  # interpreter start-up and clean-up of one sandbox run, be
 MAX_TEST_TIMEOUT_S = 60.0
 MAX_TEST_MEMORY_MB = 8192
 MAX_TEST_CASES = 512
+# A string ``tests`` is decoded on the rollout server's event loop to size a call's time limit;
+# JSON decodes to many times its size, so its length is bounded as well.
+MAX_TESTS_CHARS = 8 << 20
 _FENCE = re.compile(r"```([A-Za-z0-9_+-]*)[ \t]*\n(.*?)```", re.DOTALL)
 
 
@@ -41,6 +46,9 @@ def extract_code(completion: str) -> str:
 def parse_tests(tests) -> list[dict] | str:
     """Normalise ``metadata["tests"]`` to a list of I/O cases or a string of test code."""
     if isinstance(tests, str):
+        if len(tests) > MAX_TESTS_CHARS:
+            raise ValueError(f"metadata 'tests': {len(tests)} characters, at most "
+                             f"{MAX_TESTS_CHARS}")
         stripped = tests.strip()
         if stripped.startswith("["):
             try:
@@ -112,11 +120,21 @@ def limits_from_metadata(metadata: dict) -> SandboxLimits:
     return SandboxLimits(**overrides)
 
 
+def _sandbox_runs(tests) -> int:
+    tests = parse_tests(tests)
+    _check_case_count(tests)
+    return 1 if isinstance(tests, str) else len(tests)
+
+
+# The samples of a group share their metadata: its ``tests`` string is decoded once, not once
+# per sample (a few entries, since each holds its string).
+_sandbox_runs_of_text = functools.lru_cache(maxsize=4)(_sandbox_runs)
+
+
 def time_budget_s(metadata: dict) -> float:
     """Longest legitimate time of one call: sandbox runs × (per-test timeout + start-up)."""
-    tests = parse_tests(metadata["tests"])
-    _check_case_count(tests)
-    runs = 1 if isinstance(tests, str) else len(tests)
+    tests = metadata["tests"]
+    runs = _sandbox_runs_of_text(tests) if isinstance(tests, str) else _sandbox_runs(tests)
     return runs * (limits_from_metadata(metadata).timeout_s + RUN_OVERHEAD_S)
 
 

@@ -76,3 +76,28 @@ def test_a_server_refuses_a_tokenizer_larger_than_its_models_vocabulary(model_di
                                           rf"tokens, more than the model's vocab_size {len(VOCAB)}"):
         asyncio.run(main())
     assert engine.closed  # stopped again
+
+
+def test_a_tokenizer_naming_custom_code_is_refused_without_running_it(model_dir, tmp_path,
+                                                                      monkeypatch):
+    # A tokenizer directory without a config.json (engine.tokenizer_path may name one) whose
+    # tokenizer_config.json names its own class through auto_map: transformers asked on stdin
+    # whether to run the directory's code, and imported it on "y".
+    import io
+    import json
+
+    evil = shutil.copytree(model_dir, tmp_path / "evil")
+    (evil / "config.json").unlink()
+    config = json.loads((evil / "tokenizer_config.json").read_text())
+    config.update(auto_map={"AutoTokenizer": ["evil_tok.EvilTokenizer", None]},
+                  tokenizer_class="EvilTokenizer")
+    (evil / "tokenizer_config.json").write_text(json.dumps(config))
+    marker = tmp_path / "ran"
+    (evil / "evil_tok.py").write_text(
+        f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n"
+        "from transformers import PreTrainedTokenizerFast\n"
+        "class EvilTokenizer(PreTrainedTokenizerFast):\n    pass\n")
+    monkeypatch.setattr("sys.stdin", io.StringIO("y\n"))
+    with pytest.raises(ModelConfigError, match="tokenizer_path: cannot load a tokenizer .*custom"):
+        load_tokenizer(evil, 300, "tokenizer_path")
+    assert not marker.exists()

@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
 
     spec = TinyModelSpec(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TinyModelSpec)})
     path = build_tiny_model(args.out_dir, spec)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     model, _ = load_hf_model(path)
     ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}],
                                         add_generation_prompt=True, tokenize=True, return_dict=False)

@@ -50,7 +50,7 @@ def load_tokenizer(path: str | Path, vocab_size: int | None, where: str | None =
     where = where or str(path)
     check_vocabulary(path, where)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     except Exception as e:  # noqa: BLE001 - whatever a malformed file makes the loader raise
         # (a tokenizer.json nested too deep: RecursionError), the run stops naming the setting
         raise ModelConfigError(f"{where}: cannot load a tokenizer from {path}: "

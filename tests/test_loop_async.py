@@ -1229,6 +1229,50 @@ def test_a_server_listed_again_while_it_leaves_stays_with_its_groups(tmp_path, c
     assert "refused" not in caplog.text
 
 
+def test_a_request_parked_while_the_only_server_leaves_runs_once_it_is_listed_again(
+        tmp_path, caplog):
+    # Only a server's (re)opened stream routed the requests parked while no server took work,
+    # and the one listed again before it left was never reopened: what was submitted in
+    # between waited for good (a server alive, the no-server timeout never came either), its
+    # slot of the staleness gate held.
+    slow = ArithmeticEngine(step_s=0.3)
+    listing = tmp_path / "servers.txt"
+
+    async def until(condition, what):
+        deadline = time.monotonic() + 30
+        while not condition():
+            assert time.monotonic() < deadline, what
+            await asyncio.sleep(0.01)
+
+    async def main():
+        servers = await start_servers(tmp_path, [slow])
+        (a,) = addresses(servers)
+        listing.write_text(f"{a}\n")
+        pool = RolloutPool([], options=PoolOptions(rejoin_interval_s=0.05,
+                                                   no_server_timeout_s=2.0),
+                           addresses_file=listing)
+        await pool.start()
+        pool.record_weights(exports_dir(tmp_path) / "base", 0)
+        try:
+            held = [pool.submit(rollout_request(item, f"{i}:x", "exact", 2, 6, 1.0))
+                    for i, item in enumerate(items(2))]
+            await until(lambda: slow.active, "the server never generated")
+            listing.write_text("# none for now\n")
+            await until(lambda: "no longer listed" in caplog.text, "not unlisted")
+            parked = pool.submit(rollout_request(items(3)[2], "2:y", "exact", 2, 6, 1.0))
+            listing.write_text(f"{a}\n")
+            await until(lambda: "listed again" in caplog.text, "not listed again")
+            await asyncio.gather(*held)
+            return await asyncio.wait_for(parked, 10.0)
+        finally:
+            await pool.close()
+            for server in servers:
+                await server.stop(grace=0)
+
+    group = asyncio.run(main())
+    assert not group.HasField("error") and len(group.trajectories) == 2
+
+
 def test_a_server_joining_later_with_too_short_a_context_stays_out_of_the_pool(tmp_path, caplog):
     # The context check ran once, at the start: a server that joined later (down at the start,
     # or restarted with other settings) took the run's requests and rejected the long ones,

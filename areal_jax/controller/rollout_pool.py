@@ -295,6 +295,10 @@ class RolloutPool:
         server.alive, server.draining = True, False
         server.progress_at, server.tokens_seen = time.monotonic(), -1
         server.reader = asyncio.create_task(self._read(server, server.call))
+        self._route_parked()
+
+    def _route_parked(self) -> None:
+        """A server takes work again: route the requests parked while none did."""
         self._none_live_since = None
         parked, self._parked = self._parked, []
         for request in parked:
@@ -602,6 +606,7 @@ class RolloutPool:
                 self._servers.append(self._leaving.pop(id(back[0])))
                 log.warning("rollout server %s is listed again in %s; it stays in the pool",
                             address, path)
+                self._route_parked()
             elif address not in present:
                 self._servers.append(_Server(address))
                 log.warning("rollout server %s was added to the pool (%s); it gets work once "

@@ -192,12 +192,14 @@ class ServerConfig:
         return f"{host}:{port}"
 
     def allowed_weight_roots(self, push_dir: str) -> list[str]:
-        """Real paths of the directories UpdateWeights may load from (see the field)."""
-        roots = self.weights_allowed_roots or [
-            push_dir,
-            os.path.dirname(os.path.realpath(self.engine.model_path)),
-        ]
-        return [os.path.realpath(root) for root in roots]
+        """Real paths of the directories UpdateWeights may load from (see the field). By
+        default the directory holding ``engine.model_path``, or the model's own directory where
+        that is the filesystem's root (``/model`` in a container must not open every path)."""
+        if self.weights_allowed_roots:
+            return [os.path.realpath(root) for root in self.weights_allowed_roots]
+        model = os.path.realpath(self.engine.model_path)
+        parent = os.path.dirname(model)
+        return [os.path.realpath(push_dir), model if parent == os.path.dirname(parent) else parent]
 
     def resolve_auth_token(self) -> str | None:
         """The shared token, read from the environment when ``auth_token_env`` names it."""

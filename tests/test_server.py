@@ -37,7 +37,7 @@ from rollout import engines, service, weight_intake
 from rollout.service import PUSH_DRAIN_S
 from rollout.weight_intake import PushStream
 from rollout.admission import Admission, AdmissionClosed
-from rollout.config import EngineConfig
+from rollout.config import EngineConfig, ServerConfig
 from rollout.engine import InvalidParamError, SamplingParams
 from rollout.server import _reward_pool, serve, start_server
 from rollout.timing import ActivityClock
@@ -755,6 +755,16 @@ def test_update_weights_loads_only_under_the_allowed_roots(tmp_path, tok_dir, tm
         assert details.startswith("path: ") and "is not under weights_allowed_roots" in details
     assert f"real path {outside}" in link[1]
     assert ok == 1 and outside_ok == 2
+
+
+def test_a_model_at_the_filesystem_root_does_not_open_every_path():
+    # model_path /model (a container's mount) made its parent, /, a default root: UpdateWeights
+    # could load any directory on the host.
+    config = EngineConfig(model_path="/model")
+    roots = ServerConfig(engine=config).allowed_weight_roots("/tmp/push")
+    assert roots == [os.path.realpath("/tmp/push"), "/model"]
+    nested = ServerConfig(engine=EngineConfig(model_path="/models/m")).allowed_weight_roots("/p")
+    assert nested == ["/p", "/models"]
 
 
 def test_a_remote_host_needs_a_token_or_an_explicit_opt_out(tmp_path, tok_dir, caplog):

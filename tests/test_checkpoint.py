@@ -125,6 +125,11 @@ def _meta_missing_a_checksum(step_dir):
     (step_dir / "meta" / "metadata").write_text(json.dumps(meta))
 
 
+def _meta_checksums_not_a_mapping(step_dir):
+    meta = json.loads((step_dir / "meta" / "metadata").read_text())
+    (step_dir / "meta" / "metadata").write_text(json.dumps({**meta, "_array_checksums": []}))
+
+
 def _meta_of_another_version(step_dir):
     meta = json.loads((step_dir / "meta" / "metadata").read_text())
     (step_dir / "meta" / "metadata").write_text(json.dumps({**meta, "version": 1 << 40}))
@@ -151,6 +156,8 @@ def two_checkpoints(tmp_path_factory):
     (_delete_item, "its array metadata cannot be read"),
     (_meta_missing_a_checksum, "its metadata holds no checksum for .*: not the metadata "
                                "written with these arrays"),
+    # an AttributeError, not a damaged checkpoint: no fallback
+    (_meta_checksums_not_a_mapping, "its metadata's _array_checksums is a list, not a mapping"),
     # a KeyError traceback, and a version the servers refused as out of range
     (_meta_without_version, "its metadata names version None, not the step's 2"),
     (_meta_of_another_version, "its metadata names version 1099511627776, not the step's 2"),

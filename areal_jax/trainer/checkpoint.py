@@ -197,6 +197,9 @@ class Checkpointer:
         if expected is None:
             log.warning("%s was written without checksums (by an older version): its arrays "
                         "are not verified", where)
+        elif not isinstance(expected, dict):
+            raise CheckpointCorruptError(f"{where}: its metadata's {_CHECKSUMS} is a "
+                                         f"{type(expected).__name__}, not a mapping")
         else:
             found = checksums(state)
             unlisted = sorted(found.keys() - expected.keys())

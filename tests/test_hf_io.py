@@ -55,6 +55,26 @@ def test_export_reproduces_every_tensor_exactly_in_source_dtype(tmp_path):
     np.testing.assert_allclose(hf_logits(reloaded, tokens), hf_logits(ref_bf16, tokens), atol=1e-5)
 
 
+def test_layers_saved_in_bfloat16_and_float16_load_as_transformers_loads_them(tmp_path):
+    # numpy does not promote bfloat16 with float16: a DTypePromotionError naming no tensor.
+    from areal_jax.models.safetensors_io import save_safetensors
+
+    ref = hf_model("qwen2", seed=5)
+    save_hf_model(ref, tmp_path / "mixed", dtype=torch.bfloat16)
+    path = tmp_path / "mixed" / "model.safetensors"
+    tensors = {name: np.array(SafetensorsFile(path).get(name))
+               for name in SafetensorsFile(path).keys()}
+    name = "model.layers.1.mlp.up_proj.weight"
+    tensors[name] = tensors[name].astype(np.float16)
+    save_safetensors(path, tensors)
+    assert SafetensorsFile(path).dtype(name) == np.float16
+    model, _ = load_hf_model(tmp_path / "mixed")
+    export_hf(model, tmp_path / "out")
+    tokens = np.random.RandomState(1).randint(0, 97, size=(1, 12))
+    np.testing.assert_allclose(hf_logits(_load_torch(tmp_path / "out"), tokens),
+                               hf_logits(_load_torch(tmp_path / "mixed"), tokens), atol=1e-5)
+
+
 def test_export_replaces_an_earlier_export_atomically_and_nothing_else(tmp_path):
     model, _ = load_hf_model(save_hf_model(hf_model("llama", seed=1), tmp_path / "src"))
     export_hf(model, tmp_path / "out", max_shard_bytes=20_000)  # an earlier, sharded export

@@ -187,6 +187,16 @@ def _cast(x: jax.Array, dtype: np.dtype) -> tuple[jax.Array, jax.Array | None]:
     return y, (jnp.isfinite(y).all() if narrowing else None)
 
 
+def _widest(dtypes) -> np.dtype:
+    """The dtype that holds every one of ``dtypes`` exactly: numpy's promotion, or float32 for
+    a mix numpy does not promote (bfloat16 beside float16)."""
+    dtypes = list(dtypes)
+    try:
+        return np.result_type(*dtypes)
+    except TypeError:  # numpy's DTypePromotionError
+        return np.dtype(np.float32)
+
+
 def _place(files: WeightFiles, m: TensorMap, names: list[str], full_shape: tuple[int, ...],
            sharding, dtype: np.dtype) -> jax.Array:
     """Parameter ``m`` on its sharding, in ``dtype``.
@@ -195,7 +205,7 @@ def _place(files: WeightFiles, m: TensorMap, names: list[str], full_shape: tuple
     among the layers of a mixed checkpoint); a cast, where one is needed, runs on device.
     """
     layer_shape = full_shape[1:] if m.stacked else full_shape
-    source = np.result_type(*(files.dtype(n) for n in names))
+    source = _widest(files.dtype(n) for n in names)
     cache: dict[int, np.ndarray] = {}
 
     def layer(i: int) -> np.ndarray:

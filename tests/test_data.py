@@ -124,6 +124,20 @@ def test_plain_prompts_without_chat_template(tmp_path):
         PromptDataset(DatasetConfig(path=str(path)), tok, "eval.dataset")
 
 
+def test_a_chat_template_that_raises_is_named_with_its_setting(tmp_path):
+    # A raw jinja2 TemplateError traceback, naming neither the dataset nor system_prompt.
+    refusing = ("{% if messages[0]['role'] == 'system' %}"
+                "{{ raise_exception('System role not supported') }}{% endif %}" + CHAT_TEMPLATE)
+    tok = _tokenizer(chat_template=refusing)
+    path = _write_jsonl(tmp_path / "m.jsonl", MATH_ROWS)
+    with pytest.raises(DatasetError, match=r"^eval.dataset: the tokenizer's chat template failed: "
+                                           r"TemplateError: System role not supported \(it was "
+                                           r"given eval.dataset.system_prompt"):
+        PromptDataset(DatasetConfig(path=str(path), system_prompt="Be brief."), tok,
+                      "eval.dataset")
+    assert len(PromptDataset(DatasetConfig(path=str(path)), tok)) == 3  # no system turn: fine
+
+
 def test_long_prompts_are_dropped_and_counted(tmp_path, tokenizer, caplog):
     rows = [*MATH_ROWS, {"question": "What is 2+3? " * 40, "answer": "5"}]
     path = _write_jsonl(tmp_path / "m.jsonl", rows)

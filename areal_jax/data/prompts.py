@@ -32,13 +32,28 @@ def render_prompts(
                 else []
             )
             chats = [[*system, {"role": "user", "content": u}] for u in users]
-            texts = tokenizer.apply_chat_template(chats, add_generation_prompt=True, tokenize=False)
-            ids = tokenizer.apply_chat_template(
-                chats, add_generation_prompt=True, tokenize=True, return_dict=False
-            )
+            texts, ids = _apply_chat_template(tokenizer, chats, config, section)
         else:
             prefix = f"{config.system_prompt}\n" if config.system_prompt else ""
             texts = [prefix + u for u in users]
             ids = tokenizer(texts)["input_ids"]
         out.extend((text, [int(t) for t in row]) for text, row in zip(texts, ids, strict=True))
     return out
+
+
+def _apply_chat_template(tokenizer, chats: list, config: DatasetConfig, section: str):
+    """(texts, token ids) of ``chats`` through the tokenizer's chat template; a template that
+    raises (``raise_exception``, as many do for a system turn they do not support) or fails is
+    a ``ValueError`` naming the section."""
+    import jinja2
+
+    try:
+        texts = tokenizer.apply_chat_template(chats, add_generation_prompt=True, tokenize=False)
+        ids = tokenizer.apply_chat_template(chats, add_generation_prompt=True, tokenize=True,
+                                            return_dict=False)
+    except (jinja2.TemplateError, TypeError, KeyError, IndexError) as e:
+        hint = (f" (it was given {section}.system_prompt: the template may not take a system "
+                f"turn; leave system_prompt empty)" if config.system_prompt else "")
+        raise ValueError(f"{section}: the tokenizer's chat template failed: {type(e).__name__}: "
+                         f"{e!s:.300}{hint}; or set {section}.use_chat_template=false") from e
+    return texts, ids

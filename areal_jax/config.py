@@ -198,6 +198,8 @@ def load_config(cls: type[T], path: str | Path | None, overrides: list[str] = ()
                               f"{e.start})") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {path}: not valid YAML ({_yaml_problem(e)})") from None
+        except RecursionError:  # the parser recurses once per level of nesting
+            raise ConfigError(f"config file {path}: nested too deep to read") from None
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {path} must hold a mapping at the top level")
         data = loaded or {}

@@ -87,6 +87,10 @@ def test_aliases_that_expand_a_config_without_bound_or_into_itself_are_refused(t
     itself.write_text("name: x\ntags: &t [a, *t]\n")
     with pytest.raises(ConfigError, match="an alias at line 2 makes the document contain itself"):
         load_config(Experiment, itself)
+    deep = tmp_path / "deep.yaml"  # the parser recursed into a raw RecursionError
+    deep.write_text("name: x\ntags: " + "[" * 5000 + "]" * 5000 + "\n")
+    with pytest.raises(ConfigError, match="deep.yaml: nested too deep to read"):
+        load_config(Experiment, deep)
     shared = tmp_path / "shared.yaml"  # aliases as people use them stay fine
     shared.write_text("name: x\ntags: &t [a, b]\noptim: {lr: &lr 0.001}\nextra: {lr: *lr}\n")
     assert load_config(Experiment, shared).extra.lr == 0.001

@@ -259,6 +259,35 @@ def test_a_reply_over_the_message_limit_fails_only_its_group(tmp_path, tok_dir):
     assert make_pool(cfg, ["127.0.0.1:1"]).options.max_message_mb == 200
 
 
+def test_local_servers_stop_when_their_pool_cannot_be_made(tmp_path, monkeypatch):
+    # An unreadable rollout.tls_root_cert raised a raw OSError after the local servers had
+    # started, and nothing stopped them until the controller exited.
+    from areal_jax.controller import servers as servers_module
+
+    stopped = []
+
+    class Started:
+        addresses = ["127.0.0.1:1"]
+
+        def stop(self):
+            stopped.append(True)
+
+    monkeypatch.setattr(servers_module, "launch_local", lambda *a, **k: Started())
+    cfg = from_dict(ExperimentConfig, {
+        "run_dir": str(tmp_path / "run"), "model_path": "tiny",
+        "dataset": {"path": "d.jsonl", "reward": "math"},
+        "rollout": {"tls_root_cert": str(tmp_path / "no-such-ca.pem")}})
+
+    async def scenario():
+        async with servers_module.rollout_servers(cfg, tmp_path, 0):
+            pass
+
+    with pytest.raises(ConfigError, match=r"rollout.tls_root_cert: cannot read .*no-such-ca.pem: "
+                                          r"No such file"):
+        asyncio.run(scenario())
+    assert stopped == [True]
+
+
 def test_duplicate_request_id_in_flight_is_rejected(tmp_path, tok_dir):
     async def scenario():
         async with serving(tmp_path, tok_dir, engine=ArithmeticEngine(step_s=0.02)) as h:

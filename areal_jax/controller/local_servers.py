@@ -19,7 +19,6 @@ import subprocess
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from types import MappingProxyType
 
 import yaml
 
@@ -157,12 +156,15 @@ class LocalServers:
         return [e.index for e in self._procs if e.proc.poll() is not None]
 
     def restart_exited(self, max_restarts: int,
-                       weights: Mapping[int, tuple[int, Path] | None] = MappingProxyType({})
+                       weights: Mapping[int, tuple[int, Path] | None] | None = None
                        ) -> list[int]:
-        """Start again, on the same port, every server that exited; returns their indices.
+        """Start again, on the same port, every server that exited (with ``weights``, those
+        of them it names); returns their indices.
 
         ``weights[index]`` (version, checkpoint): what that server loads as it starts instead
-        of the checkpoint it was launched with, which the run may have pruned since. Raises
+        of the checkpoint it was launched with, which the run may have pruned since (None: that
+        one). A server that exited after ``weights`` was made waits for the next call, not
+        restarted on a checkpoint that may be gone. Raises
         ``ServerExitedError`` with the log's tail for a server that exited more than
         ``max_restarts`` times within ``RESTART_WINDOW_S``: it is failing, not flaking (rare
         crashes over a run of days are restarted each time).
@@ -170,7 +172,7 @@ class LocalServers:
         restarted = []
         now = time.monotonic()
         for e in self._procs:
-            if e.proc.poll() is None:
+            if e.proc.poll() is None or (weights is not None and e.index not in weights):
                 continue
             e.restarts = [t for t in e.restarts if now - t < RESTART_WINDOW_S]
             if len(e.restarts) >= max_restarts:
@@ -179,7 +181,7 @@ class LocalServers:
                     f"{RESTART_WINDOW_S / 60:g} minutes (last code {e.proc.returncode}); log "
                     f"tail:\n{self._log_tail(e.index)}")
             e.restarts.append(now)
-            self._launch(e, weights.get(e.index))
+            self._launch(e, weights.get(e.index) if weights is not None else None)
             restarted.append(e.index)
         return restarted
 

@@ -138,7 +138,11 @@ def make_pool(cfg: ExperimentConfig, addresses: list[str], *, addresses_file: st
 
     r = cfg.rollout
     token = os.environ.get(r.auth_token_env) if r.auth_token_env else None
-    tls = Path(r.tls_root_cert).read_bytes() if r.tls_root_cert else None
+    try:
+        tls = Path(r.tls_root_cert).read_bytes() if r.tls_root_cert else None
+    except OSError as e:
+        raise ConfigError(f"rollout.tls_root_cert: cannot read {r.tls_root_cert}: "
+                          f"{e.strerror}") from None
     options = PoolOptions(rpc_timeout_s=r.rpc_timeout_s, update_timeout_s=r.update_timeout_s,
                           rpc_retries=r.rpc_retries, rejoin_interval_s=r.rejoin_interval_s,
                           no_server_timeout_s=r.no_server_timeout_s,
@@ -291,15 +295,17 @@ async def rollout_servers(cfg: ExperimentConfig, model_path: Path, version: int,
     servers or None)``; closes and stops both on exit. ``with_trainer``: whether this process
     is a trainer sharing the servers' devices."""
     servers = launch_local(cfg, model_path, version, with_trainer)
-    pool = make_pool(cfg, servers.addresses if servers else list(cfg.rollout.addresses),
-                     addresses_file=None if servers else cfg.rollout.addresses_file,
-                     training=training, held_out=held_out, vocab_size=vocab_size,
-                     run_id=run_id)
+    pool = None
     try:
+        pool = make_pool(cfg, servers.addresses if servers else list(cfg.rollout.addresses),
+                         addresses_file=None if servers else cfg.rollout.addresses_file,
+                         training=training, held_out=held_out, vocab_size=vocab_size,
+                         run_id=run_id)
         await wait_ready(pool, servers, cfg.rollout.start_timeout_s)
         yield pool, servers
     finally:
-        await pool.close()
+        if pool is not None:
+            await pool.close()
         if servers is not None:
             servers.stop()
 

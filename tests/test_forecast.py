@@ -87,6 +87,14 @@ def test_prioritised_keys_run_first_in_the_order_given():
     assert ran == ["d", "b", "a", "c"]
 
 
+def _compiled_ahead_by(trainer, caplog) -> list[str]:
+    """The jobs ``trainer`` compiled ahead, in order, from its log (other tests' trainers,
+    their compile threads still finishing, log the same lines)."""
+    threads = {t.ident for t in trainer._ahead._threads}
+    return [r.getMessage().split(" ahead in ")[0] for r in caplog.records
+            if " ahead in " in r.getMessage() and r.thread in threads]
+
+
 def test_expected_lengths_compile_before_older_guesses_and_spare_the_first_step(caplog):
     """Sketches queue long-row shapes first; lengths like the batches to come (30 tokens)
     put their shape (6 rows of 32) ahead of them, and the first step compiles no shape."""
@@ -101,8 +109,7 @@ def test_expected_lengths_compile_before_older_guesses_and_spare_the_first_step(
         trainer.expect_lengths([30, 1], 6)
     with caplog.at_level(logging.INFO, logger="areal_jax.trainer"):
         assert trainer.wait_compiled_ahead(300)
-    compiled = [r.getMessage().split(" ahead in ")[0] for r in caplog.records
-                if " ahead in " in r.getMessage()]  # other tests' trainers may log here too
+    compiled = _compiled_ahead_by(trainer, caplog)
     first = compiled.index("compiled ('train', (6, 32))")
     assert all(compiled.index(f"compiled ('train', {s})") > first for s in sketched)
     trajs = [Trajectory([1, 2, 3, 4], list(range(5, 31)), np.zeros(26), np.zeros(26),
@@ -127,8 +134,7 @@ def test_after_a_step_the_shapes_next_to_its_own_compile_before_older_guesses(ca
     neighbours = neighbour_shapes({(6, 32)}, micro)
     guesses = [s for s in sketched if s not in neighbours]
     assert neighbours and guesses
-    compiled = [r.getMessage().split(" ahead in ")[0] for r in caplog.records
-                if " ahead in " in r.getMessage()]
+    compiled = _compiled_ahead_by(trainer, caplog)
     position = {s: compiled.index(f"compiled ('train', {s})") for s in neighbours + guesses}
     assert max(position[s] for s in neighbours) < min(position[s] for s in guesses)
     trainer.close()

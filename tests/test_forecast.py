@@ -138,3 +138,28 @@ def test_after_a_step_the_shapes_next_to_its_own_compile_before_older_guesses(ca
     position = {s: compiled.index(f"compiled ('train', {s})") for s in neighbours + guesses}
     assert max(position[s] for s in neighbours) < min(position[s] for s in guesses)
     trainer.close()
+
+
+def test_a_step_takes_parts_of_a_known_shape_and_the_new_one_once_compiled_ahead():
+    # A batch a little larger than those before compiled its new shape inside the step; now it
+    # runs as two micro-batches of the shape it knows, the new shape compiles ahead, and the
+    # next such batch uses it.
+    micro = MicroBatchConfig(token_budget=256, row_buckets=(32, 64, 256))
+    trainer = Trainer(TrainerConfig(lr=1e-2, ppo_n_minibatches=1, micro_batch=micro,
+                                    compile_ahead_in="thread"),
+                      mesh=one_device_mesh(), model=tiny_model(seed=7))
+
+    def batch(n):
+        return [TrajectoryGroup("p", [
+            Trajectory([1, 2, 3, 4], list(range(5, 31)), np.zeros(26), np.zeros(26),
+                       reward=float(i % 3)) for i in range(n)])]
+
+    first = trainer.train_on_batch(batch(4))  # 4 rows of 32
+    assert (first["packing/new_shapes"], first["packing/micro_batches"]) == (1.0, 1.0)
+    parts = trainer.train_on_batch(batch(8))  # best: 8 rows of 32, new; (4, 32) known
+    assert (parts["packing/new_shapes"], parts["packing/micro_batches"]) == (0.0, 2.0)
+    assert trainer.wait_compiled_ahead(300)
+    assert ("train", (8, 32)) in trainer._ahead.compiled()
+    whole = trainer.train_on_batch(batch(8))
+    assert (whole["packing/new_shapes"], whole["packing/micro_batches"]) == (0.0, 1.0)
+    trainer.close()

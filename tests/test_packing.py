@@ -7,9 +7,11 @@ import pytest
 
 from areal_jax.config import ConfigError, from_dict
 from areal_jax.rl.packing import (
+    MAX_SPLIT,
     MicroBatchConfig,
     choose_row_layout,
     default_row_buckets,
+    micro_batch_layouts,
     neighbour_shapes,
     pack_micro_batch,
     pack_micro_batches,
@@ -208,6 +210,33 @@ def test_known_shapes_are_reused_within_the_tolerance():
                              reuse_tolerance=9)[:2] == (64, 6)
     with pytest.raises(ValueError, match="reuse_tolerance"):
         MicroBatchConfig(reuse_tolerance=0.9)
+
+
+def test_a_micro_batch_no_known_shape_holds_is_cut_into_parts_of_one_that_does():
+    # A new shape compiles inside the step (seconds, against a step's tenths); parts of a
+    # compiled one cost no more within the tolerance, and the new shape compiles ahead.
+    cfg = MicroBatchConfig(token_budget=4096, row_buckets=(128, 256, 4096))
+    lengths = [100] * 16  # best: 16 rows of 128
+
+    def shapes(known, split=True, config=cfg):
+        return [shape for _, shape, _ in micro_batch_layouts(lengths, config, known, split)]
+
+    layouts = micro_batch_layouts(lengths, cfg, {(8, 128)})
+    assert [shape for _, shape, _ in layouts] == [(8, 128), (8, 128)]
+    members = [i for m, _, _ in layouts for i in m]
+    assert sorted(members) == list(range(16))  # every sequence once
+    assert all(len(rows) == 8 and sorted(p for row in rows for p in row) == list(range(len(m)))
+               for m, _, rows in layouts)
+    assert shapes({(8, 128)}, split=False) == [(16, 128)]  # the shape worth compiling
+    assert MAX_SPLIT == 4 and shapes({(2, 128)}) == [(16, 128)]  # 8 parts: too many
+    assert shapes({(4, 128), (8, 128)}) == [(8, 128), (8, 128)]  # the cheapest parts
+    # Parts must cost at most reuse_tolerance x the best: rows of 256 weigh more with attention.
+    attention = dataclasses.replace(cfg, attention_break_even=128)  # best costs 16*128*2
+    assert shapes({(4, 256)}, config=attention) == [(4, 256)] * 2  # 2 x 4*256*3 <= 1.5x
+    tight = dataclasses.replace(attention, reuse_tolerance=1.2)
+    assert shapes({(4, 256)}, config=tight) == [(16, 128)]
+    fixed = dataclasses.replace(cfg, mode="fixed", num_micro_batches=1)
+    assert shapes({(8, 128)}, config=fixed) == [(16, 128)]  # the baseline is never cut
 
 
 def test_random_minibatches_shapes_bounded_and_content_exact():

@@ -12,7 +12,10 @@ cost ``R * T * (1 + T / attention_break_even)`` wins: padding costs, and so do l
 since attention work per token grows with the row length. A shape the caller has already
 compiled (``known`` shapes) is taken instead when it costs at most ``reuse_tolerance`` times
 the best, so a run settles on the shapes it met first rather than compiling a new one for
-each small change of lengths. All per-token arrays
+each small change of lengths; and where no known shape holds the whole micro-batch, it is cut
+into up to ``MAX_SPLIT`` micro-batches of one known shape when they cost at most that much
+together (a new shape's programs take seconds to compile; the caller compiles them ahead, and
+uses them once they are known). All per-token arrays
 are aligned to the *predicted* token: position ``j`` holds what the model predicts there, i.e.
 the next token of the same sequence.
 """
@@ -26,6 +29,8 @@ from typing import Literal
 import numpy as np
 
 from areal_jax.trajectory import Trajectory, TrajectoryGroup
+
+MAX_SPLIT = 4  # micro-batches of a known shape that one micro-batch may be cut into
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,7 +253,7 @@ def choose_row_layout(
     longest = max(lengths)
 
     def cost(r: int, t: int) -> float:
-        return r * t * (1 + t / attention_break_even if attention_break_even else 1)
+        return layout_cost(r, t, attention_break_even)
 
     best = reuse = None
     for t in buckets:
@@ -269,6 +274,48 @@ def choose_row_layout(
     if reuse is not None and reuse[0] <= reuse_tolerance * best[0]:
         best = reuse
     return best[1], best[2], best[3]
+
+
+def layout_cost(rows: int, row_len: int, attention_break_even: int | None) -> float:
+    """Estimated cost of a micro-batch of shape (rows, row_len): its padded area, each token
+    weighted by ``1 + row_len / attention_break_even`` for attention's work."""
+    return rows * row_len * (1 + row_len / attention_break_even if attention_break_even else 1)
+
+
+def split_into_known(
+    lengths: Sequence[int],
+    known: Collection[tuple[int, int]],
+    max_cost: float,
+    row_multiple: int = 1,
+    attention_break_even: int | None = None,
+) -> list[tuple[list[int], tuple[int, int], list[list[int]]]] | None:
+    """One micro-batch of sequences of ``lengths`` tokens cut into at most ``MAX_SPLIT``
+    micro-batches of one ``known`` shape (R, T): first-fit rows of T tokens, R rows at a time,
+    the shape whose parts cost least in all (then: the fewest parts), if that is at most
+    ``max_cost``; else None.
+
+    Per part: (its sequence indices, ascending; (R, T); its rows as positions in them).
+    """
+    longest, best = max(lengths), None
+    for r, t in sorted(known):
+        if t < longest or r % row_multiple:
+            continue
+        rows = first_fit_rows(lengths, t)
+        parts = -(-len(rows) // r)
+        cost = parts * layout_cost(r, t, attention_break_even)
+        if parts <= MAX_SPLIT and cost <= max_cost and (best is None
+                                                        or (cost, parts) < best[:2]):
+            best = (cost, parts, (r, t), rows)
+    if best is None:
+        return None
+    _, _, (r, t), rows = best
+    out = []
+    for start in range(0, len(rows), r):
+        part = rows[start:start + r]
+        members = sorted(i for row in part for i in row)
+        position = {i: k for k, i in enumerate(members)}
+        out.append((members, (r, t), [[position[i] for i in row] for row in part]))
+    return out
 
 
 def padded_row_layout(
@@ -473,11 +520,14 @@ def _fill_rows(
 
 
 def micro_batch_layouts(
-    lengths: Sequence[int], cfg: MicroBatchConfig, known: Collection[tuple[int, int]] = ()
+    lengths: Sequence[int], cfg: MicroBatchConfig, known: Collection[tuple[int, int]] = (),
+    split: bool = True,
 ) -> list[tuple[list[int], tuple[int, int], list[list[int]]]]:
     """How a minibatch of sequences of ``lengths`` tokens is cut and laid out (Algorithm 1,
     or the fixed count of ``cfg.mode``), preferring ``known`` (already compiled) shapes, and
-    those of the micro-batches before, within ``cfg.reuse_tolerance``.
+    those of the micro-batches before, within ``cfg.reuse_tolerance``: one known shape holding
+    a micro-batch, or (``split``, dynamic mode) parts of one (``split_into_known``) where none
+    holds it whole. Without ``split``: the shapes worth compiling for such a minibatch.
 
     Per micro-batch: (its sequence indices, its shape (R, T), its rows as lists of positions
     in those indices). Arrays are not built: ``pack_micro_batches`` fills them.
@@ -490,12 +540,23 @@ def micro_batch_layouts(
                                   min(cfg.min_micro_batches, len(lengths)))
     layouts, known = [], set(known)
     for members in plan:
+        sizes = [lengths[i] for i in members]
         row_len, n_rows, rows = _row_layout(
-            [lengths[i] for i in members], cfg.buckets, cfg.row_multiple,
-            cfg.attention_break_even, fixed, known, cfg.reuse_tolerance,
+            sizes, cfg.buckets, cfg.row_multiple, cfg.attention_break_even, fixed, known,
+            cfg.reuse_tolerance,
         )
-        layouts.append((members, (n_rows, row_len), rows))
-        known.add((n_rows, row_len))  # the next micro-batches may share its program
+        parts = None
+        if split and not fixed and (n_rows, row_len) not in known:
+            parts = split_into_known(
+                sizes, known, cfg.reuse_tolerance * layout_cost(n_rows, row_len,
+                                                                cfg.attention_break_even),
+                cfg.row_multiple, cfg.attention_break_even)
+        if parts is None:
+            layouts.append((members, (n_rows, row_len), rows))
+            known.add((n_rows, row_len))  # the next micro-batches may share its program
+        else:
+            layouts += [([members[i] for i in part], shape, part_rows)
+                        for part, shape, part_rows in parts]
     return layouts
 
 
@@ -504,6 +565,7 @@ def pack_micro_batches(
     advantages: Sequence[float | np.ndarray],
     cfg: MicroBatchConfig,
     known: Collection[tuple[int, int]] = (),
+    split: bool = True,
 ) -> list[PackedBatch]:
     """Pack a minibatch into the micro-batches ``micro_batch_layouts`` plans for it.
 
@@ -515,7 +577,8 @@ def pack_micro_batches(
             f"advantages has {len(advantages)} entries for {len(trajectories)} trajectories"
         )
     packed = []
-    for members, shape, rows in micro_batch_layouts([t.length for t in trajectories], cfg, known):
+    for members, shape, rows in micro_batch_layouts([t.length for t in trajectories], cfg, known,
+                                                    split):
         batch = _fill_rows([trajectories[i] for i in members], [advantages[i] for i in members],
                            shape, rows)
         batch.traj_index = np.asarray(members, dtype=np.int32)

@@ -60,10 +60,11 @@ def minibatch_plan(
     cfg: MicroBatchConfig,
     order: np.ndarray,
     known: Collection[tuple[int, int]] = (),
+    split: bool = True,
 ) -> list[list[PackedBatch]]:
     """Split ``trajs`` into minibatches balanced by tokens and pack each into micro-batches
-    (preferring the ``known`` shapes and those of earlier minibatches, see
-    ``pack_micro_batches``).
+    (preferring the ``known`` shapes and those of earlier minibatches, with ``split`` in parts
+    too, see ``pack_micro_batches``).
 
     ``order`` [N] is a permutation of the trajectories; it decides ties of the balanced split,
     so equal-sized samples land in different minibatches from step to step. Each PackedBatch's
@@ -74,7 +75,7 @@ def minibatch_plan(
     plan, known = [], set(known)
     for members in split_minibatches([trajs[i] for i in order], n_minibatches):
         index = np.array([position[id(t)] for t in members], dtype=np.int32)
-        packed = pack_micro_batches(members, [advantages[i] for i in index], cfg, known)
+        packed = pack_micro_batches(members, [advantages[i] for i in index], cfg, known, split)
         for batch in packed:
             batch.traj_index = index[batch.traj_index]
             known.add(batch.shape)  # later minibatches may share its programs
@@ -88,12 +89,15 @@ def minibatch_shapes(
     cfg: MicroBatchConfig,
     order: np.ndarray,
     known: Collection[tuple[int, int]] = (),
+    split: bool = True,
 ) -> list[tuple[int, int]]:
     """The micro-batch shapes (R, T), in order, that ``minibatch_plan`` gives trajectories of
-    ``lengths`` tokens (prompt + response) under ``order``, without packing any array."""
+    ``lengths`` tokens (prompt + response) under ``order``, without packing any array; without
+    ``split``, the shapes worth compiling for them (not parts of known shapes taken meanwhile:
+    ``micro_batch_layouts``)."""
     shapes, known = [], set(known)
     for members in split_minibatches([int(lengths[i]) for i in order], n_minibatches):
-        for _, shape, _ in micro_batch_layouts(members, cfg, known):
+        for _, shape, _ in micro_batch_layouts(members, cfg, known, split):
             shapes.append(shape)
             known.add(shape)
     return shapes

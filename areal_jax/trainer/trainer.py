@@ -117,9 +117,10 @@ class Trainer:
         self._rng = jax.random.key(config.seed)
         self._version = 0
         # (R, T) shapes met, hence compiled: by the train step (log-prob forward and
-        # accumulation), and by log-prob forwards alone. Packing prefers them. Shapes compiled
-        # ahead do not steer packing: they are used when packing picks them on its own, so
-        # every process packs alike however far its background compiles got.
+        # accumulation), and by log-prob forwards alone. Packing prefers them, and in a
+        # single-process trainer the shapes compiled ahead as well (``_packing_shapes``);
+        # across processes those do not steer packing, so every process packs alike however
+        # far its background compiles got.
         self._train_shapes: set[tuple[int, int]] = set()
         self._forward_shapes: set[tuple[int, int]] = set()
         self._sft_shapes: set[tuple[int, int]] = set()  # met by SFT steps (programs of their own)
@@ -158,9 +159,11 @@ class Trainer:
         metrics.update(batch_metrics(trajs, advantages, self._version))
         rng, key = jax.random.split(self._rng)
         order = np.asarray(jax.random.permutation(key, len(trajs)))
-        plan = batches.minibatch_plan(
-            trajs, advantages, cfg.ppo_n_minibatches, self._mb_cfg, order, self._train_shapes
-        )
+        # Parts of known shapes in place of a new one only where the new one compiles ahead:
+        # else the step would take the parts for good.
+        known = self._packing_shapes()
+        plan = batches.minibatch_plan(trajs, advantages, cfg.ppo_n_minibatches, self._mb_cfg,
+                                      order, known, split=self._ahead is not None)
         self._rng = rng  # the batch is valid: from here on the step goes through
         shapes = {b.shape for mb in plan for b in mb}
         metrics["packing/new_shapes"] = float(self._claim_shapes(shapes))
@@ -180,7 +183,7 @@ class Trainer:
                    if sum(b.n_valid_tokens for b in packed) > 0]  # fmt: skip
         losses, stats, updates = zip(*jax.device_get(results))
         self._version = next_version
-        self._compile_ahead(shapes, groups, len(trajs))
+        self._compile_ahead(shapes, groups, len(trajs), self._wanted_shapes(trajs, order, known))
         stats = [s for mb in stats for s in mb]
         metrics.update(loss_metrics(stats, [sum(mb) for mb in losses], updates))
         metrics["version"] = float(self._version)
@@ -254,7 +257,7 @@ class Trainer:
             try:
                 shapes = batches.minibatch_shapes(lengths, self.config.ppo_n_minibatches,
                                                   self._mb_cfg, np.arange(len(lengths)),
-                                                  self._train_shapes)
+                                                  self._train_shapes, split=False)
             except ValueError as e:  # a guess the packing refuses: nothing to compile for it
                 log.info("sketch %d is not compiled ahead: %s", i, e)
                 continue
@@ -401,6 +404,25 @@ class Trainer:
             return AheadCompiler(fit_to_waits=on_cpu, helper=helper)
         return AheadCompiler(fit_to_waits=False, workers=self.config.compile_ahead_threads)
 
+    def _packing_shapes(self) -> set[tuple[int, int]]:
+        """The shapes packing may prefer: those met, and in a single-process trainer those
+        compiled ahead (a step loads them instead of compiling)."""
+        if self._ahead is None or jax.process_count() > 1:
+            return set(self._train_shapes)
+        ahead = {key[1] for key in self._ahead.compiled() if key[0] == "train"}
+        return self._train_shapes | ahead
+
+    def _wanted_shapes(self, trajs: Sequence[Trajectory], order: np.ndarray,
+                       known: set[tuple[int, int]]) -> list[tuple[int, int]]:
+        """The new shapes the step's batch would have used had it not taken parts of known
+        ones (``packing.split_into_known``): the next to compile ahead. Empty without
+        compiling ahead."""
+        if self._ahead is None:
+            return []
+        wanted = batches.minibatch_shapes([t.length for t in trajs], self.config.ppo_n_minibatches,
+                                          self._mb_cfg, order, known, split=False)
+        return [s for s in dict.fromkeys(wanted) if s not in known]
+
     def _claim_shapes(self, shapes: set[tuple[int, int]]) -> int:
         """Record the step's micro-batch shapes, waiting for any still compiling ahead; returns
         how many compile in this step (neither met before nor compiled ahead), each logged."""
@@ -432,21 +454,23 @@ class Trainer:
         return self._ahead.submit(key, functools.partial(self._programs.compile, key))
 
     def _compile_ahead(self, used: set[tuple[int, int]], groups: Sequence[TrajectoryGroup],
-                       n_trajectories: int) -> None:
-        """After a step on ``groups`` that used the shapes ``used``: ask, ahead of everything
-        queued before, first for the train programs the forecast ranks likeliest for batches
-        like those seen so far, then for the shapes next to ``used``."""
+                       n_trajectories: int, wanted: Sequence[tuple[int, int]] = ()) -> None:
+        """After a step on ``groups`` that used the shapes ``used`` (in place of the new shapes
+        ``wanted``): ask, ahead of everything queued before, first for the train programs of
+        ``wanted``, then those the forecast ranks likeliest for batches like those seen so far,
+        then the shapes next to ``used``."""
         if self._ahead is None:
             return
         self._forecast.observe([[t.length for t in g.trajectories] for g in groups])
-        self._queue_forecast(n_trajectories, then=neighbour_shapes(used, self._mb_cfg))
+        self._queue_forecast(n_trajectories, then=neighbour_shapes(used, self._mb_cfg),
+                             first=wanted)
 
-    def _queue_forecast(self, n_trajectories: int, then: Sequence[tuple[int, int]] = ()
-                        ) -> list[tuple[int, int]]:
-        """Queue the forecast's shapes for batches of ``n_trajectories``, then ``then``, ahead
-        of the rest in that order; returns the forecast's shapes."""
-        ranked = self._forecast.rank(n_trajectories, self._train_shapes)
-        first = list(dict.fromkeys([*ranked, *then]))
+    def _queue_forecast(self, n_trajectories: int, then: Sequence[tuple[int, int]] = (),
+                        first: Sequence[tuple[int, int]] = ()) -> list[tuple[int, int]]:
+        """Queue ``first``, the forecast's shapes for batches of ``n_trajectories``, then
+        ``then``, ahead of the rest in that order; returns the forecast's shapes."""
+        ranked = self._forecast.rank(n_trajectories, self._packing_shapes())
+        first = list(dict.fromkeys([*first, *ranked, *then]))
         self._queue_train_shapes(first)
         self._ahead.prioritise([("train", s) for s in first])
         if ranked:

@@ -666,4 +666,5 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             instance_id=self._instance_id,
             draining=self._draining,
             run_id=self._lease.run,
+            reward_names=sorted(self._reward_names),
         )

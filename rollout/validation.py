@@ -110,9 +110,9 @@ def rollout_task_from_proto(req: pb.RolloutRequest, limits: Limits) -> RolloutTa
     if req.reward_name not in limits.reward_names:
         raise InvalidParamError(
             "reward_name",
-            f"unknown reward {req.reward_name!r} (a request names one of the server's rewards, "
-            f"never a dotted path; rewards.custom adds more); available: "
-            f"{', '.join(sorted(limits.reward_names))}",
+            f"reward {req.reward_name!r} is not one of this server's (its built-ins and "
+            f"rewards.custom; a request names no code to import: add it to the server's "
+            f"rewards.custom); available: {', '.join(sorted(limits.reward_names))}",
         )
     return RolloutTask(
         request_id=req.request_id,

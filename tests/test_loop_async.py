@@ -489,7 +489,8 @@ def test_answers_too_long_to_train_on_are_rejected_not_a_crash(tmp_path, caplog)
     assert_nothing_lost(tmp_path / "ledger.jsonl", prompts)
 
     with pytest.raises(RolloutRejectedError, match=r"\d+ groups in a row were rejected, by the "
-                       r"rollout servers or as too long to train on .* a trajectory of 1\d "
+                       r"rollout servers or as too long to train on .* the last one: "
+                       r"trajectories: a trajectory of 1\d "
                        r"tokens \(prompt and answer\) is over trainer.micro_batch.token_budget"):
         run_on_servers(tmp_path / "all", [RamblingEngine(every=1)],
                        config(tmp_path / "all", {"max_staleness": 2},
@@ -1058,7 +1059,8 @@ def test_servers_whose_context_cannot_hold_the_prompts_and_answers_are_named_at_
         quickstart = Path(__file__).parent.parent / "configs" / "quickstart.yaml"
         cfg = load_config(ExperimentConfig, quickstart, [
             f"run_dir={tmp_path}", f"rollout.addresses={addresses(servers)}",
-            "sampling.max_new_tokens=30", "eval.max_new_tokens=50"])
+            "sampling.max_new_tokens=30", "eval.max_new_tokens=50", "dataset.reward=exact",
+            "eval.dataset.reward=exact"])
         try:
             async with rollout_servers(cfg, tmp_path, 0, **lengths):
                 return None
@@ -1077,6 +1079,41 @@ def test_servers_whose_context_cannot_hold_the_prompts_and_answers_are_named_at_
     assert re.match(rf"the context rollout server {address} serves \(64 tokens\) is below "
                     r"the longest held-out prompt \(15 tokens\)",
                     asyncio.run(connect(held_out=[15])))
+
+
+def test_servers_that_do_not_offer_the_runs_rewards_are_named_at_connect(tmp_path):
+    # A remote server without the training reward in its rewards.custom rejected every group
+    # in the loop (a warning each) until the run stopped after max_consecutive_rejections.
+    from areal_jax.config import ConfigError, load_config
+    from areal_jax.controller.servers import rollout_servers
+    from areal_jax.experiment import ExperimentConfig
+
+    async def connect(overrides, **lengths):
+        servers = await start_servers(tmp_path, [ArithmeticEngine()])
+        quickstart = Path(__file__).parent.parent / "configs" / "quickstart.yaml"
+        cfg = load_config(ExperimentConfig, quickstart, [
+            f"run_dir={tmp_path}", f"rollout.addresses={addresses(servers)}",
+            "sampling.max_new_tokens=30", "eval.max_new_tokens=30", "dataset.reward=exact",
+            "eval.dataset.reward=exact", *overrides])
+        try:
+            async with rollout_servers(cfg, tmp_path, 0, **lengths):
+                return None
+        except ConfigError as e:
+            return str(e)
+        finally:
+            await asyncio.gather(*(s.stop(grace=1.0) for s in servers))
+
+    mine = "mypkg.rewards:score"
+    assert asyncio.run(connect([], training=[20], held_out=[14])) is None
+    refused = asyncio.run(connect([f"dataset.reward={mine}"], training=[20], held_out=[14]))
+    assert re.fullmatch(
+        r"rollout server 127.0.0.1:\d+ does not offer the reward 'mypkg.rewards:score' "
+        r"\(dataset.reward\): it offers exact; add it to that server's rewards.custom "
+        r'\(name: "pkg.module:function"\) and start it again', refused)
+    # Only what is asked of the servers counts: an evaluation alone needs its own reward.
+    assert asyncio.run(connect([f"dataset.reward={mine}"], held_out=[14])) is None
+    assert "(eval.dataset.reward)" in asyncio.run(connect([f"eval.dataset.reward={mine}"],
+                                                          held_out=[14]))
 
 
 def test_servers_join_and_leave_a_running_pool_as_the_addresses_file_changes(
@@ -1290,7 +1327,8 @@ def test_a_server_joining_later_with_too_short_a_context_stays_out_of_the_pool(t
         cfg = load_config(ExperimentConfig, quickstart, [
             f"run_dir={tmp_path}", f"rollout.addresses={addresses(servers)}",
             f"rollout.addresses_file={tmp_path / 'more.txt'}", "sampling.max_new_tokens=30",
-            "rollout.rejoin_interval_s=0.05", "rollout.start_timeout_s=0.5"])
+            "rollout.rejoin_interval_s=0.05", "rollout.start_timeout_s=0.5",
+            "dataset.reward=exact"])
         try:
             async with rollout_servers(cfg, tmp_path, 0, training=[35]) as (pool, _):
                 servers += await start_servers(tmp_path / "short", [ArithmeticEngine(

@@ -91,3 +91,6 @@ def test_get_reward_never_imports_a_path():
     with pytest.raises(RewardNotFoundError, match=r"a path names the function after a colon: "
                                                   r"'my_project.rewards:score'"):
         get_reward("my_project.rewards.score")
+    with pytest.raises(RewardNotFoundError, match=r"or 'my_project.rewards:<function>' where "
+                                                  r"my_project.rewards is the module"):
+        get_reward("my_project.rewards")

@@ -127,6 +127,13 @@ def test_a_reward_found_only_in_the_current_directory_is_refused_for_local_serve
     monkeypatch.delenv("PYTHONPATH")
     remote = {**cfg, "rollout": {"addresses": ["localhost:1"]}}
     preflight(from_dict(ExperimentConfig, remote))
+    # A short name the remote servers define: this config must define it too, and says so.
+    short = {**cfg, "dataset": {**cfg["dataset"], "reward": "mine"},
+             "rollout": {"addresses": ["localhost:1"]}}
+    with pytest.raises(ConfigError, match=r"dataset.reward: reward 'mine' is not registered; .*"
+                                          r"\(with remote servers, list a short name in this "
+                                          r"config's rollout.server.rewards.custom too"):
+        preflight(from_dict(ExperimentConfig, short))
 
 
 def test_a_model_path_without_a_hugging_face_config_names_the_setting(tmp_path, capsys):

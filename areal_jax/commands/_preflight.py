@@ -43,7 +43,11 @@ def check_rewards(cfg: ExperimentConfig) -> None:
             try:
                 check_reward(dataset.reward, with_dataset_reward(listed, dataset.reward))
             except ConfigError as e:
-                raise ConfigError(f"{key}.reward: {e}") from e
+                remote = (" (with remote servers, list a short name in this config's "
+                          "rollout.server.rewards.custom too, name: \"pkg.module:function\", as "
+                          "in each server's)" if cfg.rollout.remote and ":" not in dataset.reward
+                          else "")
+                raise ConfigError(f"{key}.reward: {e}{remote}") from e
             if ":" in dataset.reward:
                 paths[f"{key}.reward"] = dataset.reward
     if not cfg.rollout.remote:

@@ -43,6 +43,12 @@ from areal_jax.protocol.v1 import rollout_pb2 as pb
 log = logging.getLogger(__name__)
 
 
+def _naming_its_field(err) -> str:
+    """A request error's message, led by its field (most messages already are)."""
+    field = err.field or "request"
+    return err.message if err.message.startswith(f"{field}: ") else f"{field}: {err.message}"
+
+
 class RolloutRejectedError(RuntimeError):
     """Too many consecutive groups were rejected (by the rollout servers as invalid, or as too
     long to train on)."""
@@ -211,8 +217,7 @@ class RLLoop:
             self._fatal = RolloutRejectedError(
                 f"{self._consecutive_rejected} groups in a row were rejected, by the rollout "
                 f"servers or as too long to train on (rollout.max_consecutive_rejections = "
-                f"{limit}); the last one: "
-                f"{err.field or 'request'}: {err.message}")
+                f"{limit}); the last one: {_naming_its_field(err)}")
 
     # ---- batches -------------------------------------------------------------------------
     def _drop_overstale(self) -> None:

@@ -89,6 +89,23 @@ def _check_context(cfg: ExperimentConfig, context: int, what: str, remedy: str,
             f"{section}.max_new_tokens")
 
 
+def _check_rewards(cfg: ExperimentConfig, offered: list[str], address: str,
+                   training: list[int], held_out: list[int]) -> None:
+    """Refuse a server that does not offer the reward the training requests name (with
+    ``training`` prompts) or the held-out ones (with ``held_out``): each such request would be
+    rejected. ``offered``: its status's ``reward_names`` (empty from a server too old to say)."""
+    wanted = [("dataset.reward", cfg.dataset.reward if training and cfg.schedule.total_steps
+               else None),
+              ("eval.dataset.reward", cfg.eval.dataset.reward if held_out and cfg.eval.dataset
+               else None)]
+    for setting, name in wanted:
+        if offered and name is not None and name not in offered:
+            raise ConfigError(
+                f"rollout server {address} does not offer the reward {name!r} ({setting}): it "
+                f"offers {', '.join(offered)}; add it to that server's rewards.custom "
+                f"(name: \"pkg.module:function\") and start it again")
+
+
 def check_local_engine_context(cfg: ExperimentConfig, model_path: Path, *,
                                training: list[int] = (), held_out: list[int] = ()) -> None:
     """Refuse, before anything runs, a local engine's context beyond the model's positions
@@ -122,10 +139,11 @@ def make_pool(cfg: ExperimentConfig, addresses: list[str], *, addresses_file: st
               vocab_size: int | None = None, run_id: str | None = None) -> RolloutPool:
     """The pool of ``addresses`` (and those ``addresses_file`` lists, followed as it changes),
     with the run's settings; it admits only servers whose model has ``vocab_size`` entries
-    (when given) and whose served context (``max_context_len`` of their status: remote
+    (when given), whose served context (``max_context_len`` of their status: remote
     servers, or an SGLang whose KV pool allows less than the model) holds the longest
     ``training`` and ``held_out`` prompts (token counts) and their ``max_new_tokens``
-    (``_check_context``), at the start and whenever a server joins later; ``run_id`` names the
+    (``_check_context``), and that offer the rewards those prompts name (``_check_rewards``),
+    at the start and whenever a server joins later; ``run_id`` names the
     run to the servers (``RolloutPool``)."""
     def admit(address: str, status: pb.ServerStatus) -> None:
         if vocab_size is not None and status.vocab_size != vocab_size:
@@ -135,6 +153,7 @@ def make_pool(cfg: ExperimentConfig, addresses: list[str], *, addresses_file: st
         _check_context(cfg, status.max_context_len, f"the context rollout server {address} "
                        f"serves ({status.max_context_len} tokens)", "serve a longer one there",
                        list(training), list(held_out))
+        _check_rewards(cfg, list(status.reward_names), address, list(training), list(held_out))
 
     r = cfg.rollout
     token = os.environ.get(r.auth_token_env) if r.auth_token_env else None

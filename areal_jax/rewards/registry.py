@@ -67,7 +67,8 @@ def get_reward(name: str) -> RewardFn:
         return import_path(_BUILTINS[name])
     if isinstance(name, str) and (":" in name or "." in name):
         module, _, function = name.rpartition(".")
-        hint = (f" (a path names the function after a colon: '{module}:{function}')"
+        hint = (f" (a path names the function after a colon: '{module}:{function}', or "
+                f"'{name}:<function>' where {name} is the module)"
                 if ":" not in name and module else "")
         raise RewardNotFoundError(
             f"reward {name!r} looks like a dotted path{hint}; paths must be registered in config "

@@ -214,7 +214,7 @@ class ReleaseRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerStatus(_message.Message):
-    __slots__ = ("version", "running_requests", "queued_requests", "tokens_generated", "tokens_per_second", "engine_kind", "paused", "vocab_size", "max_context_len", "engine_stats", "instance_id", "draining", "run_id")
+    __slots__ = ("version", "running_requests", "queued_requests", "tokens_generated", "tokens_per_second", "engine_kind", "paused", "vocab_size", "max_context_len", "engine_stats", "instance_id", "draining", "run_id", "reward_names")
     class EngineStatsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -235,6 +235,7 @@ class ServerStatus(_message.Message):
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    REWARD_NAMES_FIELD_NUMBER: _ClassVar[int]
     version: int
     running_requests: int
     queued_requests: int
@@ -248,4 +249,5 @@ class ServerStatus(_message.Message):
     instance_id: str
     draining: bool
     run_id: str
-    def __init__(self, version: _Optional[int] = ..., running_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., engine_kind: _Optional[str] = ..., paused: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., max_context_len: _Optional[int] = ..., engine_stats: _Optional[_Mapping[str, float]] = ..., instance_id: _Optional[str] = ..., draining: _Optional[bool] = ..., run_id: _Optional[str] = ...) -> None: ...
+    reward_names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, version: _Optional[int] = ..., running_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., engine_kind: _Optional[str] = ..., paused: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., max_context_len: _Optional[int] = ..., engine_stats: _Optional[_Mapping[str, float]] = ..., instance_id: _Optional[str] = ..., draining: _Optional[bool] = ..., run_id: _Optional[str] = ..., reward_names: _Optional[_Iterable[str]] = ...) -> None: ...

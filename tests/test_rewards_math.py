@@ -47,6 +47,12 @@ def text_reward(completion: str, metadata: dict) -> float:
     return "1.0"  # a number's text, not a number
 
 
+def returned_reward(completion: str, metadata: dict):
+    """Returns what the completion names: None, a huge number, or a metadata key's value."""
+    returned = {"none": None, "huge": 1e300, "list": [1.0]}
+    return returned[completion] if completion in returned else metadata["gold"]
+
+
 async def async_reward(completion: str, metadata: dict) -> float:
     return 1.0
 
@@ -123,7 +129,8 @@ def test_math_reward_needs_a_usable_gold_answer():
 CUSTOM = {
     name: f"{__name__}:{name}"
     for name in ("constant_reward", "raising_reward", "nan_reward", "hanging_reward",
-                 "hanging_on_request_reward", "crashing_reward", "text_reward")
+                 "hanging_on_request_reward", "crashing_reward", "text_reward",
+                 "returned_reward")
 }
 
 
@@ -181,6 +188,21 @@ def test_errors_score_zero_and_the_worker_keeps_serving(pool):
     assert pool.score_sync("text_reward", "", {}) == 0.0  # float("1.0") passed it as 1.0
     assert pool.num_errors == errors + 4
     assert pool.score_sync("test_length", "ab", {}) == 2.0
+    # What went wrong is said plainly (a None was a bare TypeError of float(); 1e300 overflowed
+    # the group's advantages into zeros; a KeyError named no key the data has).
+    def error(completion, metadata=None):
+        value, why = asyncio.run(pool.score_with_error("returned_reward", completion,
+                                                       metadata or {}))
+        return value, why and why.removeprefix("reward returned_reward failed: ")
+
+    assert error("none") == (0.0, "TypeError: reward returned None, not a number (a missing "
+                                  "return?)")
+    assert error("huge") == (0.0, "ValueError: reward returned 1e+300, beyond ±1e+09 (the "
+                                  "group's advantages would overflow): scale it down")
+    assert error("list") == (0.0, "TypeError: reward returned list [1.0], not a number")
+    assert error("x", {"answer": "1", "id": "7"}) == (
+        0.0, "KeyError: 'gold' (metadata keys: answer, id)")
+    assert error("x", {"gold": -1e9}) == (-1e9, None)  # the bound itself is a reward
 
 
 def test_hung_and_crashing_workers_are_replaced():

@@ -92,17 +92,36 @@ def _worker_main(conn, scratch: str, parent: int | None) -> None:
         try:
             if path not in functions:
                 functions[path] = import_path(path)
-            result = functions[path](completion, metadata)
-            if isinstance(result, (str, bytes)):  # float("1.0") would pass a typo's text
-                raise TypeError(f"reward returned {type(result).__name__} {result!r}, not a "
-                                "number")
-            value = float(result)
-            if not math.isfinite(value):
-                raise ValueError(f"reward returned {value}")
-            reply = ("ok", value)
+            reply = ("ok", _reward_value(functions[path](completion, metadata)))
+        except KeyError as e:  # the typical mistake: a key the dataset does not map
+            keys = ", ".join(sorted(metadata)[:20]) or "none"
+            reply = ("error", f"KeyError: {e} (metadata keys: {keys})")
         except Exception as e:  # a failing reward must not take the worker down
             reply = ("error", f"{type(e).__name__}: {e}")
         conn.send(reply)
+
+
+MAX_ABS_REWARD = 1e9  # beyond it a group's reward spread (squares) could overflow float32
+
+
+def _reward_value(result) -> float:
+    """``result`` as a reward: a finite real number within ``MAX_ABS_REWARD`` (else an error
+    saying what it was)."""
+    if result is None:
+        raise TypeError("reward returned None, not a number (a missing return?)")
+    if isinstance(result, (str, bytes)):  # float("1.0") would pass a typo's text
+        raise TypeError(f"reward returned {type(result).__name__} {result!r}, not a number")
+    try:
+        value = float(result)
+    except (TypeError, ValueError):
+        raise TypeError(f"reward returned {type(result).__name__} {result!r:.80}, not a "
+                        "number") from None
+    if not math.isfinite(value):
+        raise ValueError(f"reward returned {value}")
+    if abs(value) > MAX_ABS_REWARD:
+        raise ValueError(f"reward returned {value:g}, beyond ±{MAX_ABS_REWARD:g} (the group's "
+                         "advantages would overflow): scale it down")
+    return value
 
 
 class _Worker:

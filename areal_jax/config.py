@@ -168,8 +168,9 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         try:
             value = yaml.safe_load(raw) if raw.strip() else ""
         except yaml.YAMLError as e:
-            raise ConfigError(f"override {key}: its value is not valid YAML "
-                              f"({_yaml_problem(e)})") from None
+            raise ConfigError(f"override {key}: its value {raw!r:.200} is not valid YAML "
+                              f"({_yaml_problem(e)}); quote a value holding spaces so the shell "
+                              "passes it whole, e.g. 'key={a: 1}'") from None
         node = data
         parts = key.split(".")
         for i, part in enumerate(parts[:-1]):

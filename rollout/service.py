@@ -509,7 +509,9 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             raise Rejected(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"path: {path} (real path {real}) is not under weights_allowed_roots "
-                f"{self._weight_roots}",
+                f"{self._weight_roots}: start this server with weights_allowed_roots naming "
+                "a directory that holds it (e.g. where the trainer's run directories are), or "
+                "set the trainer's rollout.weights_transport=push",
             )
 
     def _check_version(self, version: int, force: bool, field: str = "version") -> None:

@@ -296,7 +296,8 @@ def test_yaml_that_does_not_parse_is_a_config_error_naming_where(tmp_path, capsy
     bad.write_bytes(b"run_dir: caf\xe9\n")
     with pytest.raises(ConfigError, match="bad.yaml: not valid UTF-8"):
         load_config(ExperimentConfig, bad)
-    with pytest.raises(ConfigError, match=r"override sft.steps: its value is not valid YAML"):
+    with pytest.raises(ConfigError, match=r"override sft.steps: its value '\[1' is not valid "
+                                          r"YAML .*; quote a value holding spaces"):
         load_config(ExperimentConfig, QUICKSTART, ["sft.steps=[1"])
     for command in ("train", "eval", "serve", "export"):
         extra = {"eval": ["--model", str(tmp_path)], "export": ["--out", str(tmp_path / "o")]}

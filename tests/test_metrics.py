@@ -147,7 +147,7 @@ def test_plot_command_with_few_metrics_and_custom_output(tmp_path, capsys):
 
 
 def test_plot_errors_are_clear(tmp_path, capsys):
-    assert cli_main(["plot", str(tmp_path / "missing")]) == 1
+    assert cli_main(["plot", str(tmp_path / "missing")]) == 2
     assert "metrics.jsonl does not exist" in capsys.readouterr().err
     _synthetic_run(tmp_path, ["something_else"])
     with pytest.raises(PlotError, match="none of the plotted metrics"):
@@ -158,7 +158,7 @@ def test_plot_errors_are_clear(tmp_path, capsys):
     for out, message in ((tmp_path, "not an image file name"),  # a directory
                          (tmp_path / "x.xyz", "not an image file name"),
                          (tmp_path / "a_file" / "x.png", "cannot be written")):
-        assert cli_main(["plot", str(tmp_path / "ok"), "--out", str(out)]) == 1
+        assert cli_main(["plot", str(tmp_path / "ok"), "--out", str(out)]) == 2
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err, err
     (tmp_path / METRICS_FILE).write_text('{"no_step": 1}\n')

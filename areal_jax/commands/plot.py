@@ -20,7 +20,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         out = plot_run(args.run_dir, args.out)
     except PlotError as e:
-        print(f"areal-jax plot: {e}", file=sys.stderr)
-        return 1
+        print(f"areal-jax plot: error: {e}", file=sys.stderr)
+        return 2  # a user error, as every command's
     print(out)
     return 0

@@ -167,6 +167,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             raise ConfigError(f"override {item!r} has an empty key")
         try:
             value = yaml.safe_load(raw) if raw.strip() else ""
+        except RecursionError:  # the parser recurses once per level of nesting
+            raise ConfigError(f"override {key}: its value is nested too deep to read") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"override {key}: its value {raw!r:.200} is not valid YAML "
                               f"({_yaml_problem(e)}); quote a value holding spaces so the shell "

@@ -193,8 +193,9 @@ class ServerConfig:
 
     def allowed_weight_roots(self, push_dir: str) -> list[str]:
         """Real paths of the directories UpdateWeights may load from (see the field). By
-        default the directory holding ``engine.model_path``, or the model's own directory where
-        that is the filesystem's root (``/model`` in a container must not open every path)."""
+        default ``push_dir`` and the directory holding ``engine.model_path``, or the model's own
+        directory where that is the filesystem's root (``/model`` in a container must not open
+        every path)."""
         if self.weights_allowed_roots:
             return [os.path.realpath(root) for root in self.weights_allowed_roots]
         model = os.path.realpath(self.engine.model_path)

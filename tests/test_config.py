@@ -91,6 +91,8 @@ def test_aliases_that_expand_a_config_without_bound_or_into_itself_are_refused(t
     deep.write_text("name: x\ntags: " + "[" * 5000 + "]" * 5000 + "\n")
     with pytest.raises(ConfigError, match="deep.yaml: nested too deep to read"):
         load_config(Experiment, deep)
+    with pytest.raises(ConfigError, match="override tags: its value is nested too deep"):
+        load_config(Experiment, None, ["name=x", "tags=" + "[" * 5000])
     shared = tmp_path / "shared.yaml"  # aliases as people use them stay fine
     shared.write_text("name: x\ntags: &t [a, b]\noptim: {lr: &lr 0.001}\nextra: {lr: *lr}\n")
     assert load_config(Experiment, shared).extra.lr == 0.001

@@ -163,3 +163,31 @@ def test_a_step_takes_parts_of_a_known_shape_and_the_new_one_once_compiled_ahead
     whole = trainer.train_on_batch(batch(8))
     assert (whole["packing/new_shapes"], whole["packing/micro_batches"]) == (0.0, 1.0)
     trainer.close()
+
+
+def test_a_shape_that_failed_to_compile_ahead_is_compiled_by_the_step_not_cut_for_good():
+    micro = MicroBatchConfig(token_budget=256, row_buckets=(32, 64, 256))
+    trainer = Trainer(TrainerConfig(lr=1e-2, ppo_n_minibatches=1, micro_batch=micro,
+                                    compile_ahead_in="thread"),
+                      mesh=one_device_mesh(), model=tiny_model(seed=7))
+    compile_for = trainer._programs.compile
+
+    def failing_for_eight_rows(key):
+        if key == ("train", (8, 32)):
+            raise RuntimeError("no memory for it")
+        return compile_for(key)
+
+    trainer._programs.compile = failing_for_eight_rows
+
+    def batch(n):
+        return [TrajectoryGroup("p", [
+            Trajectory([1, 2, 3, 4], list(range(5, 31)), np.zeros(26), np.zeros(26),
+                       reward=float(i % 3)) for i in range(n)])]
+
+    trainer.train_on_batch(batch(4))
+    assert trainer.train_on_batch(batch(8))["packing/micro_batches"] == 2.0  # parts, for now
+    assert trainer.wait_compiled_ahead(300)
+    assert ("train", (8, 32)) in trainer._ahead.failed()
+    whole = trainer.train_on_batch(batch(8))  # the step compiles it, as without compile-ahead
+    assert (whole["packing/new_shapes"], whole["packing/micro_batches"]) == (1.0, 1.0)
+    trainer.close()

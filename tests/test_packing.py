@@ -221,13 +221,14 @@ def test_a_micro_batch_no_known_shape_holds_is_cut_into_parts_of_one_that_does()
     def shapes(known, split=True, config=cfg):
         return [shape for _, shape, _ in micro_batch_layouts(lengths, config, known, split)]
 
-    layouts = micro_batch_layouts(lengths, cfg, {(8, 128)})
+    # Not cut by default: the shape worth compiling.
+    assert [shape for _, shape, _ in micro_batch_layouts(lengths, cfg, {(8, 128)})] == [(16, 128)]
+    layouts = micro_batch_layouts(lengths, cfg, {(8, 128)}, split=True)
     assert [shape for _, shape, _ in layouts] == [(8, 128), (8, 128)]
     members = [i for m, _, _ in layouts for i in m]
     assert sorted(members) == list(range(16))  # every sequence once
     assert all(len(rows) == 8 and sorted(p for row in rows for p in row) == list(range(len(m)))
                for m, _, rows in layouts)
-    assert shapes({(8, 128)}, split=False) == [(16, 128)]  # the shape worth compiling
     assert MAX_SPLIT == 4 and shapes({(2, 128)}) == [(16, 128)]  # 8 parts: too many
     assert shapes({(4, 128), (8, 128)}) == [(8, 128), (8, 128)]  # the cheapest parts
     # Parts must cost at most reuse_tolerance x the best: rows of 256 weigh more with attention.

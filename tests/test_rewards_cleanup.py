@@ -166,12 +166,19 @@ def test_a_groups_tests_string_is_decoded_once_for_its_time_limit(monkeypatch):
     decoded = []
     monkeypatch.setattr(code_tests.json, "loads",
                         lambda text, _loads=json.loads: decoded.append(1) or _loads(text))
-    text = json.dumps([{"input": str(i), "output": str(i)} for i in range(5)])
+    texts = [json.dumps([{"input": str(i), "output": str(g)} for i in range(5)])
+             for g in range(64)]  # 64 groups scored at once, their samples interleaved
     for _ in range(8):
-        assert time_budget_s({"tests": text, "timeout_s": 2}) == 5 * 3.0
-    assert len(decoded) == 1
-    assert time_budget_s({"tests": text + " ", "timeout_s": 2}) == 5 * 3.0  # another text
-    assert len(decoded) == 2
+        for text in texts:
+            assert time_budget_s({"tests": text, "timeout_s": 2}) == 5 * 3.0
+    assert len(decoded) == 64
+    assert time_budget_s({"tests": texts[0] + " ", "timeout_s": 2}) == 5 * 3.0  # another text
+    assert len(decoded) == 65
+    bad = "[" + "{}," * 3 + "{}]"  # cases without input and output: decoded once too
+    for _ in range(3):
+        with pytest.raises(ValueError, match=r"metadata 'tests'\[0\] must be a mapping"):
+            time_budget_s({"tests": bad})
+    assert len(decoded) == 66
 
 
 def test_a_new_pool_reaps_the_scratch_of_a_killed_one(tmp_path, monkeypatch):

@@ -45,8 +45,8 @@ def check_rewards(cfg: ExperimentConfig) -> None:
             except ConfigError as e:
                 remote = (" (with remote servers, list a short name in this config's "
                           "rollout.server.rewards.custom too, name: \"pkg.module:function\", as "
-                          "in each server's)" if cfg.rollout.remote and ":" not in dataset.reward
-                          else "")
+                          "in each server's)" if cfg.rollout.remote
+                          and not any(c in dataset.reward for c in ".:") else "")
                 raise ConfigError(f"{key}.reward: {e}{remote}") from e
             if ":" in dataset.reward:
                 paths[f"{key}.reward"] = dataset.reward

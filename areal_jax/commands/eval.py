@@ -52,8 +52,9 @@ def run(args: argparse.Namespace) -> int:
     exports = list_exports(exports_dir) if exports_dir.is_dir() else []
     if not exports:
         raise ConfigError(f"--curve: no version exports under {exports_dir}")
-    if len(exports) <= 2:
-        print(f"note: {exports_dir} keeps {len(exports)} versions only (the run's newest); a run "
+    if not cfg.trainer.export_keep_every:
+        print(f"note: with trainer.export_keep_every unset a run keeps only its newest "
+              f"{cfg.trainer.export_keep} exports ({len(exports)} under {exports_dir}); a run "
               "keeps more for its curve with trainer.export_keep_every=K", file=sys.stderr)
     results = asyncio.run(evaluate_checkpoints(cfg, [path for _, path in exports]))
     out = Path(args.curve) / EVAL_CURVE_FILE

@@ -298,7 +298,10 @@ class RolloutPool:
         self._route_parked()
 
     def _route_parked(self) -> None:
-        """A server takes work again: route the requests parked while none did."""
+        """Route the requests parked while no server took work, if one does now (a server
+        listed again may be draining: the wait for a server goes on)."""
+        if not any(s.alive and not s.draining for s in self._servers):
+            return
         self._none_live_since = None
         parked, self._parked = self._parked, []
         for request in parked:

@@ -14,7 +14,7 @@ the completion (```python ... ``` preferred), or the whole completion when it ha
 
 from __future__ import annotations
 
-import functools
+import collections
 import json
 import re
 
@@ -126,9 +126,29 @@ def _sandbox_runs(tests) -> int:
     return 1 if isinstance(tests, str) else len(tests)
 
 
-# The samples of a group share their metadata: its ``tests`` string is decoded once, not once
-# per sample (a few entries, since each holds its string).
-_sandbox_runs_of_text = functools.lru_cache(maxsize=4)(_sandbox_runs)
+# The samples of a group share their metadata, and are scored as each ends, interleaved with
+# other groups': a ``tests`` string is decoded once, not once per sample. Keyed by the string's
+# hash and length (a string caches its hash), so entries hold no string, only its outcome.
+_RUNS_OF_TEXT: collections.OrderedDict[tuple[int, int], int | ValueError] = (
+    collections.OrderedDict())
+_RUNS_OF_TEXT_ENTRIES = 1024
+
+
+def _sandbox_runs_of_text(tests: str) -> int:
+    key = (hash(tests), len(tests))
+    if key in _RUNS_OF_TEXT:
+        _RUNS_OF_TEXT.move_to_end(key)
+    else:
+        try:
+            _RUNS_OF_TEXT[key] = _sandbox_runs(tests)
+        except ValueError as e:  # a bad string is not decoded again either
+            _RUNS_OF_TEXT[key] = e
+        if len(_RUNS_OF_TEXT) > _RUNS_OF_TEXT_ENTRIES:
+            _RUNS_OF_TEXT.popitem(last=False)
+    runs = _RUNS_OF_TEXT[key]
+    if isinstance(runs, ValueError):
+        raise ValueError(str(runs))
+    return runs
 
 
 def time_budget_s(metadata: dict) -> float:

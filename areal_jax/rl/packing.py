@@ -12,10 +12,10 @@ cost ``R * T * (1 + T / attention_break_even)`` wins: padding costs, and so do l
 since attention work per token grows with the row length. A shape the caller has already
 compiled (``known`` shapes) is taken instead when it costs at most ``reuse_tolerance`` times
 the best, so a run settles on the shapes it met first rather than compiling a new one for
-each small change of lengths; and where no known shape holds the whole micro-batch, it is cut
-into up to ``MAX_SPLIT`` micro-batches of one known shape when they cost at most that much
-together (a new shape's programs take seconds to compile; the caller compiles them ahead, and
-uses them once they are known). All per-token arrays
+each small change of lengths; and, where the caller asks (``split``) and the best layout is
+a new shape, a micro-batch is cut into up to ``MAX_SPLIT`` micro-batches of one known shape
+when they cost at most that much together (a new shape's programs take seconds to compile; the
+caller compiles them ahead, and uses them once they are known). All per-token arrays
 are aligned to the *predicted* token: position ``j`` holds what the model predicts there, i.e.
 the next token of the same sequence.
 """
@@ -251,22 +251,21 @@ def choose_row_layout(
     (T, R, rows) with rows as lists of sequence indices; ``len(rows)`` is the used rows.
     """
     longest = max(lengths)
-
-    def cost(r: int, t: int) -> float:
-        return layout_cost(r, t, attention_break_even)
-
     best = reuse = None
     for t in buckets:
         if t < longest:
             continue
         rows = first_fit_rows(lengths, t)
         r = row_count_bucket(len(rows), row_multiple)
-        if best is None or cost(r, t) < best[0]:
-            best = (cost(r, t), t, r, rows)
+        cost = layout_cost(r, t, attention_break_even)
+        if best is None or cost < best[0]:
+            best = (cost, t, r, rows)
         for rk, tk in known:
-            fits = tk == t and rk >= len(rows) and rk % row_multiple == 0
-            if fits and (reuse is None or cost(rk, t) < reuse[0]):
-                reuse = (cost(rk, t), t, rk, rows)
+            if tk != t or rk < len(rows) or rk % row_multiple:
+                continue
+            cost = layout_cost(rk, t, attention_break_even)
+            if reuse is None or cost < reuse[0]:
+                reuse = (cost, t, rk, rows)
     if best is None:
         raise ValueError(
             f"a sequence of {longest} tokens exceeds the largest row bucket {buckets[-1]}"
@@ -521,13 +520,13 @@ def _fill_rows(
 
 def micro_batch_layouts(
     lengths: Sequence[int], cfg: MicroBatchConfig, known: Collection[tuple[int, int]] = (),
-    split: bool = True,
+    split: bool = False,
 ) -> list[tuple[list[int], tuple[int, int], list[list[int]]]]:
     """How a minibatch of sequences of ``lengths`` tokens is cut and laid out (Algorithm 1,
     or the fixed count of ``cfg.mode``), preferring ``known`` (already compiled) shapes, and
     those of the micro-batches before, within ``cfg.reuse_tolerance``: one known shape holding
-    a micro-batch, or (``split``, dynamic mode) parts of one (``split_into_known``) where none
-    holds it whole. Without ``split``: the shapes worth compiling for such a minibatch.
+    a micro-batch, or (``split``, dynamic mode) parts of one (``split_into_known``) where the
+    best layout is a new shape. Without ``split``: the shapes worth compiling for it.
 
     Per micro-batch: (its sequence indices, its shape (R, T), its rows as lists of positions
     in those indices). Arrays are not built: ``pack_micro_batches`` fills them.
@@ -565,7 +564,7 @@ def pack_micro_batches(
     advantages: Sequence[float | np.ndarray],
     cfg: MicroBatchConfig,
     known: Collection[tuple[int, int]] = (),
-    split: bool = True,
+    split: bool = False,
 ) -> list[PackedBatch]:
     """Pack a minibatch into the micro-batches ``micro_batch_layouts`` plans for it.
 

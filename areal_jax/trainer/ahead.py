@@ -196,6 +196,11 @@ class AheadCompiler:
         with self._cv:
             return set(self._done)
 
+    def failed(self) -> set[Hashable]:
+        """Keys whose job failed (not queued again: the step compiles them itself)."""
+        with self._cv:
+            return set(self._failed)
+
     def pending(self) -> int:
         """Jobs queued or running."""
         with self._cv:

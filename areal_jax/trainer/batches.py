@@ -60,7 +60,7 @@ def minibatch_plan(
     cfg: MicroBatchConfig,
     order: np.ndarray,
     known: Collection[tuple[int, int]] = (),
-    split: bool = True,
+    split: bool = False,
 ) -> list[list[PackedBatch]]:
     """Split ``trajs`` into minibatches balanced by tokens and pack each into micro-batches
     (preferring the ``known`` shapes and those of earlier minibatches, with ``split`` in parts
@@ -89,7 +89,7 @@ def minibatch_shapes(
     cfg: MicroBatchConfig,
     order: np.ndarray,
     known: Collection[tuple[int, int]] = (),
-    split: bool = True,
+    split: bool = False,
 ) -> list[tuple[int, int]]:
     """The micro-batch shapes (R, T), in order, that ``minibatch_plan`` gives trajectories of
     ``lengths`` tokens (prompt + response) under ``order``, without packing any array; without

@@ -159,11 +159,11 @@ class Trainer:
         metrics.update(batch_metrics(trajs, advantages, self._version))
         rng, key = jax.random.split(self._rng)
         order = np.asarray(jax.random.permutation(key, len(trajs)))
-        # Parts of known shapes in place of a new one only where the new one compiles ahead:
-        # else the step would take the parts for good.
         known = self._packing_shapes()
+        wanted = self._wanted_shapes(trajs, order, known)
         plan = batches.minibatch_plan(trajs, advantages, cfg.ppo_n_minibatches, self._mb_cfg,
-                                      order, known, split=self._ahead is not None)
+                                      order, known, split=self._may_split(wanted))
+        self._queue_first(wanted)  # compiling while this step runs, where jobs start at once
         self._rng = rng  # the batch is valid: from here on the step goes through
         shapes = {b.shape for mb in plan for b in mb}
         metrics["packing/new_shapes"] = float(self._claim_shapes(shapes))
@@ -183,7 +183,7 @@ class Trainer:
                    if sum(b.n_valid_tokens for b in packed) > 0]  # fmt: skip
         losses, stats, updates = zip(*jax.device_get(results))
         self._version = next_version
-        self._compile_ahead(shapes, groups, len(trajs), self._wanted_shapes(trajs, order, known))
+        self._compile_ahead(shapes, groups, len(trajs), wanted)
         stats = [s for mb in stats for s in mb]
         metrics.update(loss_metrics(stats, [sum(mb) for mb in losses], updates))
         metrics["version"] = float(self._version)
@@ -414,14 +414,30 @@ class Trainer:
 
     def _wanted_shapes(self, trajs: Sequence[Trajectory], order: np.ndarray,
                        known: set[tuple[int, int]]) -> list[tuple[int, int]]:
-        """The new shapes the step's batch would have used had it not taken parts of known
-        ones (``packing.split_into_known``): the next to compile ahead. Empty without
+        """The new shapes (not in ``known``) the batch packs into without taking parts of
+        known ones (``packing.split_into_known``): those to compile ahead first. Empty without
         compiling ahead."""
         if self._ahead is None:
             return []
         wanted = batches.minibatch_shapes([t.length for t in trajs], self.config.ppo_n_minibatches,
                                           self._mb_cfg, order, known, split=False)
         return [s for s in dict.fromkeys(wanted) if s not in known]
+
+    def _may_split(self, wanted: Sequence[tuple[int, int]]) -> bool:
+        """Whether the step may take parts of known shapes in place of the new ``wanted``
+        ones: only where those compile ahead and packing then prefers them (a single-process
+        trainer; across processes only the shapes met steer packing, so the parts would be
+        taken for good), and none of them failed to compile ahead."""
+        if self._ahead is None or jax.process_count() > 1:
+            return False
+        failed = self._ahead.failed()
+        return not any(("train", s) in failed for s in wanted)
+
+    def _queue_first(self, shapes: Sequence[tuple[int, int]]) -> None:
+        """Queue the train programs of ``shapes`` ahead of everything queued before."""
+        if self._ahead is not None and shapes:
+            self._queue_train_shapes(shapes)
+            self._ahead.prioritise([("train", s) for s in shapes])
 
     def _claim_shapes(self, shapes: set[tuple[int, int]]) -> int:
         """Record the step's micro-batch shapes, waiting for any still compiling ahead; returns
@@ -470,9 +486,7 @@ class Trainer:
         """Queue ``first``, the forecast's shapes for batches of ``n_trajectories``, then
         ``then``, ahead of the rest in that order; returns the forecast's shapes."""
         ranked = self._forecast.rank(n_trajectories, self._packing_shapes())
-        first = list(dict.fromkeys([*first, *ranked, *then]))
-        self._queue_train_shapes(first)
-        self._ahead.prioritise([("train", s) for s in first])
+        self._queue_first(list(dict.fromkeys([*first, *ranked, *then])))
         if ranked:
             log.info("the forecast ranks shapes %s first", ranked)
         return ranked

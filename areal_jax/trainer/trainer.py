@@ -159,6 +159,7 @@ class Trainer:
         metrics.update(batch_metrics(trajs, advantages, self._version))
         rng, key = jax.random.split(self._rng)
         order = np.asarray(jax.random.permutation(key, len(trajs)))
+        batches.check_split(trajs, cfg.ppo_n_minibatches)  # before any planning names it
         known = self._packing_shapes()
         wanted = self._wanted_shapes(trajs, order, known)
         plan = batches.minibatch_plan(trajs, advantages, cfg.ppo_n_minibatches, self._mb_cfg,

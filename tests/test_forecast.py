@@ -87,6 +87,23 @@ def test_prioritised_keys_run_first_in_the_order_given():
     assert ran == ["d", "b", "a", "c"]
 
 
+LADDER = MicroBatchConfig(token_budget=256, row_buckets=(32, 64, 256))
+
+
+def _thread_trainer() -> Trainer:
+    """A trainer of rows of 32, 64 or 256 tokens compiling ahead on a thread of its own."""
+    return Trainer(TrainerConfig(lr=1e-2, ppo_n_minibatches=1, micro_batch=LADDER,
+                                 compile_ahead_in="thread"),
+                   mesh=one_device_mesh(), model=tiny_model(seed=7))
+
+
+def _thirty_token_batch(n: int) -> list[TrajectoryGroup]:
+    """One group of ``n`` trajectories of 30 tokens (a row of 32 each)."""
+    return [TrajectoryGroup("p", [
+        Trajectory([1, 2, 3, 4], list(range(5, 31)), np.zeros(26), np.zeros(26),
+                   reward=float(i % 3)) for i in range(n)])]
+
+
 def _compiled_ahead_by(trainer, caplog) -> list[str]:
     """The jobs ``trainer`` compiled ahead, in order, from its log (other tests' trainers,
     their compile threads still finishing, log the same lines)."""
@@ -98,10 +115,7 @@ def _compiled_ahead_by(trainer, caplog) -> list[str]:
 def test_expected_lengths_compile_before_older_guesses_and_spare_the_first_step(caplog):
     """Sketches queue long-row shapes first; lengths like the batches to come (30 tokens)
     put their shape (6 rows of 32) ahead of them, and the first step compiles no shape."""
-    micro = MicroBatchConfig(token_budget=256, row_buckets=(32, 64, 256))
-    trainer = Trainer(TrainerConfig(lr=1e-2, ppo_n_minibatches=1, micro_batch=micro,
-                                    compile_ahead_in="thread"),
-                      mesh=one_device_mesh(), model=tiny_model(seed=7))
+    trainer = _thread_trainer()
     sketched = trainer.compile_ahead_for([[60] * 4])
     assert sketched[0] == (4, 64) and (6, 32) not in sketched
     assert trainer.expect_lengths([30] * 20, 6) == [(6, 32)]
@@ -112,26 +126,19 @@ def test_expected_lengths_compile_before_older_guesses_and_spare_the_first_step(
     compiled = _compiled_ahead_by(trainer, caplog)
     first = compiled.index("compiled ('train', (6, 32))")
     assert all(compiled.index(f"compiled ('train', {s})") > first for s in sketched)
-    trajs = [Trajectory([1, 2, 3, 4], list(range(5, 31)), np.zeros(26), np.zeros(26),
-                        reward=float(i % 3)) for i in range(6)]
-    assert trainer.train_on_batch([TrajectoryGroup("p", trajs)])["packing/new_shapes"] == 0.0
+    assert trainer.train_on_batch(_thirty_token_batch(6))["packing/new_shapes"] == 0.0
     trainer.close()
 
 
 def test_after_a_step_the_shapes_next_to_its_own_compile_before_older_guesses(caplog):
     """A sketch of long trajectories queues long-row shapes; a step on short ones (6 rows of
     32 tokens) then puts the shapes next to its own ahead of those guesses."""
-    micro = MicroBatchConfig(token_budget=256, row_buckets=(32, 64, 256))
-    trainer = Trainer(TrainerConfig(lr=1e-2, ppo_n_minibatches=1, micro_batch=micro,
-                                    compile_ahead_in="thread"),
-                      mesh=one_device_mesh(), model=tiny_model(seed=7))
+    trainer = _thread_trainer()
     sketched = trainer.compile_ahead_for([[200] * 2])
-    trajs = [Trajectory([1, 2, 3, 4], list(range(5, 31)), np.zeros(26), np.zeros(26),
-                        reward=float(i % 3)) for i in range(6)]
     with caplog.at_level(logging.INFO, logger="areal_jax.trainer"):
-        assert trainer.train_on_batch([TrajectoryGroup("p", trajs)])["packing/new_shapes"] == 1
+        assert trainer.train_on_batch(_thirty_token_batch(6))["packing/new_shapes"] == 1
         assert trainer.wait_compiled_ahead(300)
-    neighbours = neighbour_shapes({(6, 32)}, micro)
+    neighbours = neighbour_shapes({(6, 32)}, LADDER)
     guesses = [s for s in sketched if s not in neighbours]
     assert neighbours and guesses
     compiled = _compiled_ahead_by(trainer, caplog)
@@ -144,32 +151,21 @@ def test_a_step_takes_parts_of_a_known_shape_and_the_new_one_once_compiled_ahead
     # A batch a little larger than those before compiled its new shape inside the step; now it
     # runs as two micro-batches of the shape it knows, the new shape compiles ahead, and the
     # next such batch uses it.
-    micro = MicroBatchConfig(token_budget=256, row_buckets=(32, 64, 256))
-    trainer = Trainer(TrainerConfig(lr=1e-2, ppo_n_minibatches=1, micro_batch=micro,
-                                    compile_ahead_in="thread"),
-                      mesh=one_device_mesh(), model=tiny_model(seed=7))
+    trainer = _thread_trainer()
 
-    def batch(n):
-        return [TrajectoryGroup("p", [
-            Trajectory([1, 2, 3, 4], list(range(5, 31)), np.zeros(26), np.zeros(26),
-                       reward=float(i % 3)) for i in range(n)])]
-
-    first = trainer.train_on_batch(batch(4))  # 4 rows of 32
+    first = trainer.train_on_batch(_thirty_token_batch(4))  # 4 rows of 32
     assert (first["packing/new_shapes"], first["packing/micro_batches"]) == (1.0, 1.0)
-    parts = trainer.train_on_batch(batch(8))  # best: 8 rows of 32, new; (4, 32) known
+    parts = trainer.train_on_batch(_thirty_token_batch(8))  # best: 8 rows of 32, new; (4, 32) known
     assert (parts["packing/new_shapes"], parts["packing/micro_batches"]) == (0.0, 2.0)
     assert trainer.wait_compiled_ahead(300)
     assert ("train", (8, 32)) in trainer._ahead.compiled()
-    whole = trainer.train_on_batch(batch(8))
+    whole = trainer.train_on_batch(_thirty_token_batch(8))
     assert (whole["packing/new_shapes"], whole["packing/micro_batches"]) == (0.0, 1.0)
     trainer.close()
 
 
 def test_a_shape_that_failed_to_compile_ahead_is_compiled_by_the_step_not_cut_for_good():
-    micro = MicroBatchConfig(token_budget=256, row_buckets=(32, 64, 256))
-    trainer = Trainer(TrainerConfig(lr=1e-2, ppo_n_minibatches=1, micro_batch=micro,
-                                    compile_ahead_in="thread"),
-                      mesh=one_device_mesh(), model=tiny_model(seed=7))
+    trainer = _thread_trainer()
     compile_for = trainer._programs.compile
 
     def failing_for_eight_rows(key):
@@ -179,15 +175,10 @@ def test_a_shape_that_failed_to_compile_ahead_is_compiled_by_the_step_not_cut_fo
 
     trainer._programs.compile = failing_for_eight_rows
 
-    def batch(n):
-        return [TrajectoryGroup("p", [
-            Trajectory([1, 2, 3, 4], list(range(5, 31)), np.zeros(26), np.zeros(26),
-                       reward=float(i % 3)) for i in range(n)])]
-
-    trainer.train_on_batch(batch(4))
-    assert trainer.train_on_batch(batch(8))["packing/micro_batches"] == 2.0  # parts, for now
+    trainer.train_on_batch(_thirty_token_batch(4))
+    assert trainer.train_on_batch(_thirty_token_batch(8))["packing/micro_batches"] == 2.0  # parts, for now
     assert trainer.wait_compiled_ahead(300)
     assert ("train", (8, 32)) in trainer._ahead.failed()
-    whole = trainer.train_on_batch(batch(8))  # the step compiles it, as without compile-ahead
+    whole = trainer.train_on_batch(_thirty_token_batch(8))  # the step compiles it, as without compile-ahead
     assert (whole["packing/new_shapes"], whole["packing/micro_batches"]) == (1.0, 1.0)
     trainer.close()

@@ -1045,75 +1045,65 @@ def test_the_run_waits_for_its_first_server_as_long_as_start_timeout_s_says(tmp_
         load_config(ExperimentConfig, quickstart, ["rollout.start_timeout_s=0"])
 
 
+async def _connect_error(tmp_path, engine, overrides=(), **lengths) -> str | None:
+    """The ConfigError a trainer of the quickstart config (answers of 30 tokens, ``exact``
+    rewards, ``overrides``) meets connecting to a server of ``engine`` with prompts of
+    ``lengths`` (``rollout_servers``'s ``training`` and ``held_out``), or None."""
+    from areal_jax.config import ConfigError, load_config
+    from areal_jax.controller.servers import rollout_servers
+    from areal_jax.experiment import ExperimentConfig
+
+    servers = await start_servers(tmp_path, [engine])
+    quickstart = Path(__file__).parent.parent / "configs" / "quickstart.yaml"
+    cfg = load_config(ExperimentConfig, quickstart, [
+        f"run_dir={tmp_path}", f"rollout.addresses={addresses(servers)}",
+        "sampling.max_new_tokens=30", "eval.max_new_tokens=30", "dataset.reward=exact",
+        "eval.dataset.reward=exact", *overrides])
+    try:
+        async with rollout_servers(cfg, tmp_path, 0, **lengths):
+            return None
+    except ConfigError as e:
+        return str(e)
+    finally:
+        await asyncio.gather(*(s.stop(grace=1.0) for s in servers))
+
+
 def test_servers_whose_context_cannot_hold_the_prompts_and_answers_are_named_at_connect(
         tmp_path):
     # A remote server (or an SGLang whose KV pool serves less than the model's context)
     # rejected each long request in the loop: the prompts were skipped one by one with a
     # warning, or the run stopped after max_consecutive_rejections, with no word of the context.
-    from areal_jax.config import ConfigError, load_config
-    from areal_jax.controller.servers import rollout_servers
-    from areal_jax.experiment import ExperimentConfig
+    def connect(**lengths):
+        return asyncio.run(_connect_error(tmp_path, ArithmeticEngine(max_context_len=64),
+                                          ["eval.max_new_tokens=50"], **lengths))
 
-    async def connect(**lengths):
-        servers = await start_servers(tmp_path, [ArithmeticEngine(max_context_len=64)])
-        quickstart = Path(__file__).parent.parent / "configs" / "quickstart.yaml"
-        cfg = load_config(ExperimentConfig, quickstart, [
-            f"run_dir={tmp_path}", f"rollout.addresses={addresses(servers)}",
-            "sampling.max_new_tokens=30", "eval.max_new_tokens=50", "dataset.reward=exact",
-            "eval.dataset.reward=exact"])
-        try:
-            async with rollout_servers(cfg, tmp_path, 0, **lengths):
-                return None
-        except ConfigError as e:
-            return str(e)
-        finally:
-            await asyncio.gather(*(s.stop(grace=1.0) for s in servers))
-
-    assert asyncio.run(connect(training=[20, 34], held_out=[14])) is None
+    assert connect(training=[20, 34], held_out=[14]) is None
     address = "127.0.0.1:\\d+"
     assert re.fullmatch(
         rf"the context rollout server {address} serves \(64 tokens\) is below the longest "
         r"training prompt \(35 tokens\) \+ sampling.max_new_tokens \(30\) = 65: the "
         r"servers would reject those requests; serve a longer one there or lower "
-        r"sampling.max_new_tokens", asyncio.run(connect(training=[20, 35])))
+        r"sampling.max_new_tokens", connect(training=[20, 35]))
     assert re.match(rf"the context rollout server {address} serves \(64 tokens\) is below "
-                    r"the longest held-out prompt \(15 tokens\)",
-                    asyncio.run(connect(held_out=[15])))
+                    r"the longest held-out prompt \(15 tokens\)", connect(held_out=[15]))
 
 
 def test_servers_that_do_not_offer_the_runs_rewards_are_named_at_connect(tmp_path):
     # A remote server without the training reward in its rewards.custom rejected every group
     # in the loop (a warning each) until the run stopped after max_consecutive_rejections.
-    from areal_jax.config import ConfigError, load_config
-    from areal_jax.controller.servers import rollout_servers
-    from areal_jax.experiment import ExperimentConfig
-
-    async def connect(overrides, **lengths):
-        servers = await start_servers(tmp_path, [ArithmeticEngine()])
-        quickstart = Path(__file__).parent.parent / "configs" / "quickstart.yaml"
-        cfg = load_config(ExperimentConfig, quickstart, [
-            f"run_dir={tmp_path}", f"rollout.addresses={addresses(servers)}",
-            "sampling.max_new_tokens=30", "eval.max_new_tokens=30", "dataset.reward=exact",
-            "eval.dataset.reward=exact", *overrides])
-        try:
-            async with rollout_servers(cfg, tmp_path, 0, **lengths):
-                return None
-        except ConfigError as e:
-            return str(e)
-        finally:
-            await asyncio.gather(*(s.stop(grace=1.0) for s in servers))
+    def connect(overrides, **lengths):
+        return asyncio.run(_connect_error(tmp_path, ArithmeticEngine(), overrides, **lengths))
 
     mine = "mypkg.rewards:score"
-    assert asyncio.run(connect([], training=[20], held_out=[14])) is None
-    refused = asyncio.run(connect([f"dataset.reward={mine}"], training=[20], held_out=[14]))
+    assert connect([], training=[20], held_out=[14]) is None
+    refused = connect([f"dataset.reward={mine}"], training=[20], held_out=[14])
     assert re.fullmatch(
         r"rollout server 127.0.0.1:\d+ does not offer the reward 'mypkg.rewards:score' "
         r"\(dataset.reward\): it offers exact; add it to that server's rewards.custom "
         r'\(name: "pkg.module:function"\) and start it again', refused)
     # Only what is asked of the servers counts: an evaluation alone needs its own reward.
-    assert asyncio.run(connect([f"dataset.reward={mine}"], held_out=[14])) is None
-    assert "(eval.dataset.reward)" in asyncio.run(connect([f"eval.dataset.reward={mine}"],
-                                                          held_out=[14]))
+    assert connect([f"dataset.reward={mine}"], held_out=[14]) is None
+    assert "(eval.dataset.reward)" in connect([f"eval.dataset.reward={mine}"], held_out=[14])
 
 
 def test_servers_join_and_leave_a_running_pool_as_the_addresses_file_changes(

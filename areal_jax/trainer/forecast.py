@@ -70,8 +70,7 @@ class ShapeForecast:
             lengths = lengths[:n_trajectories]
             order = self._rng.permutation(n_trajectories)
             try:
-                shapes = minibatch_shapes(lengths, self._n_minibatches, self._cfg, order, known,
-                                          split=False)
+                shapes = minibatch_shapes(lengths, self._n_minibatches, self._cfg, order, known)
             except ValueError:  # a draw the packing refuses (e.g. over a fixed-mode budget)
                 continue
             counts.update(set(shapes) - known)

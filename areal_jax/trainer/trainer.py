@@ -258,7 +258,7 @@ class Trainer:
             try:
                 shapes = batches.minibatch_shapes(lengths, self.config.ppo_n_minibatches,
                                                   self._mb_cfg, np.arange(len(lengths)),
-                                                  self._train_shapes, split=False)
+                                                  self._train_shapes)
             except ValueError as e:  # a guess the packing refuses: nothing to compile for it
                 log.info("sketch %d is not compiled ahead: %s", i, e)
                 continue
@@ -421,7 +421,7 @@ class Trainer:
         if self._ahead is None:
             return []
         wanted = batches.minibatch_shapes([t.length for t in trajs], self.config.ppo_n_minibatches,
-                                          self._mb_cfg, order, known, split=False)
+                                          self._mb_cfg, order, known)  # whole, never in parts
         return [s for s in dict.fromkeys(wanted) if s not in known]
 
     def _may_split(self, wanted: Sequence[tuple[int, int]]) -> bool:

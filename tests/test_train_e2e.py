@@ -44,7 +44,11 @@ def _steps(run_dir):
     return [r["step"] for r in rows if "loss" in r]
 
 
-def test_train_resume_and_export(tmp_path, capsys):
+def _not_started(*args, **kwargs):
+    raise AssertionError("the RL phase started")
+
+
+def test_train_resume_and_export(tmp_path, capsys, monkeypatch):
     cfg = _config(tmp_path, total_steps=3)
     assert main(["train", "--config", str(cfg)]) == 0
     out = capsys.readouterr().out
@@ -86,6 +90,17 @@ def test_train_resume_and_export(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "measured with other eval settings" in out and "on 4 held-out prompts" in out
     assert _evaluations(run_dir) == [0, 3, 5]
+    # Run again as it was: what it recorded is said, and nothing is started to measure it.
+    recorded = (run_dir / "results.json").read_text()
+    assert json.loads(recorded)["version"] == 5
+    monkeypatch.setattr("areal_jax.controller.run.run_rl", _not_started)
+    assert main(["train", "--config", str(_config(tmp_path, total_steps=5, max_prompts=4))]) == 0
+    out = capsys.readouterr().out
+    assert "already reached version 5 (schedule.total_steps: 5): nothing to train" in out
+    assert "at version 5 (after RL, recorded): accuracy" in out and "on 4 held-out" in out
+    assert "RL changed held-out accuracy" in out
+    assert (run_dir / "results.json").read_text() == recorded
+    monkeypatch.undo()
     cfg = _config(tmp_path, total_steps=5)
     # Across both runs, every prompt the data gave is trained exactly once or still pending.
     from areal_jax.data.config import DatasetConfig

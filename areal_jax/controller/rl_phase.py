@@ -29,6 +29,7 @@ from areal_jax.trainer.publish import discard_exports_after
 log = logging.getLogger(__name__)
 
 BEFORE_RL_FILE = "eval_before_rl.json"
+RESULTS_FILE = "results.json"
 
 
 def _print_eval(label: str, result: dict) -> None:
@@ -71,6 +72,32 @@ async def _accuracy_before_rl(cfg: ExperimentConfig, version: int, run_eval,
     metrics_log.log(version, before)
     _print_eval(f"held-out accuracy at version {version} (before RL)", before)
     return before
+
+
+def recorded_results(cfg: ExperimentConfig, version: int) -> dict | None:
+    """What the finished run recorded (``results.json``) if it finished at ``version`` with
+    this config's eval settings, else None (a run stopped in its last evaluation records
+    nothing; other eval settings measure again)."""
+    try:
+        results = read_json(Path(cfg.run_dir) / RESULTS_FILE)
+    except (ConfigError, OSError):
+        return None
+    if results.get("version") != version or results.get("eval_settings") != _eval_settings(cfg):
+        return None
+    return results
+
+
+def report_finished(cfg: ExperimentConfig, results: dict) -> None:
+    """Say that the run has nothing left to train, with the accuracies it recorded."""
+    print(f"the run in {cfg.run_dir} already reached version {results['version']} "
+          f"(schedule.total_steps: {cfg.schedule.total_steps}): nothing to train; raise "
+          f"schedule.total_steps to train on, or measure a version with areal-jax eval",
+          flush=True)
+    for key, label in (("before", "before RL"), ("after", "after RL")):
+        if key in results:
+            _print_eval(f"held-out accuracy at version "
+                        f"{results[key].get('version', results['version']):.0f} "
+                        f"({label}, recorded)", results[key])
 
 
 def _evaluation_logged(run_dir: Path, step: int) -> bool:
@@ -205,4 +232,5 @@ async def run_rl(cfg: ExperimentConfig, trainer, tokenizer, train_set: PromptDat
                         metrics_log.log(final, results["after"])
                 _print_eval(f"held-out accuracy at version {final} (after RL)",
                             results["after"])
+    results.update(version=trainer.version, eval_settings=_eval_settings(cfg))
     return results

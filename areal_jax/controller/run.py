@@ -27,7 +27,8 @@ from areal_jax.controller.prepare import base_model_path, changed_since_last_sta
 from areal_jax.controller.prepare import dataset_config, record_config
 from areal_jax.controller.evaluation import held_out_items
 from areal_jax.controller.progress import TrainingProgress
-from areal_jax.controller.rl_phase import check_trajectories_fit, run_rl
+from areal_jax.controller.rl_phase import RESULTS_FILE, check_trajectories_fit, run_rl
+from areal_jax.controller.rl_phase import recorded_results, report_finished
 from areal_jax.controller.run_lock import hold_run_dir
 from areal_jax.controller.servers import check_local_engine_context, servers_compiling
 from areal_jax.controller.sft_phase import run_sft, sft_end_token, sft_examples
@@ -35,6 +36,7 @@ from areal_jax.controller.sft_phase import sft_model_kept
 from areal_jax.controller.trainers import make_trainer
 from areal_jax.data.dataset import PromptDataset
 from areal_jax.experiment import ExperimentConfig
+from areal_jax.files import write_atomic
 from areal_jax.stopping import run_stoppable
 
 
@@ -245,11 +247,15 @@ def _train(cfg: ExperimentConfig, leader: bool, held: contextlib.ExitStack,
         try:
             if extra is not None:
                 print(f"resumed from checkpoint at version {trainer.version}", flush=True)
+                if trainer.version >= cfg.schedule.total_steps and (
+                        recorded := recorded_results(cfg, trainer.version)) is not None:
+                    report_finished(cfg, recorded)  # no servers started to measure it again
+                    return recorded
             t0 = time.monotonic()
             results = run_stoppable(run_rl(cfg, group, tokenizer, train_set, eval_items,
                                            progress, extra))
         finally:
             group.close()  # releases the other processes, closes the trainer
     results["wall_s"] = time.monotonic() - t0
-    (run_dir / "results.json").write_text(json.dumps(results, indent=2))
+    write_atomic(run_dir / RESULTS_FILE, json.dumps(results, indent=2))
     return results

@@ -67,3 +67,15 @@ def test_a_run_whose_longest_trajectory_fits_no_micro_batch_is_refused_before_it
         check_trajectories_fit(cfg, [40, 1009])
     # A run with no RL versions (SFT and evaluation only) trains no trajectory: nothing to fit.
     check_trajectories_fit(from_dict(ExperimentConfig, tiny_experiment(tmp_path, 0)), [1009])
+
+
+def test_a_fixed_count_run_whose_padded_micro_batch_can_pass_the_budget_is_refused(tmp_path):
+    raw = tiny_experiment(tmp_path, total_steps=1)  # 2 groups of 2: 4 trajectories, 1 minibatch
+    raw["trainer"]["micro_batch"].update(mode="fixed", num_micro_batches=2)
+    cfg = from_dict(ExperimentConfig, raw)
+    check_trajectories_fit(cfg, [40, 496])  # 2 rows of 496 + 16 = 512: 1024, the budget
+    with pytest.raises(ConfigError, match=r"mode fixed: .* all take 513 tokens .* puts 2 of "
+                       r"them in a micro-batch \(4 per minibatch .* = 2\), 1026 padded tokens"):
+        check_trajectories_fit(cfg, [40, 497])
+    raw["trainer"]["micro_batch"]["num_micro_batches"] = 4  # one row each
+    check_trajectories_fit(from_dict(ExperimentConfig, raw), [40, 497])

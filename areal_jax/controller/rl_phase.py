@@ -114,7 +114,8 @@ def check_trajectories_fit(cfg: ExperimentConfig, prompt_lengths) -> None:
     no RL versions (``schedule.total_steps: 0``) trains no trajectory and passes."""
     if cfg.schedule.total_steps == 0:
         return
-    budget = cfg.trainer.micro_batch.token_budget
+    mb = cfg.trainer.micro_batch
+    budget = mb.token_budget
     longest_prompt = max(prompt_lengths, default=0)
     longest = longest_prompt + cfg.sampling.max_new_tokens
     if longest > budget:
@@ -124,6 +125,18 @@ def check_trajectories_fit(cfg: ExperimentConfig, prompt_lengths) -> None:
             f"({cfg.sampling.max_new_tokens}) = {longest}: such a trajectory fits no micro-batch; "
             f"raise the token budget or lower sampling.max_new_tokens (or, in a new run "
             f"directory, dataset.max_prompt_tokens: longer prompts are dropped)")
+    if mb.mode == "fixed":  # a batch of such trajectories splits evenly: rows of `longest`
+        per_minibatch = -(-cfg.schedule.batch_size * cfg.sampling.group_size
+                          // cfg.trainer.ppo_n_minibatches)
+        rows = -(-per_minibatch // mb.num_micro_batches)
+        if rows * longest > budget:
+            raise ConfigError(
+                f"trainer.micro_batch.mode fixed: a batch whose trajectories all take "
+                f"{longest} tokens (the longest training prompt + sampling.max_new_tokens) puts "
+                f"{rows} of them in a micro-batch ({per_minibatch} per minibatch in "
+                f"trainer.micro_batch.num_micro_batches = {mb.num_micro_batches}), "
+                f"{rows * longest} padded tokens, more than trainer.micro_batch.token_budget "
+                f"({budget}); raise num_micro_batches or the token budget")
 
 
 def compiles_first_batches(cfg: ExperimentConfig, in_helper: bool) -> bool:

@@ -16,7 +16,7 @@ import pytest
 
 from _procs import alive
 from areal_jax.rewards import RewardPool, code_tests, sandbox
-from areal_jax.rewards.pool import SCRATCH_PREFIX
+from areal_jax.rewards.pool import SCRATCH_PREFIX, reap_orphaned_scratch
 from areal_jax.rewards.code_tests import time_budget_s
 from areal_jax.rewards.sandbox import SandboxLimits, reap_scratch_root, run_python
 
@@ -219,6 +219,70 @@ def test_a_new_pool_reaps_the_scratch_of_a_killed_one(tmp_path, monkeypatch):
     finally:
         for pid in _marked(mark):
             os.kill(pid, signal.SIGKILL)
+
+
+def _victim() -> subprocess.Popen:
+    """A process in a session and group of its own, as a sandboxed run's leader is."""
+    return subprocess.Popen(["sleep", "60"], start_new_session=True)
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def _record(run_dir, text: str) -> None:
+    run_dir.mkdir(parents=True)
+    (run_dir / "pid").write_text(text)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="planting another user's directory needs root")
+def test_records_another_user_plants_in_the_temp_dir_kill_nothing(tmp_path):
+    # A scratch directory of a dead pid, planted by another user: its records named the root
+    # process group and any uid, and a new pool killed them (and every process of that uid).
+    victim = _victim()
+    try:
+        planted = tmp_path / f"{SCRATCH_PREFIX}{_dead_pid()}-planted"
+        _record(planted / "run", f"{victim.pid} -1 {sandbox._start_time(victim.pid)}\n")
+        for path in (planted, planted / "run", planted / "run" / "pid"):
+            os.chown(path, 65534, 65534)
+        assert reap_orphaned_scratch(str(tmp_path)) == []
+        assert alive(victim.pid) and planted.exists()
+    finally:
+        victim.kill()
+        victim.wait()
+
+
+@pytest.mark.parametrize("record", ["{pid} -1 {wrong}", "{pid} 0 {start}", "{pid} 1234567 {start}"])
+def test_a_record_of_a_group_now_another_process_s_or_of_a_foreign_uid_kills_nothing(
+        tmp_path, record):
+    # A pid number taken again since the record (its leader started at another time), or a
+    # uid that is not the run's sandbox uid (UID_BASE + its process group): nothing is killed,
+    # the directory is still deleted.
+    victim = _victim()
+    try:
+        start = sandbox._start_time(victim.pid)
+        root = tmp_path / "scratch"
+        _record(root / "run", record.format(pid=victim.pid, wrong=start - 1, start=start))
+        reap_scratch_root(str(root))
+        assert alive(victim.pid) and not root.exists()
+    finally:
+        victim.kill()
+        victim.wait()
+
+
+def test_a_record_of_this_user_s_run_kills_its_group(tmp_path):
+    victim = _victim()
+    try:
+        root = tmp_path / "scratch"
+        _record(root / "run", f"{victim.pid} -1 {sandbox._start_time(victim.pid)}")
+        reap_scratch_root(str(root))
+        victim.wait(timeout=10)
+        assert victim.returncode == -signal.SIGKILL and not root.exists()
+    finally:
+        victim.kill()
+        victim.wait()
 
 
 def _scratch_with_runs(root) -> None:

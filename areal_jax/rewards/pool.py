@@ -35,7 +35,8 @@ from areal_jax.rewards.registry import (
     import_path,
     reward_path,
 )
-from areal_jax.rewards.sandbox import reap_scratch_root, set_scratch_root
+from areal_jax.rewards.sandbox import owned_private_directory, reap_scratch_root
+from areal_jax.rewards.sandbox import set_scratch_root
 
 logger = logging.getLogger(__name__)
 
@@ -45,16 +46,17 @@ SCRATCH_PREFIX = "areal-reward-worker-"  # then the owning process's pid and a r
 
 def reap_orphaned_scratch(root: str | None = None) -> list[str]:
     """Reap (``reap_scratch_root``) every worker scratch directory under ``root`` (default: the
-    temp dir) whose owning process is gone; returns the directories reaped."""
+    temp dir) whose owning process is gone; returns the directories reaped. Only this user's
+    directories are read: what another user puts in a shared temp dir is not a record."""
     root = root or tempfile.gettempdir()
     reaped = []
     for name in os.listdir(root):
         if not name.startswith(SCRATCH_PREFIX):
             continue
         pid = name.removeprefix(SCRATCH_PREFIX).split("-", 1)[0]
-        if not pid.isdigit() or _alive(int(pid)):
-            continue
         path = os.path.join(root, name)
+        if not pid.isdigit() or _alive(int(pid)) or not owned_private_directory(path):
+            continue
         try:
             reap_scratch_root(path)
         except OSError as e:  # another pool got there first, or not ours to remove

@@ -55,7 +55,7 @@ _CLONE_NEWNET = 0x40000000
 _CLONE_NEWUSER = 0x10000000
 _CLONE_NEWNS = 0x00020000
 _CLONE_NEWIPC = 0x08000000
-_RECORD = "pid"  # "<process group> <uid or -1>", written by the child before it runs any code
+_RECORD = "pid"  # "<process group> <uid or -1> <start time>", written by the child before it runs code
 _scratch_root: str | None = None
 
 
@@ -205,18 +205,73 @@ def reap_scratch_root(path: str) -> None:
     """Kill every sandboxed process recorded under ``path``, then delete ``path``.
 
     For a supervisor whose sandbox-running process was killed mid-run: the runs it left behind
-    (own session, own uid) and their directories would otherwise survive.
+    (own session, own uid) and their directories would otherwise survive. Only what this user
+    wrote counts (``path``, each run directory and its record owned by it, not writable by
+    others), and a record whose process group's number another process has since taken (its
+    leader running with another start time) kills nothing.
     """
-    if not os.path.isdir(path):
+    if not owned_private_directory(path):
         return
     for name in os.listdir(path):
-        try:
-            with open(os.path.join(path, name, _RECORD)) as f:
-                pgid, uid = (int(v) for v in f.read().split())
-        except (OSError, ValueError):  # no record: the child never started
-            continue
-        _kill_tree(pgid, uid if uid >= 0 else None)
+        record = _read_record(os.path.join(path, name))
+        if record is not None:
+            _kill_recorded(*record)
     _remove_tree(path)
+
+
+def owned_private_directory(path: str) -> bool:
+    """Whether ``path`` is a directory (not a link) of this user that no one else may write."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o022
+
+
+def _read_record(run_dir: str) -> tuple[int, int | None, int] | None:
+    """(process group, sandbox uid or None, the group leader's start time) recorded in
+    ``run_dir``; None where there is none (the child never started), or where the directory or
+    the record is not this user's or does not read as one of its records."""
+    if not owned_private_directory(run_dir):
+        return None
+    try:
+        fd = os.open(os.path.join(run_dir, _RECORD), os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    with os.fdopen(fd) as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            return None
+        try:
+            pgid, uid, start = (int(v) for v in f.read(64).split())
+        except ValueError:
+            return None
+    if pgid < 2 or uid not in (-1, UID_BASE + pgid):
+        return None
+    return pgid, None if uid < 0 else uid, start
+
+
+def _kill_recorded(pgid: int, uid: int | None, start: int) -> None:
+    """Kill what a killed supervisor's run left: every process of its own uid (as root), else
+    this user's processes in its process group; nothing where the group's number now belongs
+    to another process."""
+    leader = _start_time(pgid)
+    if leader is not None and leader != start:
+        return
+    if uid is not None:
+        _kill_all(lambda group, owner: owner == uid)
+    else:
+        me = os.getuid()
+        _kill_all(lambda group, owner: group == pgid and owner == me)
+
+
+def _start_time(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks after boot), or None where it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def filesystem_isolation_available() -> bool:
@@ -246,7 +301,7 @@ def _child_setup(
     parent."""
     uid = _sandbox_uid(iso, os.getpid())
     with open(record + ".tmp", "w") as f:
-        f.write(f"{os.getpid()} {-1 if uid is None else uid}\n")
+        f.write(f"{os.getpid()} {-1 if uid is None else uid} {_start_time(os.getpid())}\n")
     os.rename(record + ".tmp", record)
     if iso.as_root and iso.unshare_flags:
         _unshare(iso.unshare_flags)
@@ -390,12 +445,14 @@ def _kill_tree(pgid: int, uid: int | None) -> None:
     """SIGKILL process group ``pgid`` and every process of ``uid`` until none is left."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGKILL)
+    _kill_all(lambda group, owner: group == pgid or (uid is not None and owner == uid))
+
+
+def _kill_all(chosen: Callable[[int, int], bool]) -> None:
+    """SIGKILL every process ``chosen(process group, uid)`` picks until none is left."""
     for _ in range(200):
-        alive = [
-            pid
-            for pid, state, group, owner in _proc_entries()
-            if state not in ("Z", "X") and (group == pgid or (uid is not None and owner == uid))
-        ]
+        alive = [pid for pid, state, group, owner in _proc_entries()
+                 if state not in ("Z", "X") and chosen(group, owner)]
         if not alive:
             return
         for pid in alive:

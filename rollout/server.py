@@ -36,6 +36,7 @@ from rollout.auth import TokenAuthInterceptor
 from rollout.config import RewardConfig, ServerConfig
 from rollout.engine import EngineError, GenerationEngine
 from rollout.engines import create_engine
+from rollout.health import BoundedHealthServicer
 from rollout.service import RolloutServicer
 from rollout.wire import add_rollout_service
 from rollout.workflows import RewardScorer, Tokenizer, load_workflow
@@ -223,7 +224,7 @@ async def _start_grpc(config: ServerConfig, servicer: RolloutServicer, token, cr
         ],
     )
     add_rollout_service(servicer, server)
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = BoundedHealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server

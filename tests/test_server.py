@@ -452,6 +452,36 @@ def test_auth_token_is_required_except_for_health(tmp_path, tok_dir):
     assert health_status == health_pb2.HealthCheckResponse.SERVING
 
 
+def test_health_watch_streams_without_the_token_are_bounded(tmp_path, tok_dir):
+    # The health service answers without the token: tokenless Watch streams, one per service
+    # name, grew the server's memory without bound (20,000 of them: +470 MiB).
+    from rollout.health import MAX_WATCHERS
+
+    async def scenario():
+        async with serving(tmp_path, tok_dir, auth_token="s3cret") as h:
+            health = health_pb2_grpc.HealthStub(h.channel)
+            watches = [health.Watch(health_pb2.HealthCheckRequest(service=f"s{i}"))
+                       for i in range(MAX_WATCHERS)]
+            first = [await w.read() for w in watches]  # each open, answering
+            extra = health.Watch(health_pb2.HealthCheckRequest(service=""))
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await extra.read()
+            watches.pop().cancel()
+            await asyncio.sleep(0.2)
+            again = health.Watch(health_pb2.HealthCheckRequest(service=""))
+            admitted = await again.read()
+            for w in [*watches, again]:
+                w.cancel()
+            return first, refused.value, admitted
+
+    first, refused, admitted = asyncio.run(scenario())
+    unknown = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+    assert [r.status for r in first] == [unknown] * MAX_WATCHERS
+    assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert f"{MAX_WATCHERS} health Watch streams open" in refused.details()
+    assert admitted.status == health_pb2.HealthCheckResponse.SERVING
+
+
 def test_token_can_come_from_the_environment(tmp_path, tok_dir, monkeypatch):
     monkeypatch.setenv("ROLLOUT_TEST_TOKEN", "from-env")
     config = server_config(tmp_path, tok_dir, auth_token_env="ROLLOUT_TEST_TOKEN")

@@ -51,6 +51,7 @@ from typing import Any, Literal
 from areal_jax.protocol import GREEDY_TEMPERATURE
 
 MAX_VERSION = 2**31 - 1  # weight versions: every generated token records its own as an int32
+MAX_STOP_TOKEN_IDS = 256  # a request's own stop ids (each answer checks its tokens against them)
 
 FinishReason = Literal["stop", "length", "abort"]
 FINISH_REASONS = ("stop", "length", "abort")
@@ -117,6 +118,9 @@ class SamplingParams:
             raise InvalidParamError("top_k", f"must be -1 (all) or >= 1, got {self.top_k}")
         if self.seed is not None and self.seed < 0:
             raise InvalidParamError("seed", f"must be >= 0, got {self.seed}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidParamError("stop_token_ids", f"{len(self.stop_token_ids)} ids, at most "
+                                    f"{MAX_STOP_TOKEN_IDS}")
         for i, tok in enumerate(self.stop_token_ids):
             if tok < 0 or (vocab_size is not None and tok >= vocab_size):
                 bound = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"

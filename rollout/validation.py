@@ -67,17 +67,21 @@ def check_prompt(
     """
     if not prompt_ids:
         raise InvalidParamError("prompt_ids", "must not be empty")
-    for i, tok in enumerate(prompt_ids):
-        if not 0 <= tok < vocab_size:
-            raise InvalidParamError(
-                f"prompt_ids[{i}]", f"{tok} is outside the vocabulary [0, {vocab_size})"
-            )
+    if len(prompt_ids) >= max_context_len:  # checked before any id is read
+        raise InvalidParamError(
+            "prompt_ids", f"{len(prompt_ids)} tokens leave no room for an answer in the "
+            f"context length {max_context_len}")
     if len(prompt_ids) + max_new_tokens > max_context_len:
         raise InvalidParamError(
             budget_field,
             f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) "
             f"exceeds the context length {max_context_len}",
         )
+    for i, tok in enumerate(prompt_ids):
+        if not 0 <= tok < vocab_size:
+            raise InvalidParamError(
+                f"prompt_ids[{i}]", f"{tok} is outside the vocabulary [0, {vocab_size})"
+            )
 
 
 def _check_prompt(prompt_ids: Sequence[int], params: SamplingParams, limits: Limits) -> None:

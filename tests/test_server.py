@@ -87,6 +87,10 @@ MALFORMED = [
     ("sampling_params.top_p", dict(sampling=dict(top_p=1.5))),
     ("sampling_params.top_k", dict(sampling=dict(top_k=0))),
     ("sampling_params.stop_token_ids[1]", dict(sampling=dict(stop_token_ids=[3, 99]))),
+    # each answer checked its tokens against every stop id: 8M of them froze the server
+    ("sampling_params.stop_token_ids", dict(sampling=dict(stop_token_ids=[3] * 257))),
+    # the length is checked before any id is read (a 48 MiB prompt took 5 s of the event loop)
+    ("prompt_ids", dict(prompt_ids=[-1] + [3] * 63)),  # 64 tokens: no room in the 64 context
     ("sampling_params.greedy", dict(sampling=dict(greedy=True, temperature=0.7))),
     ("sampling_params", dict(sampling=None)),
     ("reward_name", dict(reward_name="math_verify")),

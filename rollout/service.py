@@ -197,8 +197,9 @@ def _check_group(group: TrajectoryGroup, task: RolloutTask) -> None:
     """Hold a workflow to its contract (``rollout.workflows.base``)."""
     if group.group_id != task.request_id:
         raise RuntimeError(f"workflow returned group_id {group.group_id!r}")
-    if not group.trajectories:
-        raise RuntimeError("workflow returned no trajectories")
+    if len(group.trajectories) != task.group_size:
+        raise RuntimeError(f"workflow returned {len(group.trajectories)} trajectories for "
+                           f"group_size {task.group_size}")
     for traj in group.trajectories:
         if tuple(traj.prompt_ids.tolist()) != task.prompt_ids:
             raise RuntimeError("workflow returned a trajectory with another prompt")

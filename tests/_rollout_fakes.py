@@ -25,6 +25,7 @@ from rollout.engine import (
     WeightLoadError,
 )
 from rollout.workflows import Workflow
+from rollout.workflows.single_turn import SingleTurnWorkflow
 
 CHARS = list("0123456789+= ?") + [chr(c) for c in range(ord("a"), ord("z") + 1)]
 EOS_ID = 0
@@ -232,3 +233,11 @@ class MislabelledWorkflow(Workflow):
 
     async def run(self, task, engine, scorer) -> TrajectoryGroup:
         return TrajectoryGroup("someone-else", [])
+
+
+class ShortGroupWorkflow(SingleTurnWorkflow):
+    """Breaks the workflow contract: one trajectory fewer than the request's group_size."""
+
+    async def run(self, task, engine, scorer) -> TrajectoryGroup:
+        group = await super().run(task, engine, scorer)
+        return TrajectoryGroup(group.group_id, group.trajectories[:-1])

@@ -76,4 +76,12 @@ def test_the_log_prob_slack_grows_as_the_temperature_falls():
 def test_a_group_must_answer_its_request():
     assert _problem(_group(), prompt=[5, 6, 8]) == "prompt_ids: not the request's prompt"
     empty = pb.TrajectoryGroup(request_id="r", prompt_ids=PROMPT)
-    assert _problem(empty) == "trajectories: none"
+    assert _problem(empty) == "trajectories: 0 for the request's group_size 2"
+    # One short of its group_size (a batch of such groups could not be split into the
+    # configured minibatches and stopped the run with a traceback), or one too many.
+    short = _group()
+    del short.trajectories[0]
+    assert _problem(short) == "trajectories: 1 for the request's group_size 2"
+    long = _group()
+    long.trajectories.append(long.trajectories[0])
+    assert _problem(long) == "trajectories: 3 for the request's group_size 2"

@@ -225,17 +225,22 @@ def test_engine_failures_are_reported_per_request(tmp_path, tok_dir):
     assert not by_id["fine"].HasField("error") and len(by_id["fine"].trajectories) == 2
 
 
-def test_a_plug_in_workflow_breaking_its_contract_fails_only_its_request(tmp_path, tok_dir):
+@pytest.mark.parametrize("workflow, problem", [
+    ("MislabelledWorkflow", "group_id 'someone-else'"),
+    ("ShortGroupWorkflow", "1 trajectories for group_size 2"),
+])
+def test_a_plug_in_workflow_breaking_its_contract_fails_only_its_request(
+        tmp_path, tok_dir, workflow, problem):
     async def scenario():
-        workflow = {"path": "_rollout_fakes.MislabelledWorkflow"}
-        async with serving(tmp_path, tok_dir, workflow=workflow) as h:
+        path = {"path": f"_rollout_fakes.{workflow}"}
+        async with serving(tmp_path, tok_dir, workflow=path) as h:
             first = await rollout(h.stub, [rollout_request("w")])
             status = await h.stub.GetStatus(pb.GetStatusRequest())
             return first, status
 
     (response,), status = asyncio.run(scenario())
     assert response.error.code == grpc.StatusCode.INTERNAL.value[0]
-    assert "group_id 'someone-else'" in response.error.message
+    assert problem in response.error.message
     assert (status.running_requests, status.queued_requests) == (0, 0)
 
 

@@ -27,8 +27,9 @@ def group_problem(request: pb.RolloutRequest, group: pb.TrajectoryGroup, *,
     generated token may carry a later version."""
     if request.prompt_ids and list(group.prompt_ids) != list(request.prompt_ids):
         return "prompt_ids: not the request's prompt"
-    if not group.trajectories:
-        return "trajectories: none"
+    if len(group.trajectories) != request.group_size:
+        return (f"trajectories: {len(group.trajectories)} for the request's group_size "
+                f"{request.group_size}")
     params = request.sampling_params
     greedy = params.greedy or (params.HasField("temperature")
                                and params.temperature < GREEDY_TEMPERATURE)

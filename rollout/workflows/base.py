@@ -4,7 +4,7 @@ A workflow turns one validated request (``RolloutTask``) into a ``TrajectoryGrou
 engine as often as it likes (multi-turn, tool use) and the scorer for rewards. The server builds
 it once, ``cls(tokenizer=tokenizer, **workflow.options)``, and runs many requests concurrently,
 so ``run`` must keep per-request state local. The returned group must have
-``group_id == task.request_id`` and at least one trajectory, every trajectory with
+``group_id == task.request_id`` and ``task.group_size`` trajectories, every trajectory with
 ``prompt_ids == task.prompt_ids``; tokens a workflow inserts itself (a tool's output, a second
 user turn) go into ``output_ids`` with ``output_mask`` 0.
 """

@@ -299,7 +299,9 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             ended.cancel()
             if not work.done():
                 work.cancel()
-                await asyncio.gather(work, return_exceptions=True)
+            # retrieved, also when this task is cancelled after the work failed (else asyncio
+            # logs the work's error as never retrieved)
+            await asyncio.gather(work, return_exceptions=True)
         if work.cancelled():
             raise _Unfinished("the server ended the request")
         return work.result()
@@ -670,4 +672,5 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             draining=self._draining,
             run_id=self._lease.run,
             reward_names=sorted(self._reward_names),
+            max_group_size=self._config.max_group_size,
         )

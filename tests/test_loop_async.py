@@ -24,7 +24,7 @@ from areal_jax.controller.rollout_pool import PoolOptions, RequestFailedError, R
 from areal_jax.controller.rollout_pool import WeightsRejectedError
 from areal_jax.controller.servers import sync_servers
 from areal_jax.trajectory import Trajectory
-from rollout.engine import GenerationChunk, WeightLoadError
+from rollout.engine import EngineError, GenerationChunk, WeightLoadError
 
 
 def test_generation_never_waits_for_the_trainer(tmp_path):
@@ -1045,15 +1045,16 @@ def test_the_run_waits_for_its_first_server_as_long_as_start_timeout_s_says(tmp_
         load_config(ExperimentConfig, quickstart, ["rollout.start_timeout_s=0"])
 
 
-async def _connect_error(tmp_path, engine, overrides=(), **lengths) -> str | None:
+async def _connect_error(tmp_path, engine, overrides=(), server=None, **lengths) -> str | None:
     """The ConfigError a trainer of the quickstart config (answers of 30 tokens, ``exact``
-    rewards, ``overrides``) meets connecting to a server of ``engine`` with prompts of
-    ``lengths`` (``rollout_servers``'s ``training`` and ``held_out``), or None."""
+    rewards, ``overrides``) meets connecting to a server of ``engine`` (and ``server``
+    settings) with prompts of ``lengths`` (``rollout_servers``'s ``training`` and
+    ``held_out``), or None."""
     from areal_jax.config import ConfigError, load_config
     from areal_jax.controller.servers import rollout_servers
     from areal_jax.experiment import ExperimentConfig
 
-    servers = await start_servers(tmp_path, [engine])
+    servers = await start_servers(tmp_path, [engine], **(server or {}))
     quickstart = Path(__file__).parent.parent / "configs" / "quickstart.yaml"
     cfg = load_config(ExperimentConfig, quickstart, [
         f"run_dir={tmp_path}", f"rollout.addresses={addresses(servers)}",
@@ -1104,6 +1105,22 @@ def test_servers_that_do_not_offer_the_runs_rewards_are_named_at_connect(tmp_pat
     # Only what is asked of the servers counts: an evaluation alone needs its own reward.
     assert connect([f"dataset.reward={mine}"], held_out=[14]) is None
     assert "(eval.dataset.reward)" in connect([f"eval.dataset.reward={mine}"], held_out=[14])
+
+
+def test_a_server_that_takes_smaller_groups_than_the_run_asks_is_named_at_connect(tmp_path):
+    # It rejected every training request as the request's own fault: the run stopped after
+    # max_consecutive_rejections, its prompts dropped, the server named nowhere.
+    def connect(group_size, **lengths):
+        return asyncio.run(_connect_error(tmp_path, ArithmeticEngine(),
+                                          [f"sampling.group_size={group_size}"],
+                                          server={"max_group_size": 4}, **lengths))
+
+    assert connect(4, training=[20], held_out=[14]) is None
+    assert re.fullmatch(
+        r"rollout server 127.0.0.1:\d+ takes groups of at most 4 samples \(its max_group_size"
+        r"\), this run asks for sampling.group_size 5: raise max_group_size there \(and start "
+        r"it again\) or lower sampling.group_size", connect(5, training=[20], held_out=[14]))
+    assert connect(5, held_out=[14]) is None  # evaluation alone asks one sample per prompt
 
 
 def test_servers_join_and_leave_a_running_pool_as_the_addresses_file_changes(
@@ -1491,3 +1508,113 @@ def test_an_evaluation_request_failing_after_its_attempts_is_counted_not_raised(
     # One group failing again and again (here alone) is that group's failure, not its
     # server's: the only server stayed in the pool.
     assert len(live) == 1
+
+
+class _LateSecondResume(ArithmeticEngine):
+    """Its second resume outlives the caller's deadline and never takes effect (the JAX
+    engine's worker drops a command whose caller gave up)."""
+
+    resumes = 0
+
+    async def resume(self):
+        self.resumes += 1
+        if self.resumes == 2:
+            await asyncio.sleep(3)
+        await super().resume()
+
+
+def test_a_synchronous_run_whose_resume_was_lost_resumes_its_server_and_finishes(tmp_path):
+    # The pool took the server out on the resume's deadline; it rejoined still paused, got the
+    # parked groups, and the stall check kept it ("paused" counted as progress): the run waited
+    # for good at version 2.
+    engine = _LateSecondResume(step_s=0.002)
+    trainer = RecordingTrainer(exports_dir(tmp_path), train_s=0.05)
+    options = PoolOptions(rejoin_interval_s=0.2, rpc_timeout_s=1.0, stall_timeout_s=1.0)
+    cfg = config(tmp_path, {"batch_size": 3, "mode": "sync"})
+    loop = run_on_servers(tmp_path, [engine], cfg, trainer, items(200), 6, options=options)
+    assert trainer.version == 6 and len(loop.metrics) == 6 and not engine.paused
+    assert engine.resumes >= 6  # the lost one, then the pool's own at the stall check
+
+
+def test_servers_left_paused_are_resumed_and_a_closing_pool_resumes_what_it_paused(
+        tmp_path, caplog):
+    # A run stopped (Ctrl-C, SIGTERM, SIGKILL) in a synchronous step left its servers paused:
+    # the next run's groups waited on them for good.
+    async def scenario():
+        engine = ArithmeticEngine(step_s=0.002)
+        servers = await start_servers(tmp_path, [engine])
+        try:
+            pool = RolloutPool(addresses(servers))
+            await pool.start()
+            await pool.pause()
+            paused = engine.paused
+            await pool.close()
+            after_close = engine.paused
+            await engine.pause()  # as a SIGKILLed trainer leaves it
+            pool = RolloutPool(addresses(servers))
+            await pool.start()
+            after_start = engine.paused
+            group = await pool.submit(rollout_request(items(1)[0], "r", "exact", 2, 4, 1.0))
+            await pool.close()
+            return paused, after_close, after_start, group
+        finally:
+            for s in servers:
+                await s.stop(grace=0.5)
+
+    paused, after_close, after_start, group = asyncio.run(scenario())
+    assert (paused, after_close, after_start) == (True, False, False)
+    assert len(group.trajectories) == 2
+    assert re.search(r"rollout server 127.0.0.1:\d+ was paused, not by this run; resumed",
+                     caplog.text)
+
+
+class _SlowLoad(ArithmeticEngine):
+    async def update_weights(self, path, version):
+        await asyncio.sleep(0.5)
+        await super().update_weights(path, version)
+
+
+def test_a_server_rejoins_while_versions_are_published_faster_than_it_loads(tmp_path):
+    # Each forced load of its rejoin ended just after the next version was published: it
+    # loaded again and again (39 versions in 20 s) and never rejoined.
+    engines = [_SlowLoad(step_s=0.002) for _ in range(2)]
+    trainer = RecordingTrainer(exports_dir(tmp_path), train_s=0.05)
+    seen = {}
+
+    async def during(loop, pool, servers):
+        while trainer.version < 3:
+            await asyncio.sleep(0.01)
+        pool._mark_dead(pool._servers[0], "a network blip")
+        start = time.monotonic()
+        while len(pool.live_servers) < 2 and time.monotonic() - start < 15:
+            await asyncio.sleep(0.05)
+        seen["live"], seen["loads"] = len(pool.live_servers), len(engines[0].loaded)
+
+    cfg = config(tmp_path, {"batch_size": 3, "max_staleness": 4, "max_in_flight": 16})
+    run_on_servers(tmp_path, engines, cfg, trainer, items(2000), 40, during=during,
+                   options=PoolOptions(rejoin_interval_s=0.2))
+    assert seen["live"] == 2 and seen["loads"] <= 4  # at most two loads for its rejoin
+
+
+class _HttpErrorEngine(ArithmeticEngine):
+    """Every request fails with an engine error (SGLang's /generate answering HTTP 500), its
+    health SERVING."""
+
+    async def generate(self, prompt_ids, params, request_id):
+        raise EngineError("SGLang /generate answered HTTP 500")
+        yield
+
+
+def test_a_server_that_fails_each_time_it_rejoins_is_struck_then_kept_out(tmp_path, caplog):
+    # Out with no strike, back after rejoin_interval_s, failing its new groups at once: 99
+    # times in 20 s, a warning each, for the rest of the run.
+    trainer = RecordingTrainer(exports_dir(tmp_path), train_s=0.02)
+    cfg = config(tmp_path, {"batch_size": 3, "max_staleness": 2})
+    loop = run_on_servers(tmp_path, [_HttpErrorEngine(), ArithmeticEngine(step_s=0.01)], cfg,
+                          trainer, items(3000), 120,
+                          options=PoolOptions(rejoin_interval_s=0.1, max_attempts=3))
+    left = [r for r in caplog.records if "left the pool" in r.getMessage()]
+    assert len(left) == 3  # then out until it is restarted
+    assert "stays out of the pool until it is restarted" in caplog.text
+    assert trainer.version == 120 and len(loop.live_at_end) == 1
+    assert_nothing_lost(tmp_path / "ledger.jsonl", items(3000))

@@ -17,13 +17,22 @@ a guarantee that no accepted request is lost.
   engine), is taken out of the pool the same way (not a server whose engine counts tokens only
   as sequences end: SGLang), its groups charged a failed send; so is one that answers
   ``max_attempts`` distinct groups in a row with a server fault (it answers at once, so
-  least-loaded routing would send it most new groups). Either rejoins after a backoff that
-  doubles with each such strike in a row, and after ``max_attempts`` only once it is
-  restarted (its status names another process: ``instance_id``).
+  least-loaded routing would send it most new groups), and one that goes away again (a broken
+  stream, a group answered UNAVAILABLE) before it completes a group since it joined. Each
+  rejoins after a backoff that doubles with each such strike in a row, and after
+  ``max_attempts`` only once it is restarted (its status names another process:
+  ``instance_id``).
 * With no live server, requests wait; a supervisor task tries dead servers every
   ``rejoin_interval_s`` and brings one that answers SERVING again back to the current weights
   (a forced update) before it gets work. Each server's try runs on its own, and publishing
-  never waits for one: a server that hangs loading its rejoin weights holds up nothing else.
+  waits for one only to load a version published while it loaded the one before (which it
+  did load): a server that hangs loading its rejoin weights holds up nothing else, and one
+  slower to load than versions come still rejoins.
+* The pool pauses and resumes its servers (``pause``, ``resume``: a synchronous run, while it
+  trains); a server that joins meanwhile is brought to that state as it joins, and one found
+  paused not by this run (a stopped trainer left it so, or a resume was lost) is resumed as
+  it joins or once it holds groups it makes no progress on. Closing the pool resumes what it
+  paused.
   If no server is reachable for ``no_server_timeout_s`` every waiting request fails with
   ``NoLiveServerError``.
 * With ``addresses_file`` servers join and leave as lines are added and removed: a server
@@ -145,6 +154,7 @@ class _Server:
     # in a row with a server fault (INTERNAL, ...): one group failing again counts once
     fault_error: str | None = None  # the last of those faults, logged once while it repeats
     draining: bool = False  # it said it takes no new work: it leaves once its groups are back
+    completed: bool = False  # it completed a group since it last joined the pool
 
 
 class RolloutPool:
@@ -208,6 +218,7 @@ class RolloutPool:
         self._rejoining: dict[str, asyncio.Task] = {}  # address -> its rejoin attempt
         self._stall_checks: dict[str, asyncio.Task] = {}  # address -> its progress check
         self._closing: list[asyncio.Task] = []
+        self._paused = False  # whether the pool wants its servers paused (``pause``)
         self.resubmitted = 0  # requests sent again after a server failure
 
     # ---- connections ---------------------------------------------------------------------
@@ -285,14 +296,34 @@ class RolloutPool:
         server.instance, server.vocab_size = status.instance_id, status.vocab_size
         if self._admit is not None:
             self._admit(server.address, status)
+        try:
+            await self._match_pause(server.address, pb_grpc.RolloutServiceStub(channel),
+                                    status.paused)
+        except grpc.aio.AioRpcError:
+            return ""
         return None
+
+    async def _match_pause(self, address: str, stub, paused: bool) -> None:
+        """Pause or resume the server at ``address`` (``paused``: as it is now) as the pool
+        wants its servers, until that holds: a server a stopped trainer left paused, or whose
+        resume was lost, would hold its groups for good (its status says paused, which is no
+        stall)."""
+        while paused != self._paused:
+            want = self._paused
+            call = stub.Pause(pb.PauseRequest(), timeout=self.options.rpc_timeout_s,
+                              metadata=self._metadata) if want else stub.Resume(
+                pb.ResumeRequest(), timeout=self.options.rpc_timeout_s, metadata=self._metadata)
+            await call
+            if not want:
+                log.warning("rollout server %s was paused, not by this run; resumed", address)
+            paused = want
 
     def _open(self, server: _Server, channel: grpc.aio.Channel) -> None:
         """Open ``server``'s Rollout stream on ``channel`` and route work to it."""
         server.channel, server.stub = channel, pb_grpc.RolloutServiceStub(channel)
         server.outbox = asyncio.Queue()
         server.call = server.stub.Rollout(self._requests_of(server.outbox), metadata=self._metadata)
-        server.alive, server.draining = True, False
+        server.alive, server.draining, server.completed = True, False, False
         server.progress_at, server.tokens_seen = time.monotonic(), -1
         server.reader = asyncio.create_task(self._read(server, server.call))
         self._route_parked()
@@ -419,9 +450,22 @@ class RolloutPool:
                 if server.pings_refused >= self.options.max_attempts:
                     self._shut_out(server, f"ended {server.pings_refused} connections for "
                                            "pings")
-            self._mark_dead(server, reason, charge=not pings_refused)
+            if pings_refused:
+                self._mark_dead(server, reason)
+            else:
+                self._leave_failing(server, reason, charge=True)
             return
-        self._mark_dead(server, "the server closed its stream", charge=True)
+        self._leave_failing(server, "the server closed its stream", charge=True)
+
+    def _leave_failing(self, server: _Server, reason: str, charge: bool = False) -> None:
+        """Take ``server`` out of the pool for going away (``_mark_dead``); one that goes away
+        again before it completes a group since it joined is struck (``_strike``): a server
+        that fails at once each time it rejoins must not cycle in and out for the rest of the
+        run."""
+        if server.completed:
+            self._mark_dead(server, reason, charge=charge)
+        else:
+            self._strike(server, reason, charge=charge)
 
     def withdraw(self, request_ids) -> None:
         """Stop waiting for ``request_ids``: each future is cancelled and the server holding
@@ -493,7 +537,7 @@ class RolloutPool:
             if not self._failed_for_good(group.request_id, server, reason):
                 server.in_flight[group.request_id] = request  # resubmitted with the others
                 server.busy.add()
-            self._mark_dead(server, reason)
+            self._leave_failing(server, reason)
         elif code in _SERVER_FAULT or problem is not None:
             reason = (f"{_code_enum(code).name}: {group.error.message}" if code
                       else f"the group it sent back is malformed: {problem}")
@@ -510,8 +554,10 @@ class RolloutPool:
                 self._strike(server, f"{len(server.faults)} groups in a row failed there, the "
                                      f"last: {reason}")
         else:
-            server.strikes, server.fault_error = 0, None
+            server.strikes, server.fault_error, server.completed = 0, None, True
             server.faults.clear()
+            if code:  # the request's own error: which server said so, should it be one's setup
+                group.error.message += f" (rollout server {server.address})"
             self._resolve(group.request_id, group)
 
     def _failed_for_good(self, request_id: str, server: _Server, reason: str) -> bool:
@@ -655,9 +701,15 @@ class RolloutPool:
             status = None
         if not server.alive or time.monotonic() - server.progress_at < self.options.stall_timeout_s:
             return  # it left, or a group came back meanwhile
+        if status is not None and status.paused and not self._paused:
+            try:  # paused, not by this run (a lost resume): resumed, its window starts again
+                await self._match_pause(server.address, server.stub, True)
+            except (grpc.aio.AioRpcError, AttributeError):
+                status = None
         if status is not None and (status.paused or status.tokens_generated > server.tokens_seen
                                    or not status.engine_stats.get("tokens_as_generated", 1.0)):
-            # paused, progressing, or its count moves only as sequences end (SGLang): kept
+            # paused by this run, progressing, or its count moves only as sequences end
+            # (SGLang): kept
             server.progress_at, server.tokens_seen = time.monotonic(), status.tokens_generated
             return
         self._strike(server, f"no group back and no token generated for "
@@ -716,25 +768,28 @@ class RolloutPool:
                     await channel.close()
                     return
             serving = status.version
-            # The weights go over without the lock, so publishing never waits for a rejoin (a
-            # server may take long to load, or hang); it rejoins, under the lock, only if no
-            # newer version was published meanwhile, else it is sent that one first.
-            while True:
+            # The weights go over without the lock, so publishing never waits for a server
+            # that may take long to load, or hang. A version published meanwhile is loaded
+            # under the lock (that server has just loaded one): with versions published
+            # faster than it loads, it would otherwise load again and again, never rejoining.
+            w = self._weights
+            if w is not None and serving != w.version:
+                try:
+                    with export_in_use(w.path):  # not pruned while the server reads it
+                        await self._send_weights(stub, w, force=True)
+                    serving = w.version
+                except FileNotFoundError:  # pruned before: a newer version was published
+                    if self._weights is w:
+                        raise
+            async with self._weights_lock:
                 w = self._weights
                 if w is not None and serving != w.version:
-                    try:
-                        with export_in_use(w.path):  # not pruned while the server reads it
-                            await self._send_weights(stub, w, force=True)
-                    except FileNotFoundError:  # pruned before: a newer version was published
-                        if self._weights is w:
-                            raise
-                        continue
+                    with export_in_use(w.path):
+                        await self._send_weights(stub, w, force=True)
                     serving = w.version
-                async with self._weights_lock:
-                    if self._weights is None or self._weights.version == serving:
-                        server.version = serving
-                        self._open(server, channel)
-                        break
+                await self._match_pause(server.address, stub, status.paused)
+                server.version = serving
+                self._open(server, channel)
         except (asyncio.TimeoutError, grpc.aio.AioRpcError, ConnectionError, OSError) as e:
             # A server that is down says so every try (debug); one that answers SERVING but
             # fails to take the weights is worth a warning, once per distinct error.
@@ -849,10 +904,14 @@ class RolloutPool:
             server.version = version
 
     async def pause(self) -> None:
+        """Pause every server; servers that join meanwhile are paused as they join."""
+        self._paused = True
         await self._each("pause", lambda stub, t: stub.Pause(
             pb.PauseRequest(), timeout=t, metadata=self._metadata), self.options.rpc_timeout_s)
 
     async def resume(self) -> None:
+        """Resume every server; servers that join meanwhile are resumed as they join."""
+        self._paused = False
         await self._each("resume", lambda stub, t: stub.Resume(
             pb.ResumeRequest(), timeout=t, metadata=self._metadata), self.options.rpc_timeout_s)
 
@@ -870,11 +929,15 @@ class RolloutPool:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        live = [s for s in [*self._servers, *self._leaving.values()] if s.alive]
+        if self._paused:  # a run stopped while they were paused: they generate for the next
+            await asyncio.gather(*(s.stub.Resume(
+                pb.ResumeRequest(), timeout=min(self.options.rpc_timeout_s, _RELEASE_S),
+                metadata=self._metadata) for s in live), return_exceptions=True)
         if self._run_id:  # a server that cannot be told frees itself after its run_lease_s
             await asyncio.gather(*(s.stub.Release(
                 pb.ReleaseRequest(), timeout=min(self.options.rpc_timeout_s, _RELEASE_S),
-                metadata=self._metadata) for s in [*self._servers, *self._leaving.values()]
-                if s.alive), return_exceptions=True)
+                metadata=self._metadata) for s in live), return_exceptions=True)
         for server in [*self._servers, *self._leaving.values()]:
             if server.alive:
                 server.alive = False

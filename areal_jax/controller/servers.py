@@ -106,6 +106,19 @@ def _check_rewards(cfg: ExperimentConfig, offered: list[str], address: str,
                 f"(name: \"pkg.module:function\") and start it again")
 
 
+def _check_group_size(cfg: ExperimentConfig, limit: int, address: str,
+                      training: list[int]) -> None:
+    """Refuse a server that takes groups of at most ``limit`` samples (its status's
+    ``max_group_size``; 0 from a server too old to say) when the run asks for more: each
+    training request would be rejected, and the prompts blamed."""
+    group = cfg.sampling.group_size
+    if limit and training and cfg.schedule.total_steps and group > limit:
+        raise ConfigError(
+            f"rollout server {address} takes groups of at most {limit} samples (its "
+            f"max_group_size), this run asks for sampling.group_size {group}: raise "
+            f"max_group_size there (and start it again) or lower sampling.group_size")
+
+
 def check_local_engine_context(cfg: ExperimentConfig, model_path: Path, *,
                                training: list[int] = (), held_out: list[int] = ()) -> None:
     """Refuse, before anything runs, a local engine's context beyond the model's positions
@@ -142,7 +155,8 @@ def make_pool(cfg: ExperimentConfig, addresses: list[str], *, addresses_file: st
     (when given), whose served context (``max_context_len`` of their status: remote
     servers, or an SGLang whose KV pool allows less than the model) holds the longest
     ``training`` and ``held_out`` prompts (token counts) and their ``max_new_tokens``
-    (``_check_context``), and that offer the rewards those prompts name (``_check_rewards``),
+    (``_check_context``), that offer the rewards those prompts name (``_check_rewards``) and
+    take groups of ``sampling.group_size`` (``_check_group_size``),
     at the start and whenever a server joins later; ``run_id`` names the
     run to the servers (``RolloutPool``)."""
     def admit(address: str, status: pb.ServerStatus) -> None:
@@ -154,6 +168,7 @@ def make_pool(cfg: ExperimentConfig, addresses: list[str], *, addresses_file: st
                        f"serves ({status.max_context_len} tokens)", "serve a longer one there",
                        list(training), list(held_out))
         _check_rewards(cfg, list(status.reward_names), address, list(training), list(held_out))
+        _check_group_size(cfg, status.max_group_size, address, list(training))
 
     r = cfg.rollout
     token = os.environ.get(r.auth_token_env) if r.auth_token_env else None

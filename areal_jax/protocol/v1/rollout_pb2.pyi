@@ -214,7 +214,7 @@ class ReleaseRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerStatus(_message.Message):
-    __slots__ = ("version", "running_requests", "queued_requests", "tokens_generated", "tokens_per_second", "engine_kind", "paused", "vocab_size", "max_context_len", "engine_stats", "instance_id", "draining", "run_id", "reward_names")
+    __slots__ = ("version", "running_requests", "queued_requests", "tokens_generated", "tokens_per_second", "engine_kind", "paused", "vocab_size", "max_context_len", "engine_stats", "instance_id", "draining", "run_id", "reward_names", "max_group_size")
     class EngineStatsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -236,6 +236,7 @@ class ServerStatus(_message.Message):
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     REWARD_NAMES_FIELD_NUMBER: _ClassVar[int]
+    MAX_GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     version: int
     running_requests: int
     queued_requests: int
@@ -250,4 +251,5 @@ class ServerStatus(_message.Message):
     draining: bool
     run_id: str
     reward_names: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, version: _Optional[int] = ..., running_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., engine_kind: _Optional[str] = ..., paused: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., max_context_len: _Optional[int] = ..., engine_stats: _Optional[_Mapping[str, float]] = ..., instance_id: _Optional[str] = ..., draining: _Optional[bool] = ..., run_id: _Optional[str] = ..., reward_names: _Optional[_Iterable[str]] = ...) -> None: ...
+    max_group_size: int
+    def __init__(self, version: _Optional[int] = ..., running_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., engine_kind: _Optional[str] = ..., paused: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., max_context_len: _Optional[int] = ..., engine_stats: _Optional[_Mapping[str, float]] = ..., instance_id: _Optional[str] = ..., draining: _Optional[bool] = ..., run_id: _Optional[str] = ..., reward_names: _Optional[_Iterable[str]] = ..., max_group_size: _Optional[int] = ...) -> None: ...

@@ -285,6 +285,16 @@ ROPE_SCALING = {
     "llama3": ("qwen2", {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
     "linear": ("llama", {"rope_type": "linear", "factor": 2.5}),
+    # A top-level original_max_position_embeddings wins over the one inside (Phi-3 keeps it
+    # there; read only inside, logits differed by up to 5.7); without either, the model's own.
+    "llama3-top-level-length": ("qwen2", {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                          "high_freq_factor": 4.0,
+                                          "original_max_position_embeddings": 16},
+                                {"original_max_position_embeddings": 40}),
+    "yarn-top-level-length": ("llama", {"rope_type": "yarn", "factor": 4.0,
+                                        "original_max_position_embeddings": 16},
+                              {"original_max_position_embeddings": 32}),
+    "yarn-no-length": ("qwen3", {"rope_type": "yarn", "factor": 2.0}),
 }
 
 
@@ -292,11 +302,11 @@ ROPE_SCALING = {
 def test_top_level_rope_scaling_is_honoured_like_transformers(tmp_path, case):
     """A ``rope_scaling`` added beside the saved ``rope_parameters`` takes its place whole
     (its own ``rope_theta``, else the default: the saved theta is dropped, as transformers does)."""
-    model_type, scaling = ROPE_SCALING[case]
+    model_type, scaling, *top = ROPE_SCALING[case]
     path = save_hf_model(hf_model(model_type, seed=13), tmp_path)
     cfg = json.loads((path / "config.json").read_text())
     assert cfg["rope_parameters"]["rope_type"] in ("default", "llama3")
-    (path / "config.json").write_text(json.dumps({**cfg, "rope_scaling": scaling}))
+    (path / "config.json").write_text(json.dumps({**cfg, "rope_scaling": scaling, **(top or [{}])[0]}))
     ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     model, _ = load_hf_model(path)
     assert model.cfg.rope_scaling.rope_type == case.split("-")[0]

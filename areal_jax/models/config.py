@@ -308,6 +308,12 @@ def _rope(hf: dict[str, Any], max_positions: int) -> tuple[float, RopeScaling | 
         )
     if rope_type == "default":
         return rope_theta, None
+    if rope_type in ("llama3", "yarn"):  # the pretraining length, as transformers resolves it:
+        if hf.get("original_max_position_embeddings") is not None:  # a top-level one wins
+            rope["original_max_position_embeddings"] = _integer(
+                hf, "original_max_position_embeddings")
+        elif rope.get("original_max_position_embeddings") is None:  # else the model's length
+            rope["original_max_position_embeddings"] = max_positions
     return rope_theta, RopeScaling.from_hf(rope, rope_type, field, max_positions)
 
 

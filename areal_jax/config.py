@@ -166,7 +166,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         if not key:
             raise ConfigError(f"override {item!r} has an empty key")
         try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
+            value = _read_yaml(raw, f"override {key}") if raw.strip() else ""
         except RecursionError:  # the parser recurses once per level of nesting
             raise ConfigError(f"override {key}: its value is nested too deep to read") from None
         except yaml.YAMLError as e:
@@ -195,7 +195,7 @@ def load_config(cls: type[T], path: str | Path | None, overrides: list[str] = ()
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist")
         try:
-            loaded = _read_yaml(path.read_text(encoding="utf-8"), path)
+            loaded = _read_yaml(path.read_text(encoding="utf-8"), f"config file {path}")
         except UnicodeDecodeError as e:
             raise ConfigError(f"config file {path}: not valid UTF-8 ({e.reason} at byte "
                               f"{e.start})") from None
@@ -209,13 +209,13 @@ def load_config(cls: type[T], path: str | Path | None, overrides: list[str] = ()
     return from_dict(cls, apply_overrides(data, list(overrides)))
 
 
-def _read_yaml(text: str, path: Path):
-    """``yaml.safe_load(text)``, parsed once, its aliases checked (``_check_expansion``)
-    before anything is built from it."""
+def _read_yaml(text: str, where: str):
+    """``yaml.safe_load(text)``, parsed once, its aliases checked (``_check_expansion``;
+    ``where`` names the text in its errors) before anything is built from it."""
     loader = yaml.SafeLoader(text)
     try:
         node = loader.get_single_node()
-        _check_expansion(node, path)
+        _check_expansion(node, where)
         return loader.construct_document(node) if node is not None else None
     finally:
         loader.dispose()
@@ -224,7 +224,7 @@ def _read_yaml(text: str, path: Path):
 MAX_CONFIG_VALUES = 100_000  # values of a config file, aliases (``*name``) expanded
 
 
-def _check_expansion(root: yaml.Node | None, path: Path) -> None:
+def _check_expansion(root: yaml.Node | None, where: str) -> None:
     """Refuse a document whose aliases expand it past ``MAX_CONFIG_VALUES`` values (a few
     lines of nested aliases can stand for billions: every later pass over the config would
     hang) or make it contain itself."""
@@ -236,8 +236,8 @@ def _check_expansion(root: yaml.Node | None, path: Path) -> None:
         if key in sizes:
             return sizes[key]
         if key in visiting:
-            raise ConfigError(f"config file {path}: an alias at line {node.start_mark.line + 1} "
-                              "makes the document contain itself")
+            raise ConfigError(f"{where}: an alias at line {node.start_mark.line + 1} makes the "
+                              "document contain itself")
         visiting.add(key)
         if isinstance(node, yaml.MappingNode):
             n = 1 + sum(size(k) + size(v) for k, v in node.value)
@@ -250,7 +250,7 @@ def _check_expansion(root: yaml.Node | None, path: Path) -> None:
         return n
 
     if root is not None and size(root) > MAX_CONFIG_VALUES:
-        raise ConfigError(f"config file {path}: its aliases (*name) expand it to more than "
+        raise ConfigError(f"{where}: its aliases (*name) expand it to more than "
                           f"{MAX_CONFIG_VALUES} values")
 
 

@@ -93,6 +93,15 @@ def test_aliases_that_expand_a_config_without_bound_or_into_itself_are_refused(t
         load_config(Experiment, deep)
     with pytest.raises(ConfigError, match="override tags: its value is nested too deep"):
         load_config(Experiment, None, ["name=x", "tags=" + "[" * 5000])
+    # The same on the command line: a 400-character override was accepted and hung the run's
+    # first pass over its config; a self-containing one raised a raw RecursionError.
+    laughs_override = "tags=" + "".join(f"- &l{i} [{', '.join([f'*l{i - 1}'] * 8)}]\n"
+                                        for i in range(1, 9)).replace("*l0", "lol")
+    with pytest.raises(ConfigError, match=r"override tags: its aliases \(\*name\) expand it"):
+        load_config(Experiment, None, ["name=x", laughs_override])
+    with pytest.raises(ConfigError, match="override tags: an alias at line 1 makes the document "
+                                          "contain itself"):
+        load_config(Experiment, None, ["name=x", "tags=&t [a, *t]"])
     shared = tmp_path / "shared.yaml"  # aliases as people use them stay fine
     shared.write_text("name: x\ntags: &t [a, b]\noptim: {lr: &lr 0.001}\nextra: {lr: *lr}\n")
     assert load_config(Experiment, shared).extra.lr == 0.001

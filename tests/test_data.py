@@ -136,6 +136,12 @@ def test_a_chat_template_that_raises_is_named_with_its_setting(tmp_path):
         PromptDataset(DatasetConfig(path=str(path), system_prompt="Be brief."), tok,
                       "eval.dataset")
     assert len(PromptDataset(DatasetConfig(path=str(path)), tok)) == 3  # no system turn: fine
+    # Errors of the template's own making, not Jinja's, escaped as raw tracebacks.
+    for template, error in (("{{ 1 // 0 }}", "ZeroDivisionError"),
+                            ("{% for i in range(10**9) %}{% endfor %}", "OverflowError")):
+        with pytest.raises(DatasetError, match=rf"^dataset: the tokenizer's chat template "
+                                               rf"failed: {error}: "):
+            PromptDataset(DatasetConfig(path=str(path)), _tokenizer(chat_template=template))
 
 
 def test_long_prompts_are_dropped_and_counted(tmp_path, tokenizer, caplog):

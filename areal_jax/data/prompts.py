@@ -44,14 +44,13 @@ def render_prompts(
 def _apply_chat_template(tokenizer, chats: list, config: DatasetConfig, section: str):
     """(texts, token ids) of ``chats`` through the tokenizer's chat template; a template that
     raises (``raise_exception``, as many do for a system turn they do not support) or fails is
-    a ``ValueError`` naming the section."""
-    import jinja2
-
+    a ``ValueError`` naming the section. Any error counts: a template is a program of the
+    model's files (a division by zero, the sandbox's range limit) and names its own."""
     try:
         texts = tokenizer.apply_chat_template(chats, add_generation_prompt=True, tokenize=False)
         ids = tokenizer.apply_chat_template(chats, add_generation_prompt=True, tokenize=True,
                                             return_dict=False)
-    except (jinja2.TemplateError, TypeError, KeyError, IndexError) as e:
+    except Exception as e:  # noqa: BLE001 - whatever the template raises, named below
         hint = (f" (it was given {section}.system_prompt: the template may not take a system "
                 f"turn; leave system_prompt empty)" if config.system_prompt else "")
         raise ValueError(f"{section}: the tokenizer's chat template failed: {type(e).__name__}: "

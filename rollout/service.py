@@ -504,7 +504,9 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
 
     # Weights ---------------------------------------------------------------------------------
 
-    def _check_weights_path(self, path: str) -> None:
+    def _check_weights_path(self, path: str) -> str:
+        """The real path of ``path``, which must lie under ``weights_allowed_roots``: the one
+        loaded, so a link changed after the check leads nowhere else."""
         if "\0" in path:
             raise InvalidParamError("path", "contains a NUL character")
         real = os.path.realpath(path)
@@ -516,6 +518,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                 "a directory that holds it (e.g. where the trainer's run directories are), or "
                 "set the trainer's rollout.weights_transport=push",
             )
+        return real
 
     def _check_version(self, version: int, force: bool, field: str = "version") -> None:
         """Without ``force`` only a newer version may load."""
@@ -599,8 +602,8 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             if not request.path:
                 raise InvalidParamError("path", "must not be empty")
             check_version_range(request.version, "version")
-            self._check_weights_path(request.path)
-            return await self._update(request.path, request.version, request.force, run)
+            real = self._check_weights_path(request.path)
+            return await self._update(real, request.version, request.force, run)
         except InvalidParamError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except Rejected as e:

@@ -815,6 +815,12 @@ def test_update_weights_loads_only_under_the_allowed_roots(tmp_path, tok_dir, tm
         roots = {"weights_allowed_roots": [str(outside.parent)]}
         async with serving(tmp_path, tok_dir, **roots) as h:
             configured = [await attempt(h, str(inside), 1), await attempt(h, str(outside), 2)]
+        # A link into a root loads what it led to when checked (the engine is given the real
+        # path: a link changed between the check and the load cannot lead elsewhere).
+        (tmp_path / "inside_link").symlink_to(inside)
+        async with serving(tmp_path, tok_dir) as h:
+            assert await attempt(h, str(tmp_path / "inside_link"), 3) == 3
+            assert h.engine.loaded[-1][0] == str(inside)
         return default, configured
 
     (out, link, ok), (inside_refused, outside_ok) = asyncio.run(scenario())

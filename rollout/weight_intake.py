@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import BinaryIO
 
+from areal_jax.models.hf_export import TOKENIZER_FILES
 from areal_jax.protocol.v1 import rollout_pb2 as pb
 from rollout.engine import InvalidParamError
 from rollout.validation import check_version_range
@@ -27,10 +28,15 @@ MAX_NAME_BYTES = 255  # NAME_MAX of common filesystems
 
 
 def _check_name(name: str, field: str) -> None:
+    """A plain file name of what a checkpoint holds: weights in safetensors, JSON, and the
+    tokenizer's files (never pickled weights, which an engine might read)."""
     if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
         raise InvalidParamError(field, f"{name!r} is not a plain file name")
     if len(name.encode()) > MAX_NAME_BYTES:
         raise InvalidParamError(field, f"{name[:40]!r}... is longer than {MAX_NAME_BYTES} bytes")
+    if not name.endswith((".safetensors", ".json")) and name not in TOKENIZER_FILES:
+        raise InvalidParamError(field, f"{name!r} is not a checkpoint file (*.safetensors, "
+                                "*.json or a tokenizer's file)")
 
 
 class PushStalledError(Exception):

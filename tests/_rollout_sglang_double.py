@@ -313,6 +313,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dp-size", type=int, default=1)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--weight-version", default="default")
+    parser.add_argument("--load-format", choices=["auto", "pt", "safetensors"], default="auto")
     parser.add_argument("--context-length", type=int)
     parser.add_argument("--mem-fraction-static", type=float)
     parser.add_argument("--max-running-requests", type=int)

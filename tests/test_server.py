@@ -878,6 +878,10 @@ def _bad_pushes(src):
         # lock: every update queued behind it waited.
         ("chunk.data", [header_first, pb.PushWeightsRequest(
             chunk=pb.FileChunk(name=header_first.header.files[0].name, offset=0))]),
+        # Pickled weights, which an engine loading "auto" might read: never received.
+        ("header.files[1].name", [pb.PushWeightsRequest(header=pb.WeightsHeader(
+            version=1, files=[pb.WeightFile(name="config.json", size=2),
+                              pb.WeightFile(name="pytorch_model.bin", size=1)]))]),
     ]
 
 
@@ -885,7 +889,7 @@ def test_bad_pushes_are_rejected_and_leave_nothing_behind(tmp_path, tok_dir):
     src = write_checkpoint(tmp_path / "src", "x")
     no_config = tmp_path / "no_config"
     no_config.mkdir()
-    (no_config / "weights.bin").write_bytes(b"\0" * 10)
+    (no_config / "weights.safetensors").write_bytes(b"\0" * 10)
 
     async def scenario():
         results = []

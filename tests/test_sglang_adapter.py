@@ -331,7 +331,8 @@ def test_launch_command_sets_the_rl_flags():
     assert argv == [
         "/py", "-m", "sglang.launch_server", "--model-path", "/m", "--host", "127.0.0.1",
         "--port", "31000", "--skip-tokenizer-init", "--tp-size", "2", "--dp-size", "4",
-        "--dtype", "bfloat16", "--weight-version", "2", "--context-length", "4096",
+        "--dtype", "bfloat16", "--weight-version", "2", "--load-format", "safetensors",
+        "--context-length", "4096",
         "--mem-fraction-static", "0.8", "--random-seed", "1", "--log-level", "warning",
     ]  # fmt: skip
 
@@ -426,9 +427,9 @@ def test_a_load_failing_part_way_reloads_the_served_checkpoint(model_dir, double
     assert isinstance(error, WeightLoadError) and "corrupt shard" in str(error)
     assert version == 0 and double.weight_version == "0"
     assert double.weights == str(model_dir)  # not left partly updated
-    loads = [(p["model_path"], p["weight_version"])
-             for p in double.posts("/update_weights_from_disk")]
-    assert loads == [(str(corrupt), "1"), (str(model_dir), "0")]
+    loads = [(p["model_path"], p["weight_version"], p["load_format"])
+             for p in double.posts("/update_weights_from_disk")]  # never pickles: safetensors
+    assert loads == [(str(corrupt), "1", "safetensors"), (str(model_dir), "0", "safetensors")]
     assert result.output_ids == expected_tokens(PROMPT, 30) and result.versions == [0] * 30
 
 

@@ -42,6 +42,7 @@ class LaunchFlags:
 
 
 HALF_DTYPES = ("bfloat16", "float16")
+LOAD_FORMAT = "safetensors"  # never SGLang's auto, which falls back to pickled *.bin / *.pt
 
 
 def launch_dtype(option: str, checkpoint_dtype: str | None) -> str:
@@ -66,6 +67,7 @@ def launch_command(python: str, flags: LaunchFlags, extra_args: list[str] = ()) 
         "--dp-size", str(flags.dp_size),
         "--dtype", flags.dtype,
         "--weight-version", str(flags.weight_version),
+        "--load-format", LOAD_FORMAT,
     ]  # fmt: skip
     optional = {
         "--context-length": flags.context_length,
@@ -209,8 +211,11 @@ def request_limit(server_info: dict) -> int | None:
 
 
 def update_weights_payload(path: str, version: int) -> dict[str, Any]:
-    """``POST /update_weights_from_disk`` body; requests are already aborted by the pause."""
-    return {"model_path": path, "weight_version": str(version), "abort_all_requests": False}
+    """``POST /update_weights_from_disk`` body; requests are already aborted by the pause.
+    Safetensors only (``LOAD_FORMAT``): a directory that also holds pickled weights
+    (``*.bin``, ``*.pt``) never has them read."""
+    return {"model_path": path, "load_format": LOAD_FORMAT, "weight_version": str(version),
+            "abort_all_requests": False}
 
 
 def update_succeeded(status: int, body: Any) -> tuple[bool, str]:

@@ -113,8 +113,16 @@ def _delete_item(step_dir):
 
 
 def _meta_without_version(step_dir):
+    """As a meta written before the meta's own checksum, without a version."""
     meta = json.loads((step_dir / "meta" / "metadata").read_text())
-    del meta["version"]
+    del meta["version"], meta["_meta_checksum"]
+    (step_dir / "meta" / "metadata").write_text(json.dumps(meta))
+
+
+def _meta_extra_altered(step_dir):
+    """The controller's state altered, still valid JSON: it reached the loop unchecked."""
+    meta = json.loads((step_dir / "meta" / "metadata").read_text())
+    meta["extra"]["data_position"] = 7
     (step_dir / "meta" / "metadata").write_text(json.dumps(meta))
 
 
@@ -160,7 +168,8 @@ def two_checkpoints(tmp_path_factory):
     (_meta_checksums_not_a_mapping, "its metadata's _array_checksums is a list, not a mapping"),
     # a KeyError traceback, and a version the servers refused as out of range
     (_meta_without_version, "its metadata names version None, not the step's 2"),
-    (_meta_of_another_version, "its metadata names version 1099511627776, not the step's 2"),
+    (_meta_of_another_version, "its metadata was altered"),
+    (_meta_extra_altered, "its metadata was altered"),
 ])  # fmt: skip
 def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(
     tmp_path, caplog, two_checkpoints, damage, reason

@@ -12,6 +12,7 @@ A checkpoint that does not fit the trainer (other model or optimiser) raises
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import shutil
@@ -38,6 +39,7 @@ class CheckpointCorruptError(ValueError):
 
 
 _CHECKSUMS = "_array_checksums"  # meta key of the checksums written with the arrays
+_META_CHECKSUM = "_meta_checksum"  # meta key of the checksum of the meta's other entries
 _UINTS = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 
 
@@ -67,13 +69,14 @@ class Checkpointer:
         """Write ``state`` (array pytree) and ``meta`` as checkpoint ``step``; replaces an
         existing checkpoint of the same step. Returns once arrays are copied off the device.
 
-        Checksums of the arrays go into the stored meta, so altered bytes are caught on restore.
+        Checksums of the arrays, and of the meta itself, go into the stored meta, so altered
+        bytes are caught on restore.
         """
         try:
-            json.dumps(meta)
+            meta = {**meta, _META_CHECKSUM: _meta_checksum(meta)}
         except (TypeError, ValueError) as e:
             raise ValueError(f"checkpoint meta must be JSON-serialisable: {e}") from e
-        meta = {**meta, _CHECKSUMS: checksums(state)}
+        meta[_CHECKSUMS] = checksums(state)
         if step in self._manager.all_steps():
             self._manager.wait_until_finished()
             self._manager.delete(step)
@@ -190,10 +193,14 @@ class Checkpointer:
             error.__cause__ = e
         if not all_processes(error is None):
             raise error or CheckpointCorruptError(f"{where} cannot be read on another process")
+        expected = meta.pop(_CHECKSUMS, None)
+        written = meta.pop(_META_CHECKSUM, None)  # none: written by an older version
+        if written is not None and written != _meta_checksum(meta):
+            raise CheckpointCorruptError(f"{where}: its metadata was altered (its checksum "
+                                         "does not match)")
         problem = self._meta_problem(meta, step) if self._meta_problem else None
         if problem is not None:
             raise CheckpointCorruptError(f"{where}: its metadata {problem}")
-        expected = meta.pop(_CHECKSUMS, None)
         if expected is None:
             log.warning("%s was written without checksums (by an older version): its arrays "
                         "are not verified", where)
@@ -235,6 +242,11 @@ class Checkpointer:
             f"configuration (model size, grad_clip, weight decay, ...). Restore with the "
             f"configuration it was saved with, or use a new run_dir. Differences: {details}"
         )
+
+
+def _meta_checksum(meta: dict) -> str:
+    """SHA-256 of ``meta`` as canonical JSON (what the restore reads back compares equal)."""
+    return hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()
 
 
 def checksums(tree: Any) -> dict[str, list[int]]:

@@ -336,12 +336,13 @@ async def start_server(
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, serving)
     log.info(
-        "rollout server on %s:%d (%s engine, version %d, %s)",
+        "rollout server on %s:%d (%s engine, version %d, %s; rewards: %s)",
         config.host,
         port,
         engine.kind,
         engine.version,
         "TLS" if credentials else "plaintext",
+        ", ".join(sorted(reward_names)),
     )
     return RolloutServer(server, servicer, health_servicer, engine, closers, port)
 

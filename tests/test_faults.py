@@ -347,3 +347,32 @@ def test_a_server_whose_engine_hangs_in_its_shutdown_still_exits(tmp_path):
         assert "exiting now: signal SIGTERM during the shutdown" in log.read_text()
     finally:
         _reap(proc)
+
+
+def test_a_remote_server_that_cannot_serve_the_run_is_named_before_sft(tmp_path, capsys):
+    # Its model, context, rewards or group size were checked only once the RL phase connected,
+    # after SFT: on a real model, hours of work before a setup error.
+    import yaml
+
+    from areal_jax.cli import main
+
+    proc, address = _server(tmp_path)
+    try:
+        (tmp_path / "train.jsonl").write_text(
+            '{"question": "1+1?", "answer": "2", "solution": "2"}\n')
+        cfg = {"run_dir": str(tmp_path / "run"), "model_path": "tiny",
+               "dataset": {"path": str(tmp_path / "train.jsonl"), "reward": "math",
+                           "metadata_fields": {"answer": "answer", "solution": "solution"}},
+               "sft": {"steps": 3}, "rollout": {"addresses": [address]}}
+        (tmp_path / "exp.yaml").write_text(yaml.safe_dump(cfg))
+        deadline = time.monotonic() + 60
+        while b"rollout server on" not in (tmp_path / f"server_{address.rsplit(':', 1)[1]}.log"
+                                 ).read_bytes() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert main(["train", "--config", str(tmp_path / "exp.yaml")]) == 2
+    finally:
+        _reap(proc)
+    err = capsys.readouterr().err
+    assert f"rollout server {address} serves a model with a vocabulary of" in err
+    assert not (tmp_path / "run" / "sft_model").exists()
+    assert not (tmp_path / "run" / "sft").exists()

@@ -179,7 +179,7 @@ def test_eval_needs_only_the_held_out_reward(tmp_path, capsys, monkeypatch):
 
     seen = []
 
-    async def evaluated(cfg, models):
+    async def evaluated(cfg, models, samples=None):
         seen.append(cfg.dataset.reward)
         return [{"eval/accuracy": 1.0, "eval/response_length": 3.0}]
 

@@ -49,3 +49,23 @@ def test_a_run_refused_before_it_was_accepted_writes_nothing(tmp_path, console):
         raise ValueError("run_dir is in use")
     assert not (tmp_path / "run").exists()
     assert console.getvalue() == "the tokenizer's end token\n"
+
+
+def test_progress_off_a_terminal_prints_a_bounded_number_of_lines(capsys):
+    # SFT printed a line per step (250 lines); a loss near 1e-3 printed as 0.000 or -0.000.
+    from areal_jax.controller.progress import TrainingProgress, summary
+
+    assert summary({"loss": -0.000412, "reward/mean": 0.5}) == "loss -0.000412  reward 0.500"
+    with TrainingProgress() as progress:  # stdout captured: not a terminal
+        sft = progress.start_phase("SFT warm start", 250)
+        for _ in range(250):
+            progress.advance(sft, {"loss": 0.25})
+        progress.end_phase(sft)
+        held_out = progress.start_phase("evaluating version 0", 40, lines=10)
+        for _ in range(40):
+            progress.advance(held_out)
+    lines = capsys.readouterr().out.splitlines()
+    steps = [line.split()[3] for line in lines if line.startswith("  SFT warm start")]
+    assert steps == [f"{k}/250" for k in [*range(3, 250, 3), 250]]
+    assert [line for line in lines if line.startswith("  evaluating")] == [
+        f"  evaluating version 0 {k}/40" for k in range(4, 41, 4)]

@@ -132,9 +132,23 @@ def test_train_resume_and_export(tmp_path, capsys, monkeypatch):
 
     # The export evaluates through a fresh local server like any HF checkpoint.
     capsys.readouterr()
-    assert main(["eval", "--config", str(cfg), "--model", str(tmp_path / "hf")]) == 0
+    assert main(["eval", "--config", str(cfg), "--model", str(tmp_path / "hf"), "--samples",
+                 str(tmp_path / "answers.jsonl")]) == 0
     evaluated = json.loads(capsys.readouterr().out)
     assert evaluated["eval/num_prompts"] == 8 and evaluated["eval/failed"] == 0
+    # What was answered and how it scored, to read when a reward surprises: the same answers
+    # as the run's own last evaluation of that version (on its first 4 prompts).
+    answers = [json.loads(line) for line in (tmp_path / "answers.jsonl").read_text().splitlines()]
+    assert len(answers) == 8 and {a["model"] for a in answers} == {str(tmp_path / "hf")}
+    assert np.mean([a["reward"] for a in answers]) == evaluated["eval/accuracy"]
+    in_run = [json.loads(line) for line in
+              (run_dir / "eval_samples" / "v5.jsonl").read_text().splitlines()]
+    assert [(a["id"], a["completion"], a["reward"]) for a in answers[:4]] == [
+        (a["id"], a["completion"], a["reward"]) for a in in_run]
+    assert sorted(p.name for p in (run_dir / "eval_samples").iterdir()) == [
+        "v0.jsonl", "v3.jsonl", "v5.jsonl"]
+    assert all(a["finish_reason"] in ("stop", "length") and "answer" in a["metadata"]
+               for a in answers)
 
     # The accuracy curve of the kept exports, measured after the run through one server.
     assert main(["eval", "--config", str(cfg), "--curve", str(run_dir)]) == 0

@@ -18,6 +18,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="every export kept under RUN_DIR/exports (see trainer.export_keep_every), oldest "
              "first, through one set of rollout servers; writes RUN_DIR/eval_curve.jsonl",
     )  # fmt: skip
+    parser.add_argument(
+        "--samples", metavar="FILE",
+        help="also write every answer to FILE, one JSON object per line: the prompt, the "
+             "completion's text, its reward and finish reason (with the checkpoint or version)",
+    )  # fmt: skip
     parser.add_argument("overrides", nargs="*", help="key=value overrides")
 
 
@@ -43,10 +48,22 @@ def run(args: argparse.Namespace) -> int:
         cfg = dataclasses.replace(cfg, dataset=dataclasses.replace(
             cfg.dataset, reward=cfg.eval.dataset.reward))
     preflight(cfg)
+    samples: list[list[dict]] | None = [] if args.samples else None
+
+    def write_samples(keys: list[dict]) -> None:
+        if samples is not None:
+            write_atomic(args.samples, "".join(json.dumps({**key, **record}) + "\n"
+                                               for key, answers in zip(keys, samples)
+                                               for record in answers))
+            print(f"wrote {sum(map(len, samples))} answers to {args.samples}", file=sys.stderr)
+
     if args.model is not None:
         model = check_model_dir(Path(args.model), "--model")
-        result = asyncio.run(evaluate_checkpoints(cfg, [model]))[0]
+        result = asyncio.run(evaluate_checkpoints(cfg, [model], samples))[0]
+        print(f"{model} on {cfg.eval.dataset.path} (reward {cfg.eval.dataset.reward}):",
+              file=sys.stderr)
         print(json.dumps(result, indent=2))
+        write_samples([{"model": str(model)}])
         return 0
     exports_dir = Path(args.curve) / "exports"
     exports = list_exports(exports_dir) if exports_dir.is_dir() else []
@@ -56,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"note: with trainer.export_keep_every unset a run keeps only its newest "
               f"{cfg.trainer.export_keep} exports ({len(exports)} under {exports_dir}); a run "
               "keeps more for its curve with trainer.export_keep_every=K", file=sys.stderr)
-    results = asyncio.run(evaluate_checkpoints(cfg, [path for _, path in exports]))
+    results = asyncio.run(evaluate_checkpoints(cfg, [path for _, path in exports], samples))
     out = Path(args.curve) / EVAL_CURVE_FILE
     write_atomic(out, "".join(json.dumps({"step": version, **result}) + "\n"
                               for (version, _), result in zip(exports, results)))
@@ -65,4 +82,5 @@ def run(args: argparse.Namespace) -> int:
         print(f"| {version} | {result['eval/accuracy']:.3f} | "
               f"{result['eval/response_length']:.1f} |")
     print(f"wrote {out}")
+    write_samples([{"version": version} for version, _ in exports])
     return 0

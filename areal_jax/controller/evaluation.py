@@ -7,12 +7,14 @@ import itertools
 import logging
 import time
 import uuid
+from collections.abc import Callable
 
 import numpy as np
 
 from areal_jax.controller.requests import rollout_request
 from areal_jax.controller.rollout_pool import RequestFailedError, RolloutPool
 from areal_jax.data.dataset import PromptItem
+from areal_jax.protocol import finish_reason_from_proto
 
 log = logging.getLogger(__name__)
 _rounds = itertools.count()
@@ -24,11 +26,14 @@ class EvaluationFailedError(RuntimeError):
 
 async def evaluate(pool: RolloutPool, items: list[PromptItem], reward: str, *,
                    max_new_tokens: int, temperature: float = 0.0,
-                   token_counts: list[int] | None = None, strict: bool = True
-                   ) -> dict[str, float]:
+                   token_counts: list[int] | None = None, strict: bool = True,
+                   samples: list[dict] | None = None,
+                   on_answer: Callable[[], None] | None = None) -> dict[str, float]:
     """Mean reward (accuracy for 0/1 rewards) and response length, one sample per prompt.
 
-    ``token_counts``, if given, is extended with each answer's prompt + response tokens.
+    ``token_counts``, if given, is extended with each answer's prompt + response tokens;
+    ``samples`` with one record per answered prompt, in order (``answer_record``);
+    ``on_answer`` is called as each request ends (a progress display).
     Requests that failed (answered with an error, or failing on the servers after their
     attempts) are counted and the first one's error logged; when every one failed, or every
     reward call failed (a reward reading a metadata key the data does not map: every answer
@@ -42,10 +47,13 @@ async def evaluate(pool: RolloutPool, items: list[PromptItem], reward: str, *,
                                     temperature, seed=i))
         for i, item in enumerate(items)
     ]
+    if on_answer is not None:
+        for future in futures:
+            future.add_done_callback(lambda _: on_answer())
     groups = await asyncio.gather(*futures, return_exceptions=True)
     rewards, lengths, failed, first_error = [], [], 0, None
     reward_calls, reward_failures, first_reward_error = 0, 0, None
-    for group in groups:
+    for item, group in zip(items, groups):
         if isinstance(group, RequestFailedError):  # failed on the servers after its attempts
             failed += 1
             first_error = first_error or str(group)
@@ -70,6 +78,8 @@ async def evaluate(pool: RolloutPool, items: list[PromptItem], reward: str, *,
             lengths.append(len(t.output_ids))
             if token_counts is not None:
                 token_counts.append(len(group.prompt_ids) + len(t.output_ids))
+            if samples is not None:
+                samples.append(answer_record(item, t))
     if failed and failed == len(items) and strict:
         raise EvaluationFailedError(
             f"every one of the {failed} held-out evaluation requests failed; the first: "
@@ -94,6 +104,23 @@ async def evaluate(pool: RolloutPool, items: list[PromptItem], reward: str, *,
     }
 
 
+def answer_record(item: PromptItem, trajectory) -> dict:
+    """What a held-out answer was: the prompt's id and text, the answer's token ids, its
+    reward and how it ended (``with_text`` adds the answer's text)."""
+    return {"id": item.id, "prompt": item.prompt_text, "output_ids": list(trajectory.output_ids),
+            "reward": trajectory.reward,
+            "finish_reason": finish_reason_from_proto(trajectory.finish_reason),
+            "metadata": dict(item.metadata)}
+
+
+def with_text(records: list[dict], tokenizer) -> list[dict]:
+    """``records`` (``answer_record``) with each answer decoded as ``completion`` (special
+    tokens kept: an end-of-sequence shows where the answer stopped)."""
+    return [{**{k: v for k, v in r.items() if k != "output_ids"},
+             "completion": tokenizer.decode(r["output_ids"], skip_special_tokens=False),
+             "output_tokens": len(r["output_ids"])} for r in records]
+
+
 def held_out_items(cfg, tokenizer) -> list[PromptItem]:
     """The first ``eval.max_prompts`` prompts of ``eval.dataset`` (none when it is unset)."""
     from areal_jax.controller.prepare import dataset_config
@@ -111,10 +138,12 @@ async def evaluate_checkpoint(cfg, model_path) -> dict:
     return (await evaluate_checkpoints(cfg, [model_path]))[0]
 
 
-async def evaluate_checkpoints(cfg, model_paths) -> list[dict]:
+async def evaluate_checkpoints(cfg, model_paths, samples: list[list[dict]] | None = None
+                               ) -> list[dict]:
     """Held-out accuracy of each HF checkpoint of ``model_paths``, in order, through one set of
     local or given rollout servers (the weights swapped between checkpoints). The tokenizer is
-    the first checkpoint's."""
+    the first checkpoint's. ``samples``, if given, gets each checkpoint's answers
+    (``answer_record`` with their text, ``with_text``)."""
     from pathlib import Path
 
     from areal_jax.config import ConfigError
@@ -148,7 +177,11 @@ async def evaluate_checkpoints(cfg, model_paths) -> list[dict]:
                 await pool.update_weights(path, version)
             # strict on the first only: a setup error shows there, and a later checkpoint whose
             # answers all fail the reward (a collapsed policy) is a point of the curve
+            answers: list[dict] = []
             results.append(await evaluate(pool, items, cfg.eval.dataset.reward,
                                           max_new_tokens=cfg.eval.max_new_tokens,
-                                          temperature=cfg.eval.temperature, strict=i == 0))
+                                          temperature=cfg.eval.temperature, strict=i == 0,
+                                          samples=answers))
+            if samples is not None:
+                samples.append(with_text(answers, tokenizer))
     return results

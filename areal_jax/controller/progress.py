@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn
 from rich.progress import TimeElapsedColumn, TimeRemainingColumn
 
-_SHOWN = (("loss", "loss {:.3f}"), ("reward/mean", "reward {:.3f}"),
+_SHOWN = (("loss", "loss {:.4g}"), ("reward/mean", "reward {:.3f}"),
           ("eval/accuracy", "eval acc {:.3f}"),
           ("throughput/tokens_per_s", "{:.0f} tok/s"), ("staleness/mean", "stale {:.2f}"),
           ("staleness/max", "max {:.0f}"), ("rollout/busy_fraction", "busy {:.2f}"))
@@ -26,8 +26,9 @@ def summary(metrics: dict) -> str:
 
 
 class TrainingProgress:
-    """A rich progress display; when stdout is not a terminal it prints one line per step.
-    ``enabled=False`` (trainer processes other than the leader) shows nothing."""
+    """A rich progress display; when stdout is not a terminal it prints a line per step, at
+    most ``lines`` of them per phase (``start_phase``). ``enabled=False`` (trainer processes
+    other than the leader) shows nothing."""
 
     def __init__(self, enabled: bool = True):
         self._console = Console(file=sys.stdout)
@@ -45,17 +46,21 @@ class TrainingProgress:
     def __exit__(self, *exc):
         self._progress.__exit__(*exc)
 
-    def start_phase(self, name: str, total: int | None, completed: int = 0):
+    def start_phase(self, name: str, total: int | None, completed: int = 0, lines: int = 100):
         if not self._live and not self._quiet:
             print(f"== {name}", flush=True)
-        return self._progress.add_task(name, total=total, completed=completed, info="")
+        every = max(1, math.ceil((total or 0) / lines))
+        return self._progress.add_task(name, total=total, completed=completed, info="",
+                                       every=every)
 
-    def advance(self, task, metrics: dict) -> None:
-        info = summary(metrics)
+    def advance(self, task, metrics: dict | None = None) -> None:
+        info = summary(metrics or {})
         self._progress.update(task, advance=1, info=info)
         if not self._live and not self._quiet:
             t = self._progress.tasks[[x.id for x in self._progress.tasks].index(task)]
-            print(f"  {t.description} {int(t.completed)}/{int(t.total or 0)}  {info}", flush=True)
+            done, total = int(t.completed), int(t.total or 0)
+            if done % t.fields["every"] == 0 or done == total:
+                print(f"  {t.description} {done}/{total}  {info}".rstrip(), flush=True)
 
     def end_phase(self, task) -> None:
         self._progress.remove_task(task)

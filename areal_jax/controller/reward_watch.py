@@ -93,7 +93,8 @@ class RewardWatch:
             "no learning signal in the last %d batches: the rewards (seen: %s) give every "
             "sample a zero advantage under the %s estimator (for GRPO: in every group all "
             "samples scored alike), so the policy does not move; check what reward %r "
-            "returns on a few completions (e.g. areal-jax eval), that the prompts ask for what "
+            "returns on a few completions (the held-out answers and their rewards are in the "
+            "run's eval_samples/, or areal-jax eval --samples FILE), that the prompts ask for what "
             "it reads, and that the task is neither out of the model's reach nor already "
             "solved", self._flat_batches, shown,
             self.advantage.estimator, self.reward)

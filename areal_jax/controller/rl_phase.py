@@ -11,7 +11,7 @@ import logging
 from pathlib import Path
 
 from areal_jax.config import ConfigError, to_dict
-from areal_jax.controller.evaluation import evaluate
+from areal_jax.controller.evaluation import evaluate, with_text
 from areal_jax.controller.ledger import RunLedger
 from areal_jax.controller.loop import RLLoop
 from areal_jax.controller.prepare import run_id
@@ -98,6 +98,17 @@ def report_finished(cfg: ExperimentConfig, results: dict) -> None:
             _print_eval(f"held-out accuracy at version "
                         f"{results[key].get('version', results['version']):.0f} "
                         f"({label}, recorded)", results[key])
+
+
+SAMPLES_DIR = "eval_samples"
+
+
+def write_samples(run_dir: Path, version: int, records: list[dict]) -> None:
+    """Keep the held-out answers of ``version`` (``evaluation.with_text`` records) in
+    ``eval_samples/v{version}.jsonl``: what the reward was given, to read when it surprises."""
+    directory = run_dir / SAMPLES_DIR
+    directory.mkdir(exist_ok=True)
+    write_atomic(directory / f"v{version}.jsonl", "".join(json.dumps(r) + "\n" for r in records))
 
 
 def _evaluation_logged(run_dir: Path, step: int) -> bool:
@@ -200,13 +211,25 @@ async def run_rl(cfg: ExperimentConfig, trainer, tokenizer, train_set: PromptDat
             evaluated: dict[int, dict] = {}  # by version, the loop's evaluations included
 
             async def run_eval(step: int, token_counts: list[int] | None = None,
-                               strict: bool = False) -> dict:
+                               strict: bool = False, shown: bool = False) -> dict:
+                """Evaluate the served version ``step``; its answers go to
+                ``eval_samples/v{step}.jsonl`` (``shown``: with a progress bar)."""
                 if not eval_items:
                     return {}
-                evaluated[step] = await evaluate(pool, eval_items, cfg.eval.dataset.reward,
-                                                 max_new_tokens=cfg.eval.max_new_tokens,
-                                                 temperature=cfg.eval.temperature,
-                                                 token_counts=token_counts, strict=strict)
+                task = progress.start_phase(f"evaluating version {step}", len(eval_items),
+                                            lines=10) if shown else None
+                answers: list[dict] = []
+                try:
+                    evaluated[step] = await evaluate(
+                        pool, eval_items, cfg.eval.dataset.reward,
+                        max_new_tokens=cfg.eval.max_new_tokens,
+                        temperature=cfg.eval.temperature, token_counts=token_counts,
+                        strict=strict, samples=answers,
+                        on_answer=None if task is None else lambda: progress.advance(task))
+                finally:
+                    if task is not None:
+                        progress.end_phase(task)
+                write_samples(run_dir, step, with_text(answers, tokenizer))
                 return evaluated[step]
 
             if eval_items:
@@ -214,7 +237,8 @@ async def run_rl(cfg: ExperimentConfig, trainer, tokenizer, train_set: PromptDat
                 # before RL, an evaluation answering nothing stops the run (nothing trained yet)
                 results["before"] = await supervision.run(_accuracy_before_rl(
                     cfg, version,
-                    functools.partial(run_eval, token_counts=token_counts, strict=True),
+                    functools.partial(run_eval, token_counts=token_counts, strict=True,
+                                      shown=True),
                     metrics_log))
                 token_counts = [n for n in token_counts if n >= 2]  # answers, not bare prompts
                 if sketching and token_counts:  # the policy's own lengths: a better forecast
@@ -240,7 +264,7 @@ async def run_rl(cfg: ExperimentConfig, trainer, tokenizer, train_set: PromptDat
                 if final in evaluated and final != version:  # the loop's own, at its last step
                     results["after"] = evaluated[final]
                 else:
-                    results["after"] = await supervision.run(run_eval(final))
+                    results["after"] = await supervision.run(run_eval(final, shown=True))
                     if not _evaluation_logged(run_dir, final):  # a finished run run again
                         metrics_log.log(final, results["after"])
                 _print_eval(f"held-out accuracy at version {final} (after RL)",

@@ -10,6 +10,7 @@ the leader closes the group. Re-running the same command resumes from the last c
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import json
@@ -24,13 +25,14 @@ from areal_jax.controller.local_servers import MEMORY_FRACTION_VARIABLE, device_
 from areal_jax.controller.local_servers import with_deterministic_ops
 from areal_jax.controller.prepare import check_fingerprint, prepare_base_model, prepare_data
 from areal_jax.controller.prepare import base_model_path, changed_since_last_start
-from areal_jax.controller.prepare import dataset_config, record_config
+from areal_jax.controller.prepare import dataset_config, record_config, run_id
 from areal_jax.controller.evaluation import held_out_items
 from areal_jax.controller.progress import TrainingProgress
 from areal_jax.controller.rl_phase import RESULTS_FILE, check_trajectories_fit, run_rl
 from areal_jax.controller.rl_phase import recorded_results, report_finished
 from areal_jax.controller.run_lock import hold_run_dir
-from areal_jax.controller.servers import check_local_engine_context, servers_compiling
+from areal_jax.controller.servers import check_local_engine_context, check_remote_servers
+from areal_jax.controller.servers import servers_compiling
 from areal_jax.controller.sft_phase import run_sft, sft_end_token, sft_examples
 from areal_jax.controller.sft_phase import sft_model_kept
 from areal_jax.controller.trainers import make_trainer
@@ -226,6 +228,10 @@ def _train(cfg: ExperimentConfig, leader: bool, held: contextlib.ExitStack,
             record_config(cfg)
         barrier("run directory prepared")
         accept_log()
+        if leader and sft_pending:  # a remote server that cannot serve the run: named now
+            asyncio.run(check_remote_servers(
+                cfg, base, training=prompt_lengths, run_id=run_id(cfg),
+                held_out=[len(item.prompt_ids) for item in eval_items]))
         start = base
         if cfg.sft.steps:
             with servers_compiling(cfg, base, leader and sft_pending):

@@ -20,7 +20,7 @@ import jax
 from areal_jax.config import ConfigError, from_dict
 from areal_jax.controller.local_servers import LocalServers, ServerExitedError
 from areal_jax.controller.local_servers import with_deterministic_ops
-from areal_jax.controller.rollout_pool import PoolOptions, RolloutPool
+from areal_jax.controller.rollout_pool import NoLiveServerError, PoolOptions, RolloutPool
 from areal_jax.experiment import ExperimentConfig
 from areal_jax.protocol.v1 import rollout_pb2 as pb
 from areal_jax.trainer.publish import link_newest_export, remove_restart_copies
@@ -342,6 +342,32 @@ async def rollout_servers(cfg: ExperimentConfig, model_path: Path, version: int,
             await pool.close()
         if servers is not None:
             servers.stop()
+
+
+REMOTE_CHECK_S = 10.0  # how long the check before SFT waits for remote servers to answer
+
+
+async def check_remote_servers(cfg: ExperimentConfig, model_path: Path, *,
+                               training: list[int] = (), held_out: list[int] = (),
+                               run_id: str | None = None) -> None:
+    """Before the work that comes ahead of the RL phase (SFT), check the remote servers that
+    answer within ``REMOTE_CHECK_S`` as the RL phase will (``make_pool``'s admission: model,
+    context, rewards, group size, token), so a server that cannot serve the run is named
+    before that work, not after it. Servers that do not answer yet are checked as they
+    connect later."""
+    from areal_jax.models.config import ModelConfig
+
+    if not cfg.rollout.remote:
+        return
+    pool = make_pool(cfg, list(cfg.rollout.addresses), addresses_file=cfg.rollout.addresses_file,
+                     training=training, held_out=held_out, run_id=run_id,
+                     vocab_size=ModelConfig.from_pretrained(model_path).vocab_size)
+    try:
+        await pool.start(min(REMOTE_CHECK_S, cfg.rollout.start_timeout_s))
+    except NoLiveServerError:
+        pass
+    finally:
+        await pool.close()
 
 
 async def supervise_local(servers: LocalServers, exports_dir: Path,

@@ -256,6 +256,13 @@ class ExperimentConfig:
     compile_servers_during_sft: bool | None = None
 
     @property
+    def logprob_temperature(self) -> float:
+        """The temperature of the sampled log-probs: ``sampling.temperature``, or 1 where it
+        samples greedily (greedy answers report log-probs at temperature 1)."""
+        t = self.sampling.temperature
+        return t if t >= GREEDY_TEMPERATURE else 1.0
+
+    @property
     def tiny_model(self) -> TinyModelSpec:
         """The shape ``model_path: tiny`` builds: the ``tiny`` section, or the defaults."""
         return self.tiny or TinyModelSpec()
@@ -265,12 +272,11 @@ class ExperimentConfig:
         # against a different policy than the one that sampled.
         # Greedy sampling (temperature 0, or below GREEDY_TEMPERATURE) reports log-probs at
         # temperature 1.
-        t = self.sampling.temperature
-        sampled_at = t if t >= GREEDY_TEMPERATURE else 1.0
-        if self.trainer.temperature != sampled_at:
+        sampled_at = self.logprob_temperature
+        if self.trainer.temperature is not None and self.trainer.temperature != sampled_at:
             raise ConfigError(
                 f"trainer.temperature ({self.trainer.temperature:g}) must equal "
-                f"sampling.temperature ({sampled_at:g})"
+                f"sampling.temperature ({sampled_at:g}) or be left unset"
             )
         if self.trainer.advantage.estimator == "rloo" and self.sampling.group_size < 2:
             raise ConfigError("trainer.advantage.estimator: rloo needs sampling.group_size >= 2 "
@@ -314,11 +320,13 @@ class ExperimentConfig:
 
     def trainer_fields(self, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
         """The ``trainer`` section as plain data with ``overrides`` (e.g. ``sft.trainer``)
-        applied on top, and ``max_new_tokens`` from ``sampling`` where unset (the overlong
-        penalty measures against it)."""
+        applied on top, and ``max_new_tokens`` (the overlong penalty measures against it) and
+        ``temperature`` (``logprob_temperature``) from ``sampling`` where unset."""
         data = to_dict(self.trainer)
         if data.get("max_new_tokens") is None:
             data["max_new_tokens"] = self.sampling.max_new_tokens
+        if data.get("temperature") is None:
+            data["temperature"] = self.logprob_temperature
         data.update(overrides or {})
         return data
 

@@ -28,10 +28,19 @@ def test_sync_mode_forces_zero_staleness():
     assert cfg.schedule.max_staleness == 0
 
 
-def test_trainer_temperature_must_match_sampling():
+def test_trainer_temperature_follows_sampling_unless_set_otherwise():
+    # Left at 1.0 by default, every sampling.temperature other than 1 was an error until the
+    # trainer's was set to the same.
     quickstart = QUICKSTART
-    with pytest.raises(ConfigError, match=r"trainer.temperature \(1\) must equal sampling.temperature \(0.7\)"):
-        load_config(ExperimentConfig, quickstart, ["sampling.temperature=0.7"])
+    cfg = load_config(ExperimentConfig, quickstart, ["sampling.temperature=0.7"])
+    assert cfg.trainer.temperature is None and cfg.trainer_fields()["temperature"] == 0.7
+    assert cfg.sft_trainer.logprob_temperature == 0.7
+    greedy = load_config(ExperimentConfig, quickstart, ["sampling.temperature=0"])
+    assert greedy.trainer_fields()["temperature"] == 1.0  # greedy answers report T = 1
+    with pytest.raises(ConfigError, match=r"trainer.temperature \(1\) must equal sampling."
+                                          r"temperature \(0.7\) or be left unset"):
+        load_config(ExperimentConfig, quickstart, ["sampling.temperature=0.7",
+                                                   "trainer.temperature=1.0"])
     assert load_config(ExperimentConfig, quickstart,
                        ["sampling.temperature=0.7", "trainer.temperature=0.7"]).trainer.temperature == 0.7
     with pytest.raises(ConfigError, match=r"trainer.max_new_tokens \(5\) must equal"):
@@ -68,7 +77,8 @@ def test_what_every_request_would_be_refused_for_is_refused_before_the_run(overr
 def test_cli_reports_config_errors_without_traceback(capsys):
     from areal_jax.cli import main
 
-    assert main(["train", "--config", str(QUICKSTART), "sampling.temperature=0.7"]) == 2
+    assert main(["train", "--config", str(QUICKSTART), "sampling.temperature=0.7",
+                 "trainer.temperature=1"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("areal-jax train: error: trainer.temperature (1) must equal")
     assert "Traceback" not in err

@@ -43,7 +43,9 @@ class TrainerConfig:
 
     ppo_n_minibatches: int = 4
     micro_batch: MicroBatchConfig = dataclasses.field(default_factory=MicroBatchConfig)
-    temperature: float = 1.0  # sampling temperature; log-probs are recomputed at it
+    # sampling temperature, log-probs are recomputed at it; null: the experiment's sampling
+    # temperature (1.0 for a trainer built alone)
+    temperature: float | None = None
     max_new_tokens: int | None = None  # generation budget, needed by the overlong penalty
     loss: LossConfig = dataclasses.field(default_factory=LossConfig)
     advantage: AdvantageConfig = dataclasses.field(default_factory=AdvantageConfig)
@@ -63,6 +65,11 @@ class TrainerConfig:
     export_keep: int = 2
     export_keep_every: int = 0  # also keep versions that are multiples of it (0: none)
     export_dtype: Literal["source", "float32", "bfloat16"] = "source"
+
+    @property
+    def logprob_temperature(self) -> float:
+        """The temperature log-probs are recomputed at: ``temperature``, 1.0 where unset."""
+        return 1.0 if self.temperature is None else self.temperature
 
     def __post_init__(self):
         for name in ("model_path", "tokenizer_path", "ref_model_path", "run_dir"):
@@ -84,8 +91,8 @@ class TrainerConfig:
             raise ConfigError(
                 f"export_dtype must be source, float32 or bfloat16, got {self.export_dtype!r}"
             )
-        _positive(self, "lr", "adam_eps", "temperature")
-        if self.temperature < GREEDY_TEMPERATURE:
+        _positive(self, "lr", "adam_eps")
+        if self.temperature is not None and not self.temperature >= GREEDY_TEMPERATURE:
             raise ConfigError(
                 f"temperature: {self.temperature:g} is below {GREEDY_TEMPERATURE:g}, which "
                 "samples greedily and reports log-probs at temperature 1: set 1.0")

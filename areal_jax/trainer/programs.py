@@ -86,7 +86,7 @@ class TrainPrograms:
         self.shardings = TrainState(model_shardings(params, mesh), opt_shardings, replicated)
         self.steps = compile_steps(
             graphdef, self.shardings, mesh, self.tx, lr_schedule(config),
-            loss_cfg=config.loss, temperature=config.temperature,
+            loss_cfg=config.loss, temperature=config.logprob_temperature,
             chunk_size=config.logprob_chunk_size, compiler_options=compiler_options(config, mesh),
         )  # fmt: skip
         self.abstract_params = _with_shardings(params, self.shardings.params)

@@ -299,8 +299,16 @@ class ExperimentConfig:
                 f"trainer.ppo_n_minibatches ({self.trainer.ppo_n_minibatches}) is more than the "
                 f"{trajectories} trajectories of a batch (schedule.batch_size x "
                 "sampling.group_size)")
-        # the SFT trainer's settings, checked now rather than after prep (a typo there is an
-        # error with sft.steps 0 too: it would surface only once SFT is turned on)
+        if self.trainer.lr_schedule == "constant" and self.trainer.total_steps:
+            raise ConfigError(
+                f"trainer.total_steps ({self.trainer.total_steps}) is the cosine learning-rate "
+                "schedule's horizon, in optimiser updates, and lr_schedule is constant: the "
+                "run's length is schedule.total_steps (sft.steps for SFT); remove it, or set "
+                "trainer.lr_schedule: cosine (left unset, its horizon is the whole run)")
+        # the trainers' settings as resolved here, checked now rather than after prep (a typo
+        # in sft.trainer is an error with sft.steps 0 too: it would surface only once SFT is
+        # turned on)
+        from_dict(TrainerConfig, self.trainer_fields(), "trainer")
         self.sft_trainer  # built here only to be checked
         if self.checkpoint_every < 0:
             raise ConfigError(f"checkpoint_every: must be >= 0 (0: never), got "
@@ -316,18 +324,23 @@ class ExperimentConfig:
     @property
     def sft_trainer(self) -> TrainerConfig:
         """The SFT warm start's trainer settings: ``trainer`` with ``sft.trainer`` on top."""
-        return from_dict(TrainerConfig, self.trainer_fields(self.sft.trainer), "sft.trainer")
+        return from_dict(TrainerConfig, self.trainer_fields(sft=True), "sft.trainer")
 
-    def trainer_fields(self, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-        """The ``trainer`` section as plain data with ``overrides`` (e.g. ``sft.trainer``)
-        applied on top, and ``max_new_tokens`` (the overlong penalty measures against it) and
-        ``temperature`` (``logprob_temperature``) from ``sampling`` where unset."""
+    def trainer_fields(self, sft: bool = False) -> dict[str, Any]:
+        """The ``trainer`` section as plain data (``sft``: with ``sft.trainer`` applied on
+        top), with ``max_new_tokens`` (the overlong penalty measures against it) and
+        ``temperature`` (``logprob_temperature``) from ``sampling`` where unset, and a cosine
+        schedule's unset horizon (``total_steps`` 0) the phase's optimiser updates: SFT's
+        steps, or RL's versions times ``ppo_n_minibatches``."""
         data = to_dict(self.trainer)
         if data.get("max_new_tokens") is None:
             data["max_new_tokens"] = self.sampling.max_new_tokens
         if data.get("temperature") is None:
             data["temperature"] = self.logprob_temperature
-        data.update(overrides or {})
+        data.update(self.sft.trainer if sft else {})
+        if data.get("lr_schedule") == "cosine" and not data.get("total_steps"):
+            data["total_steps"] = self.sft.steps if sft else (
+                self.schedule.total_steps * data.get("ppo_n_minibatches", 1))
         return data
 
     def _jax_processes_by_device(self, with_trainer: bool = True

@@ -28,6 +28,27 @@ def test_sync_mode_forces_zero_staleness():
     assert cfg.schedule.max_staleness == 0
 
 
+def test_the_cosine_horizon_is_the_phase_unless_set_and_constant_refuses_one():
+    # trainer.total_steps=3 with the default constant schedule was accepted and did nothing
+    # (the run went to schedule.total_steps); cosine without it failed with "total_steps (0)
+    # must exceed warmup_steps (0)", naming no value to use.
+    with pytest.raises(ConfigError, match=r"trainer.total_steps \(3\) is the cosine .* "
+                                          r"the run's length is schedule.total_steps"):
+        load_config(ExperimentConfig, QUICKSTART, ["trainer.total_steps=3"])
+    cfg = load_config(ExperimentConfig, QUICKSTART, [
+        "trainer.lr_schedule=cosine", "schedule.total_steps=30", "trainer.ppo_n_minibatches=2",
+        "sft.steps=40"])
+    assert cfg.trainer_fields()["total_steps"] == 60  # 30 versions x 2 updates each
+    assert cfg.sft_trainer.total_steps == 40  # one update per SFT step
+    set_ = load_config(ExperimentConfig, QUICKSTART, ["trainer.lr_schedule=cosine",
+                                                      "trainer.total_steps=100"])
+    assert set_.trainer_fields()["total_steps"] == 100
+    with pytest.raises(ConfigError, match=r"trainer: total_steps \(10\) must exceed "
+                                          r"warmup_steps \(20\) for the cosine schedule"):
+        load_config(ExperimentConfig, QUICKSTART, [
+            "trainer.lr_schedule=cosine", "trainer.warmup_steps=20", "schedule.total_steps=5"])
+
+
 def test_trainer_temperature_follows_sampling_unless_set_otherwise():
     # Left at 1.0 by default, every sampling.temperature other than 1 was an error until the
     # trainer's was set to the same.

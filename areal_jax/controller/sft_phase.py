@@ -92,7 +92,7 @@ def run_sft(cfg: ExperimentConfig, base: Path, examples: list, progress: Trainin
     out = Path(cfg.run_dir) / "sft_model"
     if sft_model_kept(cfg):
         return out
-    trainer = make_trainer(cfg, base, cfg.sft.trainer, run_dir=Path(cfg.run_dir) / "sft")
+    trainer = make_trainer(cfg, base, sft=True, run_dir=Path(cfg.run_dir) / "sft")
     try:
         task = progress.start_phase("SFT warm start", cfg.sft.steps)
         n, bs = len(examples), cfg.sft.batch_size

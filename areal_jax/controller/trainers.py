@@ -8,13 +8,14 @@ from areal_jax.config import from_dict
 from areal_jax.experiment import ExperimentConfig
 
 
-def make_trainer(cfg: ExperimentConfig, model_path: Path, overrides: dict | None = None,
+def make_trainer(cfg: ExperimentConfig, model_path: Path, sft: bool = False,
                  run_dir: Path | None = None):
-    """A Trainer for ``model_path`` with the experiment's trainer config (plus overrides)."""
+    """A Trainer for ``model_path`` with the experiment's trainer config (``sft``: the SFT warm
+    start's, ``sft.trainer`` on top)."""
     from areal_jax.trainer import Trainer
     from areal_jax.trainer.config import TrainerConfig
 
-    data = cfg.trainer_fields(overrides)
+    data = cfg.trainer_fields(sft)
     data["model_path"] = str(model_path)
     data["run_dir"] = str(run_dir or cfg.run_dir)
     return Trainer(from_dict(TrainerConfig, data))

@@ -33,7 +33,7 @@ class TrainerConfig:
     lr: float = 2e-5
     lr_schedule: Literal["constant", "cosine"] = "constant"
     warmup_steps: int = 0
-    total_steps: int = 0  # cosine horizon, in optimiser updates
+    total_steps: int = 0  # cosine horizon, in optimiser updates; 0: the experiment's whole phase
     min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
     weight_decay: float = 0.01  # on weight matrices, not on norms and biases
     adam_b1: float = 0.9
@@ -103,10 +103,11 @@ class TrainerConfig:
             raise ConfigError(f"export_keep must be >= 2, got {self.export_keep}: with 1, "
                               "writing the next export removes the one the servers serve (a "
                               "server rejoining meanwhile loads it)")
-        if self.lr_schedule == "cosine" and self.total_steps <= self.warmup_steps:
+        if self.lr_schedule == "cosine" and 0 < self.total_steps <= self.warmup_steps:
             raise ConfigError(
                 f"total_steps ({self.total_steps}) must exceed warmup_steps "
-                f"({self.warmup_steps}) for the cosine schedule"
+                f"({self.warmup_steps}) for the cosine schedule: its horizon, in optimiser "
+                f"updates (ppo_n_minibatches per RL version, one per SFT step)"
             )
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ConfigError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")

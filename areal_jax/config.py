@@ -103,7 +103,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return value
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return str(value)
-        raise ConfigError(f"{key}: expected a string, got {value!r}")
+        hint = (" (YAML reads yes/no/on/off/true/false, and null, as such: quote the text, "
+                "on the command line as key='\"yes\"')" if isinstance(value, bool) or value is None
+                else "")
+        raise ConfigError(f"{key}: expected a string, got {value!r}{hint}")
     if isinstance(tp, type) and not isinstance(value, tp):
         raise ConfigError(f"{key}: expected {tp.__name__}, got {value!r}")
     return value

@@ -105,3 +105,11 @@ def test_aliases_that_expand_a_config_without_bound_or_into_itself_are_refused(t
     shared = tmp_path / "shared.yaml"  # aliases as people use them stay fine
     shared.write_text("name: x\ntags: &t [a, b]\noptim: {lr: &lr 0.001}\nextra: {lr: *lr}\n")
     assert load_config(Experiment, shared).extra.lr == 0.001
+
+
+def test_text_yaml_reads_as_another_type_says_how_to_quote_it():
+    with pytest.raises(ConfigError, match=r"name: expected a string, got True \(YAML reads "
+                                          r"yes/no.* key='\"yes\"'\)"):
+        load_config(Experiment, None, ["name=yes"])
+    assert load_config(Experiment, None, ['name="yes"']).name == "yes"
+    assert load_config(Experiment, None, ['name=" Answer."']).name == " Answer."

@@ -359,3 +359,12 @@ def test_serve_names_the_model_path_that_is_not_there(tmp_path, capsys):
                  "port=0"]) == 2
     err = capsys.readouterr().err
     assert f"engine.model_path: {tmp_path / 'nope'} is not a directory" in err
+
+
+def test_the_package_runs_as_a_module():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "areal_jax", "--help"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.startswith("usage: areal-jax")

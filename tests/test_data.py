@@ -204,9 +204,14 @@ def test_bad_rows_are_reported_with_line_and_field(tmp_path, tokenizer, content,
         PromptDataset(DatasetConfig(path=str(path)), tokenizer)
 
 
-def test_missing_file_duplicate_ids_and_unknown_format(tmp_path, tokenizer):
-    with pytest.raises(DatasetError, match="does not exist"):
+def test_missing_file_duplicate_ids_and_unknown_format(tmp_path, tokenizer, monkeypatch):
+    with pytest.raises(DatasetError, match=r"^dataset.path: dataset file .*none.jsonl does not "
+                                           r"exist$"):
         PromptDataset(DatasetConfig(path=str(tmp_path / "none.jsonl")), tokenizer)
+    monkeypatch.chdir(tmp_path)  # a relative path: where it was looked for
+    with pytest.raises(DatasetError, match=rf"^eval.dataset.path: dataset file none.jsonl does "
+                                           rf"not exist \(relative to {tmp_path}, where"):
+        PromptDataset(DatasetConfig(path="none.jsonl"), tokenizer, "eval.dataset")
     path = _write_jsonl(
         tmp_path / "d.jsonl", [{"id": 1, **MATH_ROWS[0]}, {"id": 1, **MATH_ROWS[1]}]
     )

@@ -674,3 +674,13 @@ def test_a_run_keeps_its_id_for_the_servers_and_a_bad_one_is_named(tmp_path):
     (tmp_path / "run" / "run_id").write_text("прогон\n")  # not ASCII: no gRPC metadata value
     with pytest.raises(ConfigError, match="run_id: not a run id .* delete it"):
         run_id(cfg)
+
+
+def test_an_unset_token_variable_is_named_before_anything_starts(tmp_path, capsys, monkeypatch):
+    # The trainer connected without a token and the servers' UNAUTHENTICATED read as a wrong one.
+    monkeypatch.delenv("AREAL_TEST_UNSET_TOKEN", raising=False)
+    cfg = _config(tmp_path, rollout={"auth_token_env": "AREAL_TEST_UNSET_TOKEN"})
+    assert main(["train", "--config", _write(tmp_path, cfg)]) == 2
+    assert ("rollout.auth_token_env: AREAL_TEST_UNSET_TOKEN is unset (or empty) in this "
+            "process's environment") in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

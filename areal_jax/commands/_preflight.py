@@ -4,6 +4,7 @@ instead of deep inside a rollout server's log."""
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 from areal_jax.config import ConfigError, from_dict
@@ -23,6 +24,16 @@ def check_rollout_server(cfg: ExperimentConfig) -> None:
         check_engine_options(from_dict(ServerConfig, data).engine)
     except ConfigError as e:
         raise ConfigError(f"rollout.server: {e}") from e
+
+
+def check_token(cfg: ExperimentConfig) -> None:
+    """The variable ``rollout.auth_token_env`` names must hold the token here: unset, the
+    trainer would connect without one and the servers' refusal would read as a wrong token."""
+    name = cfg.rollout.auth_token_env
+    if name and not os.environ.get(name):
+        raise ConfigError(f"rollout.auth_token_env: {name} is unset (or empty) in this "
+                          f"process's environment; export the servers' token in it, e.g. "
+                          f"export {name}=...")
 
 
 def check_rewards(cfg: ExperimentConfig) -> None:
@@ -107,6 +118,7 @@ def warn_unused_sections(cfg: ExperimentConfig) -> None:
 
 
 def preflight(cfg: ExperimentConfig) -> None:
+    check_token(cfg)
     check_rollout_server(cfg)
     check_rewards(cfg)
     warn_unused_sections(cfg)

@@ -37,7 +37,7 @@ class PromptDataset(Sequence[PromptItem]):
     def __init__(self, config: DatasetConfig, tokenizer, section: str = "dataset"):
         self.config = config
         path = Path(config.path)
-        rows = read_rows(path, config.resolved_format())
+        rows = read_rows(path, config.resolved_format(), f"{section}.path")
         ids, questions, metadata = [], [], []
         seen: dict[str, str] = {}
         # a prompt of raw text (use_chat_template: false) may carry its own template's tokens

@@ -10,11 +10,14 @@ class DatasetError(ValueError):
     """A dataset file or row is unusable; the message names the file, row and field."""
 
 
-def read_rows(path: str | Path, fmt: str) -> list[tuple[str, dict]]:
-    """(location, row) pairs; location is "line N" (JSONL, from 1) or "row N" (Parquet, from 0)."""
+def read_rows(path: str | Path, fmt: str, setting: str = "dataset.path"
+              ) -> list[tuple[str, dict]]:
+    """(location, row) pairs; location is "line N" (JSONL, from 1) or "row N" (Parquet, from 0).
+    A missing file names ``setting`` and, for a relative path, the directory it was read in."""
     path = Path(path)
     if not path.is_file():
-        raise DatasetError(f"dataset file {path} does not exist")
+        where = "" if path.is_absolute() else f" (relative to {Path.cwd()}, where the command runs)"
+        raise DatasetError(f"{setting}: dataset file {path} does not exist{where}")
     if fmt == "jsonl":
         rows = _read_jsonl(path)
     elif fmt == "parquet":

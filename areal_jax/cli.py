@@ -61,6 +61,13 @@ def _user_errors() -> tuple[type[Exception], ...]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    named = [a for a in argv if a == "--config" or a.startswith("--config=")]
+    bare = [a for a in argv[1:] if a.endswith((".yaml", ".yml")) and "=" not in a]
+    if bare and not named:  # `areal-jax train my.yaml`: argparse would say --config is missing
+        print(f"areal-jax: error: the config is named with --config: areal-jax {argv[0]} "
+              f"--config {bare[0]}", file=sys.stderr)
+        return 2
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "_run", None):

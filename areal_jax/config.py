@@ -112,6 +112,27 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     return value
 
 
+def _did_you_mean(cls: type, key: Any, where: str) -> str:
+    """A hint for the unknown ``key`` of ``cls``: the sections below that hold a field of that
+    name, or the key without a leading ``+`` (another tool's way to add a key)."""
+    name = str(key)
+    if name.startswith("+"):
+        return " (drop the '+': key=value sets any key)"
+    found = [f"{where}{path}" for path in _field_paths(cls) if path.rsplit(".", 1)[-1] == name]
+    return f" (did you mean {' or '.join(found[:3])}?)" if found else ""
+
+
+def _field_paths(cls: type, depth: int = 3) -> list[str]:
+    """The dotted names of every field of dataclass ``cls`` and of the dataclasses it holds."""
+    paths = []
+    for name, tp in typing.get_type_hints(cls).items():
+        paths.append(name)
+        nested = [t for t in (tp, *typing.get_args(tp)) if dataclasses.is_dataclass(t)]
+        if nested and depth > 1:
+            paths += [f"{name}.{p}" for p in _field_paths(nested[0], depth - 1)]
+    return paths
+
+
 def from_dict(cls: type[T], data: dict[str, Any] | None, prefix: str = "") -> T:
     """Build dataclass ``cls`` from ``data``; unknown keys and bad values raise ConfigError."""
     data = dict(data or {})
@@ -121,8 +142,8 @@ def from_dict(cls: type[T], data: dict[str, Any] | None, prefix: str = "") -> T:
     if unknown:
         where = f"{prefix}." if prefix else ""
         raise ConfigError(
-            f"unknown config key {where}{unknown[0]!s}; valid keys here: {', '.join(sorted(fields))}"
-        )
+            f"unknown config key {where}{unknown[0]!s}{_did_you_mean(cls, unknown[0], where)}; "
+            f"valid keys here: {', '.join(sorted(fields))}")
     kwargs = {}
     for name, value in data.items():
         key = f"{prefix}.{name}" if prefix else name

@@ -1,11 +1,15 @@
 """Typed YAML configs with key=value overrides; unknown keys and bad values are named."""
 
 import dataclasses
+import re
+from pathlib import Path
 from typing import Literal
 
 import pytest
 
 from areal_jax.config import ConfigError, from_dict, load_config, to_dict
+
+QUICKSTART = Path(__file__).parent.parent / "configs" / "quickstart.yaml"
 
 
 @dataclasses.dataclass
@@ -113,3 +117,21 @@ def test_text_yaml_reads_as_another_type_says_how_to_quote_it():
         load_config(Experiment, None, ["name=yes"])
     assert load_config(Experiment, None, ['name="yes"']).name == "yes"
     assert load_config(Experiment, None, ['name=" Answer."']).name == " Answer."
+
+
+def test_an_unknown_key_points_to_the_section_that_has_it():
+    from areal_jax.experiment import ExperimentConfig
+
+    for override, hint in (("trainer.kl_beta=0.1", "did you mean trainer.advantage.kl_beta?"),
+                           ("max_staleness=3", "did you mean schedule.max_staleness?"),
+                           ("+trainer.lr=1", "drop the '+'")):
+        with pytest.raises(ConfigError, match=re.escape(hint)):
+            load_config(ExperimentConfig, QUICKSTART, [override])
+
+
+def test_a_config_given_without_its_flag_says_how(capsys):
+    from areal_jax.cli import main
+
+    assert main(["train", "my.yaml", "seed=1"]) == 2
+    assert ("the config is named with --config: areal-jax train --config my.yaml"
+            in capsys.readouterr().err)

@@ -35,6 +35,9 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    # JAX's probes of backends this machine lacks ("Unable to initialize backend 'tpu'") are
+    # INFO records of its own: not the server's news
+    logging.getLogger("jax").setLevel(logging.WARNING)
     try:
         config = load_config(ServerConfig, args.config, args.overrides)
         # The launching trainer's cache when it set one (inherited), else the user's.

@@ -1618,3 +1618,26 @@ def test_a_server_that_fails_each_time_it_rejoins_is_struck_then_kept_out(tmp_pa
     assert "stays out of the pool until it is restarted" in caplog.text
     assert trainer.version == 120 and len(loop.live_at_end) == 1
     assert_nothing_lost(tmp_path / "ledger.jsonl", items(3000))
+
+
+def test_servers_that_do_not_answer_at_the_start_are_named_while_the_pool_waits(
+        tmp_path, caplog):
+    # A wrong port showed "connecting to the rollout servers", then nothing for
+    # start_timeout_s (300 s).
+    async def scenario():
+        servers = await start_servers(tmp_path, [ArithmeticEngine()])
+        try:
+            pool = RolloutPool([*addresses(servers), "127.0.0.1:1"])
+            await pool.start(ready_timeout_s=1.0, report_every_s=0.3)
+            live = pool.live_servers
+            await pool.close()
+            return live
+        finally:
+            await servers[0].stop(grace=0.5)
+
+    live = asyncio.run(scenario())
+    assert len(live) == 1 and live != ["127.0.0.1:1"]  # the other one joins later, if ever
+    named = [r.getMessage() for r in caplog.records
+             if r.getMessage().startswith("waiting for rollout servers to answer: ")]
+    assert named and all(m.startswith("waiting for rollout servers to answer: 127.0.0.1:1 (")
+                         for m in named)

@@ -228,16 +228,27 @@ class RolloutPool:
             return grpc.aio.secure_channel(address, creds, options=self._channel_options)
         return grpc.aio.insecure_channel(address, options=self._channel_options)
 
-    async def start(self, ready_timeout_s: float = 120.0) -> None:
+    async def start(self, ready_timeout_s: float = 120.0,
+                    report_every_s: float | None = None) -> None:
         """Connect to every server (each has ``ready_timeout_s`` to answer, all at once), open
         the streams and start the supervisor that lets failed servers rejoin. Servers that do
         not answer in time join later, like failed ones; none answering is
-        ``NoLiveServerError``, and a server refusing the token is ``ServerRefusedError``."""
+        ``NoLiveServerError``, and a server refusing the token is ``ServerRefusedError``.
+        ``report_every_s``: name the servers not answering yet that often (a warning)."""
         channels = [self._new_channel(s.address) for s in self._servers]
         asks = [asyncio.ensure_future(self._answers(s, c, ready_timeout_s))
                 for s, c in zip(self._servers, channels)]
+        start = time.monotonic()
         try:
-            await asyncio.wait(asks, return_when=asyncio.FIRST_EXCEPTION)
+            while True:
+                done, pending = await asyncio.wait(asks, timeout=report_every_s,
+                                                   return_when=asyncio.FIRST_EXCEPTION)
+                if not pending or any(a.exception() is not None for a in done):
+                    break
+                silent = [s.address for s, a in zip(self._servers, asks) if a in pending]
+                log.warning("waiting for rollout servers to answer: %s (%.0f of %.0f s; not "
+                            "started yet, unreachable, or on another port?)", ", ".join(silent),
+                            time.monotonic() - start, ready_timeout_s)
             for ask in asks:  # the first refusal, the others cancelled
                 if ask.done() and ask.exception() is not None:
                     raise ask.exception()

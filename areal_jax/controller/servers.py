@@ -302,10 +302,15 @@ def servers_compiling(cfg: ExperimentConfig, base_model: Path, sft_pending: bool
               f"{waited}", flush=True)
 
 
+WAIT_REPORT_S = 30.0  # how often remote servers not answering yet are named at the start
+
+
 async def wait_ready(pool: RolloutPool, servers: LocalServers | None,
                      timeout_s: float) -> None:
-    """Connect the pool; fail early, with the log, if a local server exits while starting."""
-    start = asyncio.create_task(pool.start(ready_timeout_s=timeout_s))
+    """Connect the pool; fail early, with the log, if a local server exits while starting;
+    remote servers not answering yet are named every ``WAIT_REPORT_S``."""
+    start = asyncio.create_task(pool.start(
+        ready_timeout_s=timeout_s, report_every_s=WAIT_REPORT_S if servers is None else None))
     while not start.done():
         if servers is not None:
             try:

@@ -236,6 +236,23 @@ def test_index_mapping_a_tensor_outside_the_checkpoint_is_refused(src, tmp_path)
             load_hf_model(path)
 
 
+def test_weights_files_whose_headers_add_up_past_the_bound_are_not_parsed(src, tmp_path):
+    # Each header within the per-file bound, but every file listed was parsed before any
+    # check: 300 MiB of headers took 2.7 GB of memory and 48 s.
+    import struct
+
+    path = _variant(src, tmp_path / "idx", lambda t: None)
+    claim = 40 << 20  # each shard's header claims 40 MiB: 120 MiB in all
+    for i in range(3):
+        (path / f"shard{i}.safetensors").write_bytes(struct.pack("<Q", claim) + b"{}")
+    index = {"weight_map": {Q0: "shard0.safetensors", K0: "shard1.safetensors",
+                            "x": "shard2.safetensors"}}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=r"the 3 weights files of .* have headers of "
+                                              r"125829120 bytes in all, more than 104857600"):
+        load_hf_model(path)
+
+
 def test_engine_refuses_bad_weights_and_keeps_serving_the_old_ones(src, tmp_path):
     ref = hf_model("qwen2", seed=8)
     bad = {c: _variant(src, tmp_path / c, BAD[c][0]) for c in ("nan", "unused", "shape")}

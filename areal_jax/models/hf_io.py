@@ -24,7 +24,8 @@ from areal_jax.models.config import ModelConfig, read_json_file
 from areal_jax.models.hf_names import (
     DTYPE_ALIASES, TensorMap, get_var, hf_shapes, hf_to_ours, layer_names, tensor_maps,
 )
-from areal_jax.models.safetensors_io import SafetensorsError, SafetensorsFile
+from areal_jax.models.safetensors_io import MAX_HEADER_BYTES, SafetensorsError, SafetensorsFile
+from areal_jax.models.safetensors_io import header_bytes
 from areal_jax.models.transformer import RematPolicy, Transformer
 from areal_jax.parallel.sharding import model_shardings
 
@@ -58,7 +59,14 @@ class WeightFiles:
                     if not isinstance(f, str) or Path(f).name != f or f in ("", ".", ".."):
                         raise CheckpointError(f"{index.name}: tensor {name} is mapped to "
                                               f"{f!r:.80}, not a file name in {path}")
-                files = {f: SafetensorsFile(path / f) for f in sorted(set(weight_map.values()))}
+                names = sorted(set(weight_map.values()))
+                headers = sum(header_bytes(path / f) for f in names)  # before any is parsed
+                if headers > MAX_HEADER_BYTES:
+                    raise CheckpointError(
+                        f"the {len(names)} weights files of {path} have headers of {headers} "
+                        f"bytes in all, more than {MAX_HEADER_BYTES} (no real checkpoint's "
+                        "come close): not read")
+                files = {f: SafetensorsFile(path / f) for f in names}
                 self._where = {name: files[f] for name, f in weight_map.items()}
             elif single.is_file():
                 f = SafetensorsFile(single)

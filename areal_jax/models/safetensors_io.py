@@ -38,6 +38,17 @@ class SafetensorsError(ValueError):
     """A safetensors file is missing, truncated or malformed; the message names it."""
 
 
+def header_bytes(path: str | Path) -> int:
+    """The length of the header of the safetensors file ``path`` (its first 8 bytes), 0 where
+    the file cannot tell (missing, shorter than that: ``SafetensorsFile`` names why)."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(8)
+    except OSError:
+        return 0
+    return struct.unpack("<Q", raw)[0] if len(raw) == 8 else 0
+
+
 class SafetensorsFile:
     """Lazy view of one ``.safetensors`` file: ``keys()``, ``dtype(name)``, ``get(name)``."""
 

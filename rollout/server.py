@@ -140,10 +140,14 @@ def _fresh_push_dir(root: str | None = None) -> tuple[str, int]:
         if _owner_gone(stale):
             shutil.rmtree(stale, ignore_errors=True)
             log.info("removed %s, left by a server that is gone", stale)
-    path = tempfile.mkdtemp(prefix=f"{_PUSH_PREFIX}{os.getpid()}@{socket.gethostname()}-",
-                            dir=base)
-    lock = os.open(os.path.join(path, _PUSH_LOCK), os.O_CREAT | os.O_RDWR, 0o600)
+    # Made under a hidden name and renamed once locked: a server starting beside this one
+    # never sees it unlocked (it would take it for a gone server's and remove it).
+    hidden = tempfile.mkdtemp(prefix=f".{_PUSH_PREFIX}{os.getpid()}@{socket.gethostname()}-",
+                              dir=base)
+    lock = os.open(os.path.join(hidden, _PUSH_LOCK), os.O_CREAT | os.O_RDWR, 0o600)
     fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    path = os.path.join(base, os.path.basename(hidden)[1:])
+    os.rename(hidden, path)
     return path, lock
 
 

@@ -1669,9 +1669,16 @@ def test_push_directories_of_servers_that_are_gone_are_removed(tmp_path, monkeyp
     made(f"areal-jax-push-{gone.pid}-k1ll3d", lock=False)  # an older server's, its pid gone
     try:
         fresh, lock = _fresh_push_dir(str(root) if configured else None)
+        # Visible only locked (made under a hidden name, renamed once locked): a server
+        # starting beside it took it, unlocked, for a gone server's and removed it.
+        other = os.open(Path(fresh) / ".owner.lock", os.O_RDWR)
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.close(other)
         os.close(lock)
     finally:
         os.close(held)
+    assert not list(root.glob(".areal-jax-push-*"))
     fresh = Path(fresh)
     assert fresh.parent == root and fresh.name.startswith(f"areal-jax-push-{os.getpid()}@")
     assert sorted(p.name for p in root.iterdir() if p.name.startswith("areal-jax-push-")) == \

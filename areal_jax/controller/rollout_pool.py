@@ -28,13 +28,13 @@ a guarantee that no accepted request is lost.
   waits for one only to load a version published while it loaded the one before (which it
   did load): a server that hangs loading its rejoin weights holds up nothing else, and one
   slower to load than versions come still rejoins.
+  If no server is reachable for ``no_server_timeout_s`` every waiting request fails with
+  ``NoLiveServerError``.
 * The pool pauses and resumes its servers (``pause``, ``resume``: a synchronous run, while it
   trains); a server that joins meanwhile is brought to that state as it joins, and one found
   paused not by this run (a stopped trainer left it so, or a resume was lost) is resumed as
   it joins or once it holds groups it makes no progress on. Closing the pool resumes what it
   paused.
-  If no server is reachable for ``no_server_timeout_s`` every waiting request fails with
-  ``NoLiveServerError``.
 * With ``addresses_file`` servers join and leave as lines are added and removed: a server
   unlisted while it holds groups gets no new work, finishes them, then leaves (should it fail
   or stall first, they go elsewhere as above). So does a server that says it is draining (told
@@ -567,7 +567,7 @@ class RolloutPool:
         else:
             server.strikes, server.fault_error, server.completed = 0, None, True
             server.faults.clear()
-            if code:  # the request's own error: which server said so, should it be one's setup
+            if code:  # the request's own error, named with its server (whose setup may be why)
                 group.error.message += f" (rollout server {server.address})"
             self._resolve(group.request_id, group)
 

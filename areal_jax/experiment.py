@@ -339,8 +339,10 @@ class ExperimentConfig:
             data["temperature"] = self.logprob_temperature
         data.update(self.sft.trainer if sft else {})
         if data.get("lr_schedule") == "cosine" and not data.get("total_steps"):
-            data["total_steps"] = self.sft.steps if sft else (
+            updates = self.sft.steps if sft else (
                 self.schedule.total_steps * data.get("ppo_n_minibatches", 1))
+            # a phase of no updates (its trainer built for an export, say) needs a valid one
+            data["total_steps"] = updates or data.get("warmup_steps", 0) + 1
         return data
 
     def _jax_processes_by_device(self, with_trainer: bool = True

@@ -6,8 +6,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from areal_jax.config import ConfigError, load_config
+from areal_jax.config import ConfigError, from_dict, load_config
 from areal_jax.experiment import ExperimentConfig
+from areal_jax.trainer.config import TrainerConfig
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
 QUICKSTART = next(p for p in CONFIGS if p.stem == "quickstart")
@@ -40,6 +41,11 @@ def test_the_cosine_horizon_is_the_phase_unless_set_and_constant_refuses_one():
         "sft.steps=40"])
     assert cfg.trainer_fields()["total_steps"] == 60  # 30 versions x 2 updates each
     assert cfg.sft_trainer.total_steps == 40  # one update per SFT step
+    # No RL versions (SFT, then an export): its trainer is built all the same.
+    from areal_jax.trainer.optimizer import lr_schedule
+    none = load_config(ExperimentConfig, QUICKSTART, ["trainer.lr_schedule=cosine",
+                                                      "schedule.total_steps=0"])
+    lr_schedule(from_dict(TrainerConfig, none.trainer_fields()))
     set_ = load_config(ExperimentConfig, QUICKSTART, ["trainer.lr_schedule=cosine",
                                                       "trainer.total_steps=100"])
     assert set_.trainer_fields()["total_steps"] == 100

@@ -1564,8 +1564,32 @@ def test_servers_left_paused_are_resumed_and_a_closing_pool_resumes_what_it_paus
     paused, after_close, after_start, group = asyncio.run(scenario())
     assert (paused, after_close, after_start) == (True, False, False)
     assert len(group.trajectories) == 2
-    assert re.search(r"rollout server 127.0.0.1:\d+ was paused, not by this run; resumed",
-                     caplog.text)
+    assert re.search(r"rollout server 127.0.0.1:\d+ was paused, not by this run's current "
+                     r"trainer; resumed", caplog.text)
+
+
+def test_a_pool_leaves_alone_the_pause_of_a_server_another_run_holds(tmp_path):
+    # Another run's pool (an evaluation, a second trainer) connecting to a synchronous run's
+    # servers resumed them in the middle of its step.
+    async def scenario():
+        engine = ArithmeticEngine(step_s=0.002)
+        servers = await start_servers(tmp_path, [engine])
+        try:
+            mine = RolloutPool(addresses(servers), run_id="run-a")
+            await mine.start()
+            await mine.update_weights(exports_dir(tmp_path) / "base", 1)  # the server is ours
+            await mine.pause()
+            other = RolloutPool(addresses(servers), run_id="run-b")
+            await other.start()
+            during = engine.paused
+            await other.close()
+            await mine.close()
+            return during, engine.paused
+        finally:
+            for s in servers:
+                await s.stop(grace=0.5)
+
+    assert asyncio.run(scenario()) == (True, False)  # paused while run-a held it
 
 
 class _SlowLoad(ArithmeticEngine):
@@ -1641,3 +1665,47 @@ def test_servers_that_do_not_answer_at_the_start_are_named_while_the_pool_waits(
              if r.getMessage().startswith("waiting for rollout servers to answer: ")]
     assert named and all(m.startswith("waiting for rollout servers to answer: 127.0.0.1:1 (")
                          for m in named)
+
+
+class _SlowThenHangingLoads(ArithmeticEngine):
+    """Its first load after ``armed`` takes 1 s, every later one hangs."""
+
+    armed, loads = False, 0
+
+    async def update_weights(self, path, version):
+        if self.armed:
+            self.loads += 1
+            await asyncio.sleep(1.0 if self.loads == 1 else 3600)
+        await super().update_weights(path, version)
+
+
+def test_a_rejoin_load_under_the_weights_lock_holds_publishing_up_for_a_bounded_time(tmp_path):
+    # A version published while a rejoining server loaded is loaded under the lock; when that
+    # load hung, every publish waited out update_timeout_s (600 s by default).
+    async def scenario():
+        engine = _SlowThenHangingLoads()
+        servers = await start_servers(tmp_path, [engine])
+        versions = [write_checkpoint(exports_dir(tmp_path) / f"v{v}", f"v{v}") for v in (1, 2, 3)]
+        pool = RolloutPool(addresses(servers), options=PoolOptions(
+            rejoin_interval_s=0.1, rpc_timeout_s=1.0, update_timeout_s=30.0))
+        try:
+            await pool.start()
+            pool.record_weights(exports_dir(tmp_path) / "base", 0)
+            engine.armed = True
+            pool._mark_dead(pool._servers[0], "a network blip")
+            await pool.update_weights(versions[0], 1)  # no live server: recorded for the rejoin
+            while engine.loads < 1:  # its rejoin loads version 1 (1 s) ...
+                await asyncio.sleep(0.01)
+            await pool.update_weights(versions[1], 2)  # ... while version 2 is published
+            while engine.loads < 2:  # then loads version 2 under the lock, and hangs
+                await asyncio.sleep(0.01)
+            start = time.monotonic()
+            await pool.update_weights(versions[2], 3)
+            return time.monotonic() - start
+        finally:
+            await pool.close()
+            for s in servers:
+                await s.stop(grace=0.5)
+
+    waited = asyncio.run(scenario())
+    assert waited < 4.0  # max(rpc_timeout_s 1, 3 x the first load's 1 s), not 30 s

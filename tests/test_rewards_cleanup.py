@@ -272,6 +272,37 @@ def test_a_record_of_a_group_now_another_process_s_or_of_a_foreign_uid_kills_not
         victim.wait()
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="running as a sandbox uid needs root")
+def test_as_root_a_record_kills_its_uid_s_processes_that_left_its_group(tmp_path):
+    # Its leader gone (its pid free, or taken by a process of another uid): the processes of
+    # the run's own uid are its own, whatever their group, and are killed.
+    dead = _dead_pid()
+    uid = sandbox.UID_BASE + dead
+    escaped = subprocess.Popen(["sleep", "60"], start_new_session=True,
+                               preexec_fn=lambda: os.setuid(uid))
+    try:
+        root = tmp_path / "scratch"
+        _record(root / "run", f"{dead} {uid} 12345")
+        reap_scratch_root(str(root))
+        escaped.wait(timeout=10)
+        assert escaped.returncode == -signal.SIGKILL
+    finally:
+        escaped.kill()
+        escaped.wait()
+    # Its pid now leads a live run of that very uid (another pool's): that run is left alone.
+    live = subprocess.Popen(["sleep", "60"], start_new_session=True,
+                            preexec_fn=lambda: os.setuid(sandbox.UID_BASE + os.getpid()))
+    try:
+        time.sleep(0.2)  # past its exec: its uid set
+        _record(tmp_path / "again" / "run",
+                f"{live.pid} {sandbox.UID_BASE + live.pid} {sandbox._start_time(live.pid) - 1}")
+        reap_scratch_root(str(tmp_path / "again"))
+        assert alive(live.pid)
+    finally:
+        live.kill()
+        live.wait()
+
+
 def test_a_record_of_this_user_s_run_kills_its_group(tmp_path):
     victim = _victim()
     try:

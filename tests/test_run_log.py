@@ -64,6 +64,8 @@ def test_progress_off_a_terminal_prints_a_bounded_number_of_lines(capsys):
         held_out = progress.start_phase("evaluating version 0", 40, lines=10)
         for _ in range(40):
             progress.advance(held_out)
+        progress.end_phase(held_out)
+        progress.advance(held_out)  # an answer after its evaluation was given up: nothing
     lines = capsys.readouterr().out.splitlines()
     steps = [line.split()[3] for line in lines if line.startswith("  SFT warm start")]
     assert steps == [f"{k}/250" for k in [*range(3, 250, 3), 250]]

@@ -54,10 +54,15 @@ class TrainingProgress:
                                        every=every)
 
     def advance(self, task, metrics: dict | None = None) -> None:
+        """One more step of ``task``; nothing once the phase has ended (an answer arriving
+        after its evaluation was given up)."""
+        ids = [x.id for x in self._progress.tasks]
+        if task not in ids:
+            return
         info = summary(metrics or {})
         self._progress.update(task, advance=1, info=info)
         if not self._live and not self._quiet:
-            t = self._progress.tasks[[x.id for x in self._progress.tasks].index(task)]
+            t = self._progress.tasks[ids.index(task)]
             done, total = int(t.completed), int(t.total or 0)
             if done % t.fields["every"] == 0 or done == total:
                 print(f"  {t.description} {done}/{total}  {info}".rstrip(), flush=True)

@@ -26,8 +26,9 @@ a guarantee that no accepted request is lost.
   ``rejoin_interval_s`` and brings one that answers SERVING again back to the current weights
   (a forced update) before it gets work. Each server's try runs on its own, and publishing
   waits for one only to load a version published while it loaded the one before (which it
-  did load): a server that hangs loading its rejoin weights holds up nothing else, and one
-  slower to load than versions come still rejoins.
+  did load), and at most ``max(rpc_timeout_s, 3 x`` that first load``)``: a server that hangs
+  loading its rejoin weights holds up nothing else for longer, and one slower to load than
+  versions come still rejoins.
   If no server is reachable for ``no_server_timeout_s`` every waiting request fails with
   ``NoLiveServerError``.
 * The pool pauses and resumes its servers (``pause``, ``resume``: a synchronous run, while it
@@ -155,6 +156,7 @@ class _Server:
     fault_error: str | None = None  # the last of those faults, logged once while it repeats
     draining: bool = False  # it said it takes no new work: it leaves once its groups are back
     completed: bool = False  # it completed a group since it last joined the pool
+    joined_at: float = 0.0  # monotonic time it last joined the pool
 
 
 class RolloutPool:
@@ -308,25 +310,30 @@ class RolloutPool:
         if self._admit is not None:
             self._admit(server.address, status)
         try:
-            await self._match_pause(server.address, pb_grpc.RolloutServiceStub(channel),
-                                    status.paused)
+            await self._match_pause(server.address, pb_grpc.RolloutServiceStub(channel), status)
         except grpc.aio.AioRpcError:
             return ""
         return None
 
-    async def _match_pause(self, address: str, stub, paused: bool) -> None:
-        """Pause or resume the server at ``address`` (``paused``: as it is now) as the pool
-        wants its servers, until that holds: a server a stopped trainer left paused, or whose
-        resume was lost, would hold its groups for good (its status says paused, which is no
-        stall)."""
+    async def _match_pause(self, address: str, stub, status: pb.ServerStatus) -> None:
+        """Pause or resume the server at ``address`` (``status``: as it is now) as the pool
+        wants its servers, until that holds, if it serves no run or this one (another run's
+        pause is that run's to lift): a server a stopped trainer of this run left paused, or
+        whose resume was lost, would hold its groups for good (its status says paused, which
+        is no stall)."""
+        if status.run_id and status.run_id != (self._run_id or ""):
+            return
+        paused, arrived_paused = status.paused, status.paused
         while paused != self._paused:
             want = self._paused
             call = stub.Pause(pb.PauseRequest(), timeout=self.options.rpc_timeout_s,
                               metadata=self._metadata) if want else stub.Resume(
                 pb.ResumeRequest(), timeout=self.options.rpc_timeout_s, metadata=self._metadata)
             await call
-            if not want:
-                log.warning("rollout server %s was paused, not by this run; resumed", address)
+            if arrived_paused and not want:
+                log.warning("rollout server %s was paused, not by this run's current "
+                            "trainer; resumed", address)
+                arrived_paused = False
             paused = want
 
     def _open(self, server: _Server, channel: grpc.aio.Channel) -> None:
@@ -336,6 +343,7 @@ class RolloutPool:
         server.call = server.stub.Rollout(self._requests_of(server.outbox), metadata=self._metadata)
         server.alive, server.draining, server.completed = True, False, False
         server.progress_at, server.tokens_seen = time.monotonic(), -1
+        server.joined_at = server.progress_at
         server.reader = asyncio.create_task(self._read(server, server.call))
         self._route_parked()
 
@@ -470,13 +478,15 @@ class RolloutPool:
 
     def _leave_failing(self, server: _Server, reason: str, charge: bool = False) -> None:
         """Take ``server`` out of the pool for going away (``_mark_dead``); one that goes away
-        again before it completes a group since it joined is struck (``_strike``): a server
-        that fails at once each time it rejoins must not cycle in and out for the rest of the
-        run."""
-        if server.completed:
-            self._mark_dead(server, reason, charge=charge)
-        else:
+        before it completes a group since it joined, holding groups or within
+        ``rejoin_interval_s`` of joining, is struck (``_strike``): a server that fails at once
+        each time it rejoins must not cycle in and out for the rest of the run (an idle one
+        cut off later is not failing at its work)."""
+        at_once = time.monotonic() - server.joined_at < self.options.rejoin_interval_s
+        if not server.completed and (server.in_flight or at_once):
             self._strike(server, reason, charge=charge)
+        else:
+            self._mark_dead(server, reason, charge=charge)
 
     def withdraw(self, request_ids) -> None:
         """Stop waiting for ``request_ids``: each future is cancelled and the server holding
@@ -714,7 +724,7 @@ class RolloutPool:
             return  # it left, or a group came back meanwhile
         if status is not None and status.paused and not self._paused:
             try:  # paused, not by this run (a lost resume): resumed, its window starts again
-                await self._match_pause(server.address, server.stub, True)
+                await self._match_pause(server.address, server.stub, status)
             except (grpc.aio.AioRpcError, AttributeError):
                 status = None
         if status is not None and (status.paused or status.tokens_generated > server.tokens_seen
@@ -770,6 +780,8 @@ class RolloutPool:
                             server.address)
                 server.shut_out, server.rejoin_error = None, None
                 server.strikes = server.rejoin_failures = server.pings_refused = 0
+            elif server.instance and status.instance_id != server.instance:
+                server.strikes = 0  # another process: the strikes were the one before's
             server.instance, server.vocab_size = status.instance_id, status.vocab_size
             if self._admit is not None:
                 try:
@@ -783,8 +795,9 @@ class RolloutPool:
             # that may take long to load, or hang. A version published meanwhile is loaded
             # under the lock (that server has just loaded one): with versions published
             # faster than it loads, it would otherwise load again and again, never rejoining.
-            w = self._weights
+            w, first_load_s = self._weights, 0.0
             if w is not None and serving != w.version:
+                started = time.monotonic()
                 try:
                     with export_in_use(w.path):  # not pruned while the server reads it
                         await self._send_weights(stub, w, force=True)
@@ -792,13 +805,16 @@ class RolloutPool:
                 except FileNotFoundError:  # pruned before: a newer version was published
                     if self._weights is w:
                         raise
+                first_load_s = time.monotonic() - started
             async with self._weights_lock:
                 w = self._weights
-                if w is not None and serving != w.version:
+                if w is not None and serving != w.version:  # publishing waits: bounded
+                    timeout = min(self.options.update_timeout_s,
+                                  max(self.options.rpc_timeout_s, 3 * first_load_s))
                     with export_in_use(w.path):
-                        await self._send_weights(stub, w, force=True)
+                        await self._send_weights(stub, w, force=True, timeout=timeout)
                     serving = w.version
-                await self._match_pause(server.address, stub, status.paused)
+                await self._match_pause(server.address, stub, status)
                 server.version = serving
                 self._open(server, channel)
         except (asyncio.TimeoutError, grpc.aio.AioRpcError, ConnectionError, OSError) as e:

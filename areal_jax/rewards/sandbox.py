@@ -252,17 +252,27 @@ def _read_record(run_dir: str) -> tuple[int, int | None, int] | None:
 
 
 def _kill_recorded(pgid: int, uid: int | None, start: int) -> None:
-    """Kill what a killed supervisor's run left: every process of its own uid (as root), else
-    this user's processes in its process group; nothing where the group's number now belongs
-    to another process."""
+    """Kill what a killed supervisor's run left: as root, every process of its own uid (those
+    that left its group too), unless its leader's pid now leads a live run of that same uid;
+    else this user's processes in its process group, unless the group's number now belongs to
+    another process (its leader started at another time)."""
     leader = _start_time(pgid)
-    if leader is not None and leader != start:
-        return
+    taken = leader is not None and leader != start
     if uid is not None:
-        _kill_all(lambda group, owner: owner == uid)
-    else:
+        if not (taken and _real_uid(pgid) == uid):
+            _kill_all(lambda group, owner: owner == uid)
+    elif not taken:
         me = os.getuid()
         _kill_all(lambda group, owner: group == pgid and owner == me)
+
+
+def _real_uid(pid: int) -> int | None:
+    """The real uid process ``pid`` runs as, or None where it is gone."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            return int(next(line for line in f if line.startswith(b"Uid:")).split()[1])
+    except (OSError, StopIteration, ValueError):
+        return None
 
 
 def _start_time(pid: int) -> int | None:

@@ -641,9 +641,15 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         return await self._control(self._engine.resume, context)
 
     async def _control(self, action, context) -> pb.ServerStatus:
-        await self._caller(context)
+        """Pause or resume the engine, for the run it serves (or any caller while it serves
+        none, or once that run's trainer has been gone ``run_lease_s``): another run's pause
+        is not this caller's to lift, nor its generation to stop."""
+        run = await self._caller(context)
         try:
+            self._check_run(run)
             await action()
+        except Rejected as e:
+            await context.abort(e.code, str(e))
         except EngineError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine: {e}")
         return self.status()

@@ -663,6 +663,33 @@ def test_a_server_serving_one_run_refuses_weights_from_another_while_its_trainer
     assert [v for _, v in loaded] == [1, 3, 4, 5]
 
 
+def test_pause_and_resume_are_the_serving_run_s_alone(tmp_path, tok_dir):
+    # Any token holder could pause a run's servers, or lift the pause of a synchronous run's.
+    one = write_checkpoint(tmp_path / "one", "one")
+
+    async def scenario():
+        async with serving(tmp_path, tok_dir) as h:
+            address = f"127.0.0.1:{h.server.port}"
+            run_a = RolloutPool([address], run_id="run-a")
+            await run_a.start()
+            await run_a.update_weights(one, 1)  # the server serves run-a now
+            await run_a.pause()
+            outcomes = []
+            for call, run in ((h.stub.Resume, "run-b"), (h.stub.Pause, "run-b"),
+                              (h.stub.Resume, "run-a")):
+                try:
+                    await call(pb.ResumeRequest() if call == h.stub.Resume
+                               else pb.PauseRequest(), metadata=(("areal-run", run),))
+                    outcomes.append(("ok", h.engine.paused))
+                except grpc.aio.AioRpcError as e:
+                    outcomes.append((e.code(), h.engine.paused))
+            await run_a.close()
+            return outcomes
+
+    refused = grpc.StatusCode.FAILED_PRECONDITION
+    assert asyncio.run(scenario()) == [(refused, True), (refused, True), ("ok", False)]
+
+
 def test_a_generate_call_of_the_serving_run_holds_its_lease_while_it_runs(tmp_path, tok_dir):
     from areal_jax.controller.rollout_pool import WeightsRejectedError
 

@@ -32,10 +32,10 @@ a guarantee that no accepted request is lost.
   If no server is reachable for ``no_server_timeout_s`` every waiting request fails with
   ``NoLiveServerError``.
 * The pool pauses and resumes its servers (``pause``, ``resume``: a synchronous run, while it
-  trains); a server that joins meanwhile is brought to that state as it joins, and one found
-  paused not by this run (a stopped trainer left it so, or a resume was lost) is resumed as
-  it joins or once it holds groups it makes no progress on. Closing the pool resumes what it
-  paused.
+  trains); a server that joins meanwhile is brought to that state as it joins, and one of
+  this run (or of none) found paused not by this trainer (a stopped trainer of the run left it
+  so, or a resume was lost) is resumed as it joins or once it holds groups it makes no
+  progress on; another run's pause is left alone. Closing the pool resumes what it paused.
 * With ``addresses_file`` servers join and leave as lines are added and removed: a server
   unlisted while it holds groups gets no new work, finishes them, then leaves (should it fail
   or stall first, they go elsewhere as above). So does a server that says it is draining (told

@@ -24,6 +24,11 @@ def write_atomic(path: str | Path, text: str) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def write_jsonl(path: str | Path, records) -> None:
+    """Write ``records`` (JSON objects) one per line, whole or not at all (``write_atomic``)."""
+    write_atomic(path, "".join(json.dumps(r) + "\n" for r in records))
+
+
 def read_json(path: str | Path, numbers: tuple[str, ...] = ()) -> dict:
     """The JSON object in ``path``, which must hold a number under each key in ``numbers``; a
     file that does not parse, or is not such an object, raises ``ConfigError`` naming it."""

@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     from areal_jax.controller.evaluation import evaluate_checkpoints
     from areal_jax.controller.prepare import check_model_dir
     from areal_jax.experiment import ExperimentConfig
-    from areal_jax.files import write_atomic
+    from areal_jax.files import write_jsonl
     from areal_jax.metrics import EVAL_CURVE_FILE
     from areal_jax.trainer import list_exports
 
@@ -52,9 +52,8 @@ def run(args: argparse.Namespace) -> int:
 
     def write_samples(keys: list[dict]) -> None:
         if samples is not None:
-            write_atomic(args.samples, "".join(json.dumps({**key, **record}) + "\n"
-                                               for key, answers in zip(keys, samples)
-                                               for record in answers))
+            write_jsonl(args.samples, ({**key, **record} for key, answers in zip(keys, samples)
+                                       for record in answers))
             print(f"wrote {sum(map(len, samples))} answers to {args.samples}", file=sys.stderr)
 
     if args.model is not None:
@@ -75,8 +74,7 @@ def run(args: argparse.Namespace) -> int:
               "keeps more for its curve with trainer.export_keep_every=K", file=sys.stderr)
     results = asyncio.run(evaluate_checkpoints(cfg, [path for _, path in exports], samples))
     out = Path(args.curve) / EVAL_CURVE_FILE
-    write_atomic(out, "".join(json.dumps({"step": version, **result}) + "\n"
-                              for (version, _), result in zip(exports, results)))
+    write_jsonl(out, ({"step": version, **result} for (version, _), result in zip(exports, results)))
     print("| version | accuracy | mean response tokens |\n|---:|---:|---:|")
     for (version, _), result in zip(exports, results):
         print(f"| {version} | {result['eval/accuracy']:.3f} | "

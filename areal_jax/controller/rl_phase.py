@@ -21,7 +21,7 @@ from areal_jax.controller.servers import Supervision, sync_servers
 from areal_jax.controller.sketches import first_batch_sketches
 from areal_jax.data.dataset import PromptDataset
 from areal_jax.experiment import ExperimentConfig
-from areal_jax.files import read_json, write_atomic
+from areal_jax.files import read_json, write_atomic, write_jsonl
 from areal_jax.metrics import METRICS_FILE, MetricsLogger, read_records
 from areal_jax.models import ModelConfig
 from areal_jax.trainer.publish import discard_exports_after
@@ -108,7 +108,7 @@ def write_samples(run_dir: Path, version: int, records: list[dict]) -> None:
     ``eval_samples/v{version}.jsonl``: what the reward was given, to read when it surprises."""
     directory = run_dir / SAMPLES_DIR
     directory.mkdir(exist_ok=True)
-    write_atomic(directory / f"v{version}.jsonl", "".join(json.dumps(r) + "\n" for r in records))
+    write_jsonl(directory / f"v{version}.jsonl", records)
 
 
 def _evaluation_logged(run_dir: Path, step: int) -> bool:

@@ -266,8 +266,10 @@ def _kill_recorded(pgid: int, uid: int | None, start: int) -> None:
         _kill_all(lambda group, owner: group == pgid and owner == me)
 
 
-def _real_uid(pid: int) -> int | None:
-    """The real uid process ``pid`` runs as, or None where it is gone."""
+def _real_uid(pid: int | str) -> int | None:
+    """The real uid process ``pid`` runs as (from ``status``, not the owner of ``/proc/PID``,
+    which a process can turn into root by making itself non-dumpable), or None where it is
+    gone."""
     try:
         with open(f"/proc/{pid}/status", "rb") as f:
             return int(next(line for line in f if line.startswith(b"Uid:")).split()[1])
@@ -275,13 +277,20 @@ def _real_uid(pid: int) -> int | None:
         return None
 
 
-def _start_time(pid: int) -> int | None:
-    """When process ``pid`` started (clock ticks after boot), or None where it is gone."""
+def _stat_fields(pid: int | str) -> list[bytes] | None:
+    """The fields of ``/proc/PID/stat`` after the command name (state first, so field N of
+    proc(5) is at N - 3), or None where the process is gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            return int(f.read().rsplit(b")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
+            return f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
         return None
+
+
+def _start_time(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks after boot), or None where it is gone."""
+    fields = _stat_fields(pid)
+    return int(fields[19]) if fields is not None and len(fields) > 19 else None
 
 
 def filesystem_isolation_available() -> bool:
@@ -424,11 +433,7 @@ def _world_executable(path: str) -> bool:
 
 
 def _proc_entries():
-    """(pid, state, process group, real uid) of every process, read from /proc.
-
-    The uid comes from ``status``, not the owner of ``/proc/PID``, which a process can turn into
-    root by making itself non-dumpable.
-    """
+    """(pid, state, process group, real uid) of every process, read from /proc."""
     try:
         names = os.listdir("/proc")
     except OSError:
@@ -436,14 +441,9 @@ def _proc_entries():
     for name in names:
         if not name.isdigit():
             continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
-            with open(f"/proc/{name}/status", "rb") as f:
-                uid_line = next(line for line in f if line.startswith(b"Uid:"))
-        except (OSError, StopIteration):
-            continue
-        yield int(name), fields[0].decode(), int(fields[2]), int(uid_line.split()[1])
+        fields, uid = _stat_fields(name), _real_uid(name)
+        if fields is not None and uid is not None:
+            yield int(name), fields[0].decode(), int(fields[2]), uid
 
 
 def _own_process_count() -> int:

@@ -71,6 +71,14 @@ class TrainerConfig:
         """The temperature log-probs are recomputed at: ``temperature``, 1.0 where unset."""
         return 1.0 if self.temperature is None else self.temperature
 
+    def check_cosine_horizon(self) -> None:
+        """The cosine schedule needs ``total_steps`` past ``warmup_steps``."""
+        if self.lr_schedule == "cosine" and self.total_steps <= self.warmup_steps:
+            raise ConfigError(
+                f"total_steps ({self.total_steps}) must exceed warmup_steps "
+                f"({self.warmup_steps}) for the cosine schedule: its horizon, in optimiser "
+                f"updates (ppo_n_minibatches per RL version, one per SFT step)")
+
     def __post_init__(self):
         for name in ("model_path", "tokenizer_path", "ref_model_path", "run_dir"):
             if getattr(self, name) == "":
@@ -103,12 +111,8 @@ class TrainerConfig:
             raise ConfigError(f"export_keep must be >= 2, got {self.export_keep}: with 1, "
                               "writing the next export removes the one the servers serve (a "
                               "server rejoining meanwhile loads it)")
-        if self.lr_schedule == "cosine" and 0 < self.total_steps <= self.warmup_steps:
-            raise ConfigError(
-                f"total_steps ({self.total_steps}) must exceed warmup_steps "
-                f"({self.warmup_steps}) for the cosine schedule: its horizon, in optimiser "
-                f"updates (ppo_n_minibatches per RL version, one per SFT step)"
-            )
+        if self.total_steps:  # 0: left to an experiment to set (``check_cosine_horizon``)
+            self.check_cosine_horizon()
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ConfigError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         for name in ("adam_b1", "adam_b2"):

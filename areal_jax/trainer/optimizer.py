@@ -9,7 +9,6 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from areal_jax.config import ConfigError
 from areal_jax.trainer.config import TrainerConfig
 
 
@@ -20,10 +19,8 @@ def lr_schedule(cfg: TrainerConfig) -> optax.Schedule:
     Then constant ``lr``, or cosine from ``lr`` down to ``min_lr_ratio * lr`` at ``total_steps``
     and flat after it.
     """
+    cfg.check_cosine_horizon()  # 0, left unset, passes the config's own check
     warmup, total = cfg.warmup_steps, cfg.total_steps
-    if cfg.lr_schedule == "cosine" and total <= warmup:  # 0: left to an experiment to set
-        raise ConfigError(f"total_steps ({total}) must exceed warmup_steps ({warmup}) for the "
-                          "cosine schedule: its horizon, in optimiser updates")
 
     def schedule(count):
         c = jnp.asarray(count, jnp.float32)

@@ -1679,6 +1679,94 @@ class _SlowThenHangingLoads(ArithmeticEngine):
         await super().update_weights(path, version)
 
 
+class _HangingLoads(ArithmeticEngine):
+    """Its loads hang while ``hang`` is set."""
+
+    hang = False
+
+    async def update_weights(self, path, version):
+        while self.hang:
+            await asyncio.sleep(0.05)
+        await super().update_weights(path, version)
+
+
+def test_a_server_hanging_in_a_load_leaves_the_pool_and_holds_no_publish_up(tmp_path):
+    # Every publish waited for the slowest server, up to update_timeout_s (600 s by default):
+    # one hung load held the whole pool's weights back, and with them the staleness gate.
+    async def scenario():
+        hung = _HangingLoads()
+        servers = await start_servers(tmp_path, [ArithmeticEngine(), hung])
+        versions = [write_checkpoint(exports_dir(tmp_path) / f"v{v}", f"v{v}") for v in (1, 2)]
+        pool = RolloutPool(addresses(servers), options=PoolOptions(
+            rejoin_interval_s=0.1, rpc_timeout_s=1.0, update_timeout_s=30.0))
+        try:
+            await pool.start()
+            hung.hang = True
+            start = time.monotonic()
+            await pool.update_weights(versions[0], 1)
+            waited = time.monotonic() - start
+            left = pool.live_servers
+            hung.hang = False  # it finishes loading, and rejoins at the newest version
+            await pool.update_weights(versions[1], 2)
+            for _ in range(200):
+                if len(pool.live_servers) == 2:
+                    break
+                await asyncio.sleep(0.05)
+            return (waited, left, addresses(servers)[0], pool.live_servers,
+                    [s.version for s in pool._servers])
+        finally:
+            hung.hang = False
+            await pool.close()
+            for s in servers:
+                await s.stop(grace=0.5)
+
+    waited, left, healthy, back, served = asyncio.run(scenario())
+    assert waited < 4.0  # rpc_timeout_s (1 s) after the other server had it, not 30 s
+    assert left == [healthy]
+    assert len(back) == 2 and served == [2, 2]
+
+
+def test_a_server_slower_than_the_others_at_each_load_stays_once_its_load_time_is_known(tmp_path):
+    # The bound follows a server's own last load: one that is always slower is not taken for
+    # stuck at every publish (it may leave once, before its load time is known).
+    async def scenario():
+        slow = _TimedLoads(1.2)
+        servers = await start_servers(tmp_path, [ArithmeticEngine(), slow])
+        versions = [write_checkpoint(exports_dir(tmp_path) / f"v{v}", f"v{v}") for v in (1, 2, 3)]
+        pool = RolloutPool(addresses(servers), options=PoolOptions(
+            rejoin_interval_s=0.1, rpc_timeout_s=0.5, update_timeout_s=30.0))
+        try:
+            await pool.start()
+            await pool.update_weights(versions[0], 1)  # 1.2 s against 0.5: it leaves ...
+            while len(pool.live_servers) < 2:  # ... and rejoins, its load timed
+                await asyncio.sleep(0.05)
+            for i in (1, 2):
+                await pool.update_weights(versions[i], i + 1)
+                assert len(pool.live_servers) == 2, f"left at version {i + 1}"
+            return slow.loads, [s.version for s in pool._servers]
+        finally:
+            await pool.close()
+            for s in servers:
+                await s.stop(grace=0.5)
+
+    loads, served = asyncio.run(scenario())
+    assert served == [3, 3]
+    assert loads >= 3
+
+
+class _TimedLoads(ArithmeticEngine):
+    """Every load takes ``seconds``."""
+
+    def __init__(self, seconds: float):
+        super().__init__()
+        self.seconds, self.loads = seconds, 0
+
+    async def update_weights(self, path, version):
+        self.loads += 1
+        await asyncio.sleep(self.seconds)
+        await super().update_weights(path, version)
+
+
 def test_a_rejoin_load_under_the_weights_lock_holds_publishing_up_for_a_bounded_time(tmp_path):
     # A version published while a rejoining server loaded is loaded under the lock; when that
     # load hung, every publish waited out update_timeout_s (600 s by default).

@@ -87,6 +87,9 @@ _SERVER_FAULT = {_S.INTERNAL.value[0], _S.UNKNOWN.value[0], _S.DEADLINE_EXCEEDED
 
 _DRAINING = "is draining before it stops"
 _RELEASE_S = 5.0  # longest wait, at close, for a server to take note the run is done with it
+# A server taking this many times as long to load weights as the fastest one did (or as it
+# did itself the last time), and longer than rpc_timeout_s, is taken for stuck.
+STRAGGLER_FACTOR = 3.0
 
 
 class NoLiveServerError(RuntimeError):
@@ -157,6 +160,7 @@ class _Server:
     draining: bool = False  # it said it takes no new work: it leaves once its groups are back
     completed: bool = False  # it completed a group since it last joined the pool
     joined_at: float = 0.0  # monotonic time it last joined the pool
+    load_s: float = 0.0  # how long its last accepted weight update took (0: not timed yet)
 
 
 class RolloutPool:
@@ -806,11 +810,13 @@ class RolloutPool:
                     if self._weights is w:
                         raise
                 first_load_s = time.monotonic() - started
+                if serving == w.version:
+                    server.load_s = first_load_s
             async with self._weights_lock:
                 w = self._weights
                 if w is not None and serving != w.version:  # publishing waits: bounded
-                    timeout = min(self.options.update_timeout_s,
-                                  max(self.options.rpc_timeout_s, 3 * first_load_s))
+                    timeout = min(self.options.update_timeout_s, max(
+                        self.options.rpc_timeout_s, STRAGGLER_FACTOR * first_load_s))
                     with export_in_use(w.path):
                         await self._send_weights(stub, w, force=True, timeout=timeout)
                     serving = w.version
@@ -873,6 +879,58 @@ class RolloutPool:
                                        return_exceptions=return_exceptions)
         return [(s, r) for s, r in zip(servers, results) if r is not None]
 
+    def _straggler_deadline(self, server: _Server, fastest_s: float) -> float:
+        """Seconds after a publish started by which ``server`` must have loaded it, once
+        another server has (in ``fastest_s``): ``STRAGGLER_FACTOR`` times that load or its own
+        last one, at least ``rpc_timeout_s``."""
+        return max(self.options.rpc_timeout_s,
+                   STRAGGLER_FACTOR * max(fastest_s, server.load_s))
+
+    async def _load_everywhere(self, call) -> list:
+        """``_each`` for a weight update: once one server has loaded the version, a server
+        still loading past its ``_straggler_deadline`` leaves the pool (its groups go to the
+        others; it rejoins once it has loaded the newest weights), so one slow or hung server
+        does not hold every publish up to ``update_timeout_s``."""
+        servers = [s for s in [*self._servers, *self._leaving.values()] if s.alive]
+        started = time.monotonic()
+        tasks = {asyncio.ensure_future(self._control(
+            s, "update weights", call, self.options.update_timeout_s)): s for s in servers}
+        pending, fastest_s = set(tasks), None
+        while pending:
+            wait_s = None
+            if fastest_s is not None:
+                deadline = min(self._straggler_deadline(tasks[t], fastest_s) for t in pending)
+                wait_s = max(0.0, started + deadline - time.monotonic())
+            done, pending = await asyncio.wait(pending, timeout=wait_s,
+                                               return_when=asyncio.FIRST_COMPLETED)
+            elapsed = time.monotonic() - started
+            for task in done:
+                if task.exception() is None and task.result() is not None:
+                    tasks[task].load_s = elapsed
+                    fastest_s = elapsed if fastest_s is None else fastest_s
+            if fastest_s is None:
+                continue
+            for task in list(pending):
+                server = tasks[task]
+                allowed = self._straggler_deadline(server, fastest_s)
+                if elapsed >= allowed:
+                    self._mark_dead(server, f"still loading the new weights after {allowed:.0f} "
+                                            f"s, {fastest_s:.1f} s after another server had "
+                                            f"them; it rejoins once it has loaded them")
+                    task.cancel()
+                    pending.discard(task)
+        await asyncio.gather(*tasks, return_exceptions=True)
+        results = []
+        for task, server in tasks.items():
+            if task.cancelled():
+                continue
+            error = task.exception()
+            if error is not None:
+                results.append((server, error))
+            elif task.result() is not None:
+                results.append((server, task.result()))
+        return results
+
     async def _send_weights(self, stub, w: _Weights, force: bool, timeout: float | None = None):
         timeout = timeout or self.options.update_timeout_s
         if w.push:
@@ -904,8 +962,7 @@ class RolloutPool:
                                            f"{path}: {e.code().name}: {e.details()}") from e
 
         async with self._weights_lock:
-            done = await self._each("update weights", one, self.options.update_timeout_s,
-                                    return_exceptions=True)
+            done = await self._load_everywhere(one)
             for _, result in done:
                 if isinstance(result, BaseException) and not isinstance(
                         result, WeightsRejectedError):

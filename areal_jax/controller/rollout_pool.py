@@ -896,29 +896,35 @@ class RolloutPool:
         tasks = {asyncio.ensure_future(self._control(
             s, "update weights", call, self.options.update_timeout_s)): s for s in servers}
         pending, fastest_s = set(tasks), None
-        while pending:
-            wait_s = None
-            if fastest_s is not None:
-                deadline = min(self._straggler_deadline(tasks[t], fastest_s) for t in pending)
-                wait_s = max(0.0, started + deadline - time.monotonic())
-            done, pending = await asyncio.wait(pending, timeout=wait_s,
-                                               return_when=asyncio.FIRST_COMPLETED)
-            elapsed = time.monotonic() - started
-            for task in done:
-                if task.exception() is None and task.result() is not None:
-                    tasks[task].load_s = elapsed
-                    fastest_s = elapsed if fastest_s is None else fastest_s
-            if fastest_s is None:
-                continue
-            for task in list(pending):
-                server = tasks[task]
-                allowed = self._straggler_deadline(server, fastest_s)
-                if elapsed >= allowed:
-                    self._mark_dead(server, f"still loading the new weights after {allowed:.0f} "
-                                            f"s, {fastest_s:.1f} s after another server had "
-                                            f"them; it rejoins once it has loaded them")
-                    task.cancel()
-                    pending.discard(task)
+        try:
+            while pending:
+                wait_s = None
+                if fastest_s is not None:
+                    deadline = min(self._straggler_deadline(tasks[t], fastest_s)
+                                   for t in pending)
+                    wait_s = max(0.0, started + deadline - time.monotonic())
+                done, pending = await asyncio.wait(pending, timeout=wait_s,
+                                                   return_when=asyncio.FIRST_COMPLETED)
+                elapsed = time.monotonic() - started
+                for task in done:
+                    if (not task.cancelled() and task.exception() is None
+                            and task.result() is not None):
+                        tasks[task].load_s = elapsed
+                        fastest_s = elapsed if fastest_s is None else fastest_s
+                if fastest_s is None:
+                    continue
+                for task in list(pending):
+                    server = tasks[task]
+                    allowed = self._straggler_deadline(server, fastest_s)
+                    if elapsed >= allowed:
+                        self._mark_dead(server, f"still loading the new weights {allowed:.0f} s "
+                                                f"into the publish, another server took "
+                                                f"{fastest_s:.1f} s; it rejoins once loaded")
+                        task.cancel()
+                        pending.discard(task)
+        finally:  # also when this publish is cancelled: no load call outlives it
+            for task in pending:
+                task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         results = []
         for task, server in tasks.items():

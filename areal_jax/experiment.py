@@ -200,6 +200,9 @@ class ProcessGroupConfig:
     heartbeat_timeout_s: int = 100
     # the longest wait at start for every process (then this one is aborted)
     join_timeout_s: int = 300
+    # host:port process 0's coordination service listens on (unset: every interface, at the
+    # coordinator's port); it takes no credentials: keep it on a private network
+    bind_address: str | None = None
 
     def __post_init__(self):
         if self.heartbeat_timeout_s < 2:
@@ -289,7 +292,7 @@ class ExperimentConfig:
             )
         pg = self.process_group
         if not self.distributed and (pg.coordinator_address or pg.num_processes or
-                                     pg.process_id is not None):
+                                     pg.bind_address or pg.process_id is not None):
             raise ConfigError("process_group: set, but distributed is false (every process "
                               "would run as its own leader on the shared run_dir); set "
                               "distributed: true")

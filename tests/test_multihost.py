@@ -53,9 +53,15 @@ def _worker(process_id: int, port: int, run_dir: Path, out: Path, mode: str) -> 
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(60)
         return
+    if mode in ("config_differs", "leader_fails_early", "follower_fails_early"):
+        _before_the_group(process_id, run_dir, out, mode)
+        return
     import jax
 
     mesh = make_mesh(MeshConfig(fsdp=len(jax.devices())))  # both processes' devices
+    if mode.startswith("sigterm_waiting"):
+        _sigterm_while_waiting(mode, mesh, run_dir, out)
+        return
     group = TrainerGroup(Trainer(_config(run_dir), mesh=mesh, model=tiny_model(seed=21)))
     if mode in ("follower_fails", "follower_killed"):
         _follower_fails(group, out, killed=mode == "follower_killed")
@@ -143,8 +149,65 @@ def _unshared(process_id: int, mesh, run_dir: Path, out: Path) -> None:
     (out / f"unshared_{process_id}.json").write_text(json.dumps(outcome))
 
 
-def _run_group(tmp_path, mode: str, timeout: float = 300,
-               devices: int = 4) -> tuple[list, list, float]:
+def _before_the_group(process_id: int, run_dir: Path, out: Path, mode: str) -> None:
+    """Work every process does before the trainer group forms: the config check, or a
+    failure of one process in the leader's preparations (a run directory in use, say)."""
+    from jax.experimental.multihost_utils import sync_global_devices
+
+    from areal_jax.config import from_dict
+    from areal_jax.controller.run import check_same_config
+    from areal_jax.experiment import ExperimentConfig
+    from areal_jax.parallel.multihost import failure_ends_group
+
+    try:
+        if mode == "config_differs":  # process 1 was given another learning rate
+            check_same_config(from_dict(ExperimentConfig, {
+                "run_dir": str(run_dir), "model_path": "tiny", "dataset": {"path": "d.jsonl"},
+                "distributed": True, "process_group": {"process_id": process_id},
+                "trainer_cpus": [process_id],
+                "trainer": {"lr": 1e-2 if process_id == 0 else 1e-3}}))
+            return
+        with failure_ends_group():
+            if mode == f"{['leader', 'follower'][process_id]}_fails_early":
+                raise MemoryError(f"simulated failure of process {process_id}")
+            sync_global_devices("run directory prepared")  # the other waits here
+    except Exception as e:
+        (out / f"error_{process_id}.txt").write_text(f"{type(e).__name__}: {e}")
+        raise
+
+
+def _sigterm_while_waiting(mode: str, mesh, run_dir: Path, out: Path) -> None:
+    """The leader trains a step, then waits (for rollouts) under ``run_stoppable`` as
+    ``areal-jax train`` does; SIGTERM reaches the follower (``sigterm_waiting_follower``) or
+    every process (``sigterm_waiting_all``). The run stops cleanly: the leader's wait ends,
+    it releases the group, every process exits."""
+    import asyncio
+
+    from areal_jax.parallel import TrainerGroup, is_leader
+    from areal_jax.stopping import run_stoppable, stop_on_sigterm
+
+    stop_on_sigterm()
+    group = TrainerGroup(Trainer(_config(run_dir), mesh=mesh, model=tiny_model(seed=21)))
+    if not is_leader():
+        group.follow()
+        (out / "follower.json").write_text(json.dumps("released"))
+        return
+    group.train_on_batch(_batches(1)[0])
+    (out / "trained").touch()  # the test sends its signals from here on
+    started = time.monotonic()
+    try:
+        run_stoppable(asyncio.sleep(120))
+        outcome = "not stopped"
+    except KeyboardInterrupt:
+        outcome = "stopped"
+    finally:
+        group.close()
+    (out / "leader.json").write_text(json.dumps(
+        {"outcome": outcome, "waited_s": time.monotonic() - started}))
+
+
+def _run_group(tmp_path, mode: str, timeout: float = 300, devices: int = 4,
+               during=None) -> tuple[list, list, float]:
     run_dir, out = tmp_path / "run", tmp_path / "out"
     out.mkdir(exist_ok=True)
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
@@ -159,6 +222,8 @@ def _run_group(tmp_path, mode: str, timeout: float = 300,
     ]  # fmt: skip
     logs = []
     try:
+        if during is not None:
+            during(procs, out)
         for p in procs:
             logs.append(p.communicate(timeout=timeout)[0])
     finally:
@@ -191,6 +256,59 @@ def test_a_killed_follower_ends_the_group_at_the_heartbeat_timeout(tmp_path):
     assert "stopped sending heartbeats" in logs[0], logs[0][-3000:]
     assert not (tmp_path / "out" / "leader.json").exists()  # it never got past the step
     assert took < 80, took  # not at jax.distributed's default 100 s
+
+
+def test_a_process_with_another_config_is_refused_by_every_process(tmp_path):
+    # Each process built its trainer from its own config: a follower given another learning
+    # rate stepped its parameter shards with it, and both exited 0 with weights matching
+    # neither rate.
+    procs, logs, _ = _run_group(tmp_path, "config_differs", timeout=120)
+    assert [p.returncode for p in procs] == [1, 1], logs
+    errors = [(tmp_path / "out" / f"error_{i}.txt").read_text() for i in (0, 1)]
+    assert errors[1].startswith("ConfigError: this trainer process's settings differ from the "
+                                "leader's (process 0) at: trainer.lr;"), errors[1]
+    assert "only process_group, trainer_cpus, trainer_devices" in errors[1]
+    assert errors[0].startswith("ConfigError: another trainer process's settings differ from "
+                                "this one's: process 1 differs from process 0 at trainer.lr;")
+
+
+@pytest.mark.parametrize("failing", ["leader", "follower"])
+def test_a_process_failing_before_the_group_forms_ends_every_process_at_once(tmp_path, failing):
+    # A refused run directory on the leader, or an error in SFT on a follower: the failing
+    # process waited in jax.distributed's shutdown barrier, the other in a collective, both
+    # until the barrier's 300 s timeout, then an abort naming nothing.
+    procs, logs, took = _run_group(tmp_path, f"{failing}_fails_early", timeout=200)
+    assert all(p.returncode != 0 for p in procs), logs
+    assert took < 60, (took, logs)
+    failed = 0 if failing == "leader" else 1
+    assert (tmp_path / "out" / f"error_{failed}.txt").read_text() == (
+        f"MemoryError: simulated failure of process {failed}")
+    if failing == "follower":  # the leader names it (the leader's own failure ends the
+        # coordination service the follower would read it from)
+        assert (tmp_path / "out" / "error_0.txt").read_text() == (
+            "RuntimeError: another trainer process failed: process 1: MemoryError: simulated "
+            "failure of process 1")
+
+
+@pytest.mark.parametrize("signalled", ["follower", "all"])
+def test_sigterm_while_the_leader_waits_stops_the_run_cleanly(tmp_path, signalled):
+    # SIGTERM to a follower only: it exited at once, and the leader learned of it at the
+    # heartbeat timeout (84 s later), aborting. SIGTERM to every process (a scheduler's stop):
+    # the followers exited, the leader's release of the group failed and it aborted 80 s later.
+    def signal_after_the_step(procs, out):
+        deadline = time.monotonic() + 150
+        while not (out / "trained").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for p in procs if signalled == "all" else procs[1:]:
+            p.send_signal(signal.SIGTERM)
+
+    procs, logs, _ = _run_group(tmp_path, f"sigterm_waiting_{signalled}", timeout=200,
+                                during=signal_after_the_step)
+    leader = json.loads((tmp_path / "out" / "leader.json").read_text())
+    assert leader["outcome"] == "stopped" and leader["waited_s"] < 30, (leader, logs)
+    assert json.loads((tmp_path / "out" / "follower.json").read_text()) == "released"
+    assert [p.returncode for p in procs] == [0, 0], logs
+    assert "could not release" not in logs[0]
 
 
 def test_processes_that_see_different_checkpoints_refuse_to_restore(tmp_path):

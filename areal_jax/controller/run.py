@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -37,6 +38,7 @@ from areal_jax.controller.sft_phase import run_sft, sft_end_token, sft_examples
 from areal_jax.controller.sft_phase import sft_model_kept
 from areal_jax.controller.trainers import make_trainer
 from areal_jax.data.dataset import PromptDataset
+from areal_jax.config import ConfigError, to_dict
 from areal_jax.experiment import ExperimentConfig
 from areal_jax.files import write_atomic
 from areal_jax.stopping import run_stoppable
@@ -175,7 +177,7 @@ def train(cfg: ExperimentConfig) -> dict:
     if cfg.distributed:
         pg = cfg.process_group  # unset fields: from the cluster's environment
         initialize_distributed(pg.coordinator_address, pg.num_processes, pg.process_id,
-                               pg.heartbeat_timeout_s, pg.join_timeout_s)
+                               pg.heartbeat_timeout_s, pg.join_timeout_s, pg.bind_address)
     leader = is_leader()  # JAX's backends start here and read the claim
     release_memory_fraction()
     name = "train.log" if leader else f"train_process{jax.process_index()}.log"
@@ -186,63 +188,19 @@ def train(cfg: ExperimentConfig) -> dict:
 
 def _train(cfg: ExperimentConfig, leader: bool, held: contextlib.ExitStack,
            accept_log: Callable[[], None]) -> dict:
-    """``train`` once this process has claimed its devices and joined the process group; the
-    leader holds the run directory (``hold_run_dir``) in ``held`` once the config is accepted
-    by the checks that read it, and from then on every process writes its log
-    (``accept_log``)."""
-    from jax.experimental.multihost_utils import sync_global_devices as barrier
+    """``train`` once this process has claimed its devices and joined the process group."""
+    from areal_jax.parallel.multihost import failure_ends_group
 
-    from areal_jax.models import ModelConfig
-    from areal_jax.models.tokenizer import load_tokenizer
     from areal_jax.parallel.trainer_group import TrainerGroup
 
-    if leader:
-        _report_default_memory_shares(cfg)
     run_dir = Path(cfg.run_dir)
-    if leader:
-        prepare_data(cfg)
-        prepare_base_model(cfg)
-    barrier("data and base model prepared")
+    with failure_ends_group(cfg.distributed):  # no process waits for a failed one
+        _prepare(cfg, leader)
     with TrainingProgress(enabled=leader) as progress:
-        base = base_model_path(cfg)
-        tokenizer = load_tokenizer(base, ModelConfig.from_pretrained(base).vocab_size,
-                                   "model_path")
-        # Checked before SFT, and before the run directory records this config: a config
-        # refused here can be corrected in place.
-        train_set = PromptDataset(dataset_config(cfg.dataset, cfg.run_dir), tokenizer)
-        prompt_lengths = [len(item.prompt_ids) for item in train_set]
-        check_trajectories_fit(cfg, prompt_lengths)
-        eval_items = held_out_items(cfg, tokenizer)
-        check_local_engine_context(cfg, base, training=prompt_lengths,
-                                   held_out=[len(item.prompt_ids) for item in eval_items])
-        sft_pending = bool(cfg.sft.steps) and not sft_model_kept(cfg)
-        examples = sft_examples(cfg, tokenizer, train_set, sft_end_token(base, tokenizer)
-                                ) if sft_pending else []
-        if leader:
-            run_dir.mkdir(parents=True, exist_ok=True)  # a config refused before: no run_dir
-            held.enter_context(hold_run_dir(run_dir, "train"))  # before it reads or writes it
-            check_fingerprint(cfg)  # a refused config leaves the run's config.json as it was
-            if changed := changed_since_last_start(cfg):
-                print(f"settings changed since {run_dir} last started: {'; '.join(changed)}",
-                      flush=True)
-            record_config(cfg)
-        barrier("run directory prepared")
-        accept_log()
-        if leader and sft_pending:  # a remote server that cannot serve the run: named now
-            asyncio.run(check_remote_servers(
-                cfg, base, training=prompt_lengths, run_id=run_id(cfg),
-                held_out=[len(item.prompt_ids) for item in eval_items]))
-        start = base
-        if cfg.sft.steps:
-            with servers_compiling(cfg, base, leader and sft_pending):
-                start = run_sft(cfg, base, examples, progress, leader, barrier)
-        trainer = make_trainer(cfg, start)
+        with failure_ends_group(cfg.distributed):
+            trainer, extra, tokenizer, train_set, eval_items = _start(
+                cfg, leader, held, accept_log, progress)
         group = TrainerGroup(trainer)
-        try:
-            extra = trainer.restore()  # every process, from the same checkpoint
-        except BaseException:
-            trainer.close()
-            raise
         if not leader:
             try:
                 group.follow()  # until the leader closes the group
@@ -265,3 +223,105 @@ def _train(cfg: ExperimentConfig, leader: bool, held: contextlib.ExitStack,
     results["wall_s"] = time.monotonic() - t0
     write_atomic(run_dir / RESULTS_FILE, json.dumps(results, indent=2))
     return results
+
+
+# Settings a trainer process may set for its own host; every other setting, and the code,
+# must be the leader's (each process builds its trainer from its own config and command line,
+# and a process stepping its shards with another learning rate trains silently wrong weights).
+HOST_SETTINGS = ("process_group", "trainer_cpus", "trainer_devices", "trainer_memory_fraction",
+                 "compilation_cache_dir")
+
+
+def check_same_config(cfg: ExperimentConfig) -> None:
+    """Every trainer process runs the leader's settings (but ``HOST_SETTINGS``) and the same
+    areal-jax code; where one differs, every process raises ``ConfigError`` together, the one
+    that differs naming the settings."""
+    from areal_jax.parallel.multihost import differences_from_leader, peer_failures
+
+    settings = {k: v for k, v in to_dict(cfg).items() if k not in HOST_SETTINGS}
+    settings["areal-jax source"] = _source_digest()
+    differ, agreed = differences_from_leader(settings)
+    if agreed:
+        return
+    shared = ", ".join(HOST_SETTINGS)
+    if differ:
+        raise ConfigError(f"this trainer process's settings differ from the leader's (process "
+                          f"0) at: {', '.join(differ)}; every process must run the same config "
+                          f"and code (only {shared} may differ)")
+    raise ConfigError(f"another trainer process's settings differ from this one's: "
+                      f"{'; '.join(peer_failures()) or 'see its log'}; every process must run "
+                      f"the same config and code (only {shared} may differ)")
+
+
+def _source_digest() -> str:
+    """SHA-256 of the areal_jax package's Python sources."""
+    root = Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+def _prepare(cfg: ExperimentConfig, leader: bool) -> None:
+    """Every process checks it runs the leader's config; the leader prepares the data and the
+    base model meanwhile the others wait."""
+    from jax.experimental.multihost_utils import sync_global_devices as barrier
+
+    check_same_config(cfg)
+    if leader:
+        _report_default_memory_shares(cfg)
+        prepare_data(cfg)
+        prepare_base_model(cfg)
+    barrier("data and base model prepared")
+
+
+def _start(cfg: ExperimentConfig, leader: bool, held: contextlib.ExitStack,
+           accept_log: Callable[[], None], progress: TrainingProgress) -> tuple:
+    """Every process: the leader holds the run directory (``hold_run_dir``) in ``held`` once
+    the config is accepted by the checks that read it, and from then on every process writes
+    its log (``accept_log``); then SFT, the trainer and its restored checkpoint. Returns
+    ``(trainer, extra, tokenizer, train_set, eval_items)``."""
+    from jax.experimental.multihost_utils import sync_global_devices as barrier
+
+    from areal_jax.models import ModelConfig
+    from areal_jax.models.tokenizer import load_tokenizer
+
+    run_dir = Path(cfg.run_dir)
+    base = base_model_path(cfg)
+    tokenizer = load_tokenizer(base, ModelConfig.from_pretrained(base).vocab_size, "model_path")
+    # Checked before SFT, and before the run directory records this config: a config
+    # refused here can be corrected in place.
+    train_set = PromptDataset(dataset_config(cfg.dataset, cfg.run_dir), tokenizer)
+    prompt_lengths = [len(item.prompt_ids) for item in train_set]
+    check_trajectories_fit(cfg, prompt_lengths)
+    eval_items = held_out_items(cfg, tokenizer)
+    check_local_engine_context(cfg, base, training=prompt_lengths,
+                               held_out=[len(item.prompt_ids) for item in eval_items])
+    sft_pending = bool(cfg.sft.steps) and not sft_model_kept(cfg)
+    examples = sft_examples(cfg, tokenizer, train_set, sft_end_token(base, tokenizer)
+                            ) if sft_pending else []
+    if leader:
+        run_dir.mkdir(parents=True, exist_ok=True)  # a config refused before: no run_dir
+        held.enter_context(hold_run_dir(run_dir, "train"))  # before it reads or writes it
+        check_fingerprint(cfg)  # a refused config leaves the run's config.json as it was
+        if changed := changed_since_last_start(cfg):
+            print(f"settings changed since {run_dir} last started: {'; '.join(changed)}",
+                  flush=True)
+        record_config(cfg)
+    barrier("run directory prepared")
+    accept_log()
+    if leader and sft_pending:  # a remote server that cannot serve the run: named now
+        asyncio.run(check_remote_servers(
+            cfg, base, training=prompt_lengths, run_id=run_id(cfg),
+            held_out=[len(item.prompt_ids) for item in eval_items]))
+    start = base
+    if cfg.sft.steps:
+        with servers_compiling(cfg, base, leader and sft_pending):
+            start = run_sft(cfg, base, examples, progress, leader, barrier)
+    trainer = make_trainer(cfg, start)
+    try:
+        extra = trainer.restore()  # every process, from the same checkpoint
+    except BaseException:
+        trainer.close()
+        raise
+    return trainer, extra, tokenizer, train_set, eval_items

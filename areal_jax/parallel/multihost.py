@@ -9,19 +9,22 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import os
 import sys
+from collections.abc import Iterator
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
 _FAILURES = "areal_jax/failures/"  # coordination-service keys: why a process gave up
+_STOPS = "areal_jax/stops/"  # ... and which process was asked to stop (SIGTERM, Ctrl-C)
 
 
 def initialize_distributed(
     coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None,
-    heartbeat_timeout_s: int = 100, join_timeout_s: int = 300,
+    heartbeat_timeout_s: int = 100, join_timeout_s: int = 300, bind_address: str | None = None,
 ) -> None:
     """Join the process group; call before any JAX computation.
 
@@ -37,6 +40,8 @@ def initialize_distributed(
     gloo (TCP). A process uses every accelerator it can see (one process per host; narrow it with
     ``CUDA_VISIBLE_DEVICES`` or ``trainer_devices``): left to itself, ``jax.distributed`` would
     give a SLURM or Open MPI process only the device of its local rank (one GPU of eight).
+    ``bind_address``: where process 0's coordination service listens (``host:port``; unset:
+    every interface, at the coordinator's port).
     """
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     # JAX's preemption service would take SIGTERM over (a `kill`, `scancel` or `docker stop`
@@ -52,6 +57,7 @@ def initialize_distributed(
         coordinator_address=coordinator, num_processes=num_processes, process_id=process_id,
         local_device_ids=[],  # not None: no device restriction (None means the local rank's)
         heartbeat_timeout_seconds=heartbeat_timeout_s, initialization_timeout=join_timeout_s,
+        coordinator_bind_address=bind_address,
     )
 
 
@@ -103,24 +109,94 @@ def _coordination_client():
     return distributed.global_state.client
 
 
-def report_failure(message: str) -> None:
-    """Record why this process fails, for the others to name (best effort: the coordination
-    service lives in process 0)."""
+def _record(prefix: str, message: str) -> None:
     client = _coordination_client()
     if client is not None:
         with contextlib.suppress(Exception):
-            client.key_value_set(f"{_FAILURES}{jax.process_index()}", message[:4000])
+            client.key_value_set(f"{prefix}{jax.process_index()}", message[:4000])
 
 
-def peer_failures() -> list[str]:
-    """What other processes reported with ``report_failure`` (none when unreachable)."""
+def _records_of_others(prefix: str) -> list[str]:
     client = _coordination_client()
     if client is None:
         return []
+    own = f"{prefix}{jax.process_index()}"
     try:
-        return [value for _, value in client.key_value_dir_get(_FAILURES)]
+        return [value for key, value in client.key_value_dir_get(prefix) if key != own]
     except Exception:  # noqa: BLE001 - a diagnostic: its absence is not an error
         return []
+
+
+def report_failure(message: str) -> None:
+    """Record why this process fails, for the others to name (best effort: the coordination
+    service lives in process 0)."""
+    _record(_FAILURES, message)
+
+
+def peer_failures() -> list[str]:
+    """What the other processes reported with ``report_failure`` (none when unreachable)."""
+    return _records_of_others(_FAILURES)
+
+
+def request_stop(message: str) -> None:
+    """Record that this process was asked to stop, for the leader to stop the run."""
+    _record(_STOPS, message)
+
+
+def peer_stop_requests() -> list[str]:
+    """What the other processes recorded with ``request_stop``."""
+    return _records_of_others(_STOPS)
+
+
+def failure_naming_peers(error: BaseException) -> BaseException:
+    """``error``, or, where it is a collective that failed because another process gave up
+    and that process recorded why, an error naming that cause (raised from ``error``)."""
+    failures = peer_failures()
+    if failures and isinstance(error, jax.errors.JaxRuntimeError):
+        return RuntimeError(f"another trainer process failed: {'; '.join(failures)}")
+    return error
+
+
+def differences_from_leader(fields: dict) -> tuple[list[str], bool]:
+    """Compare ``fields`` (JSON data) with the leader's, on every process: the dotted keys
+    where this process's differ, and whether every process agrees. A process that differs
+    records which keys (``report_failure``) before the processes agree."""
+    if jax.process_count() == 1:
+        return [], True
+    mine = json.loads(json.dumps(fields, sort_keys=True, default=str))
+    sent = json.dumps(mine).encode() if is_leader() else None
+    differ = _differing_keys(mine, json.loads(broadcast_bytes(sent)))
+    if differ:
+        report_failure(f"process {jax.process_index()} differs from process 0 at "
+                       f"{', '.join(differ)}")
+    return differ, all_processes(not differ)
+
+
+def _differing_keys(mine, theirs, prefix: str = "") -> list[str]:
+    if isinstance(mine, dict) and isinstance(theirs, dict):
+        return [key for k in sorted(set(mine) | set(theirs))
+                for key in _differing_keys(mine.get(k), theirs.get(k), f"{prefix}{k}.")]
+    return [] if mine == theirs else [prefix.rstrip(".")]
+
+
+@contextlib.contextmanager
+def failure_ends_group(active: bool = True) -> Iterator[None]:
+    """Around work every process of the group runs together outside a ``TrainerGroup``
+    command (start-up checks, SFT, restore): a failure here is recorded for the others and
+    ends this process at its exit without ``jax.distributed``'s shutdown barrier, where it
+    would wait for processes stuck in a collective this one left, then abort; they fail
+    within seconds instead, naming it where they can. ``active`` False: a pass-through."""
+    try:
+        yield
+    except BaseException as e:
+        if not active or jax.process_count() == 1:
+            raise
+        named = failure_naming_peers(e)
+        report_failure(f"process {jax.process_index()}: {type(named).__name__}: {named}")
+        skip_shutdown_barrier()
+        if named is not e:
+            raise named from e
+        raise
 
 
 def skip_shutdown_barrier() -> None:

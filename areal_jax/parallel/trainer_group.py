@@ -7,16 +7,23 @@ steps on the same batch in the same order. After each command the processes agre
 succeeded everywhere. A command that fails on a follower, wherever in its collectives, makes
 that process record why (in ``jax.distributed``'s coordination service) and exit at once: the
 leader's next collective then fails instead of waiting for a peer that will never come, and it
-raises naming the follower's error. A command that fails on the leader ends the group there;
-the followers stop with the leader's process. Either way the group is over. With one process
-the group is a pass-through.
+raises naming the follower's error; a follower that fails while the leader is between commands
+(waiting for rollouts) ends the leader within ``FOLLOWER_FAILURE_GRACE_S`` too, naming it. A
+command that fails on the leader ends the group there; the followers stop with the leader's
+process. Either way the group is over. A follower sent SIGTERM or Ctrl-C asks the leader to
+stop the run (as if the leader had been sent SIGTERM: the run stops cleanly, then the leader
+releases the group) and keeps following meanwhile; a second signal ends it at once. With one
+process the group is a pass-through.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import signal
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
@@ -24,8 +31,9 @@ import jax
 
 from areal_jax.parallel import wire
 from areal_jax.parallel.multihost import all_processes, broadcast_bytes, is_leader
-from areal_jax.parallel.multihost import exit_now
-from areal_jax.parallel.multihost import peer_failures, report_failure, skip_shutdown_barrier
+from areal_jax.parallel.multihost import exit_now, failure_naming_peers, peer_stop_requests
+from areal_jax.parallel.multihost import peer_failures, report_failure, request_stop
+from areal_jax.parallel.multihost import skip_shutdown_barrier
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -48,6 +56,11 @@ class TrainerGroup:
         self._multi = jax.process_count() > 1
         self._broken = False  # a command failed somewhere: the others have left follow()
         self._commanding = threading.Lock()  # held from a command's send to its agreement
+        self._closed = threading.Event()
+        self._running: str | None = None  # the command in flight on the leader
+        if self._multi and is_leader():
+            threading.Thread(target=self._watch_followers, name="trainer-group-watch",
+                             daemon=True).start()
 
     @property
     def version(self) -> int:
@@ -112,10 +125,17 @@ class TrainerGroup:
         stopping), release the other processes from ``follow()`` (unless a failed command ended
         the group: they have left it), then finish checkpoint writes."""
         with self._commanding:
+            self._closed.set()
             try:
                 if not self._broken:
                     self._send("close", {})
-            finally:  # a follower that is gone fails the send: the writes still finish here
+            except Exception as e:  # noqa: BLE001 - a follower is gone: said, and the
+                # writes still finish here; the error that ended the run, if any, stands
+                self._broken = True
+                skip_shutdown_barrier()
+                log.error("trainer group: could not release the other processes (%s)",
+                          failure_naming_peers(e))
+            finally:
                 self.trainer.close()
 
     def follow(self) -> None:
@@ -127,6 +147,10 @@ class TrainerGroup:
         """
         if is_leader():
             raise RuntimeError("follow() runs on the processes other than 0; the leader commands")
+        with _stop_asked_of_the_leader():
+            self._follow()
+
+    def _follow(self) -> None:
         while True:
             command = "receive"
             try:
@@ -158,28 +182,32 @@ class TrainerGroup:
             return run()
 
         with self._commanding:
-            if not self._multi:
-                return self._agree(command, send_and_run)
-            done = threading.Event()
-            threading.Thread(target=self._watch_followers, args=(command, done),
-                             name="trainer-group-watch", daemon=True).start()
+            self._running = command
             try:
                 return self._agree(command, send_and_run)
             finally:
-                done.set()
+                self._running = None
 
-    @staticmethod
-    def _watch_followers(command: str, done: threading.Event) -> None:
-        """While ``command`` runs here: when a follower records a failure, give this side
+    def _watch_followers(self) -> None:
+        """On the leader, until the group closes. A follower asked to stop: stop the run as a
+        SIGTERM here does. A follower that recorded a failure: give this side
         ``FOLLOWER_FAILURE_GRACE_S`` to fail on its own (a collective whose peer left raises),
         then end the process naming the error: a collective waiting for a peer that joins no
-        more would otherwise hold until ``jax.distributed``'s heartbeat timeout, then abort."""
-        while not done.wait(1.0):
+        more, or the next command, would otherwise hold until ``jax.distributed``'s heartbeat
+        timeout, then abort."""
+        stop_asked = False
+        while not self._closed.wait(1.0):
+            if not stop_asked and (stops := peer_stop_requests()):
+                stop_asked = True
+                log.warning("trainer group: %s; stopping the run", "; ".join(stops))
+                os.kill(os.getpid(), signal.SIGTERM)
             failures = peer_failures()
-            if not failures or done.wait(FOLLOWER_FAILURE_GRACE_S):
+            if not failures or self._closed.wait(FOLLOWER_FAILURE_GRACE_S) or self._broken:
                 continue
-            log.error("trainer-group command %r failed on %s; its side on the leader cannot "
-                      "finish: the leader ends too", command, "; ".join(failures))
+            where = (f"trainer-group command {self._running!r} failed on" if self._running
+                     else "trainer group: between the leader's commands,")
+            log.error("%s %s; the group cannot go on: the leader ends too", where,
+                      "; ".join(failures))
             exit_now()
 
     def _agree(self, command: str, run: Callable[[], T]) -> T:
@@ -191,7 +219,7 @@ class TrainerGroup:
             if self._multi:
                 all_processes(True)
             return result
-        except Exception as e:
+        except BaseException as e:  # Ctrl-C too: the followers may be inside this command
             if not self._multi:
                 raise
             self._broken = True
@@ -228,3 +256,30 @@ class TrainerGroup:
             t.expect_lengths(header["lengths"], header["batch_trajectories"])
         else:
             raise RuntimeError(f"unknown trainer-group command {command!r}")
+
+
+@contextlib.contextmanager
+def _stop_asked_of_the_leader() -> Iterator[None]:
+    """On a follower: the first SIGTERM or SIGINT asks the leader to stop the run (the
+    follower goes on until the leader closes the group); a second one stops it here."""
+    signals = (signal.SIGTERM, signal.SIGINT)
+    before = {s: signal.getsignal(s) for s in signals}
+    asked = False
+
+    def ask(signum, frame):
+        nonlocal asked
+        if asked:
+            raise KeyboardInterrupt
+        asked = True
+        name = signal.Signals(signum).name
+        request_stop(f"process {jax.process_index()} was sent {name}")
+        log.warning("%s: the leader stops the run and then releases this process; a second "
+                    "signal ends it now", name)
+
+    for s in signals:
+        signal.signal(s, ask)
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)

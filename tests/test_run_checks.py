@@ -195,6 +195,12 @@ def test_eval_needs_only_the_held_out_reward(tmp_path, capsys, monkeypatch):
     assert seen == ["math"] and '"eval/accuracy": 1.0' in capsys.readouterr().out
     assert main(["train", "--config", _write(tmp_path, cfg)]) == 2  # training still needs it
     assert "not_installed_here" in capsys.readouterr().err
+    # A held-out reward that does not exist is named under its own setting (it was named as
+    # dataset.reward, the setting `eval` copies it to)
+    held_out["dataset"]["reward"] = "foo"
+    assert main(["eval", "--config", _write(tmp_path, cfg), "--model", str(model)]) == 2
+    assert capsys.readouterr().err.startswith(
+        "areal-jax eval: error: eval.dataset.reward: reward 'foo' is not registered")
 
 
 def test_an_unknown_reward_name_is_refused(tmp_path, capsys):

@@ -36,9 +36,10 @@ def check_token(cfg: ExperimentConfig) -> None:
                           f"export {name}=...")
 
 
-def check_rewards(cfg: ExperimentConfig) -> None:
+def check_rewards(cfg: ExperimentConfig, evaluation_only: bool = False) -> None:
     """Every reward the run names can be imported here and called as a reward (with the real
-    import error if not), each error under the setting that names the reward."""
+    import error if not), each error under the setting that names the reward
+    (``evaluation_only``: the training set's reward plays no part, unchecked)."""
     from areal_jax.controller.servers import listed_rewards, with_dataset_reward
     from areal_jax.rewards import check_reward
     from areal_jax.rewards.registry import check_custom
@@ -50,7 +51,7 @@ def check_rewards(cfg: ExperimentConfig) -> None:
         raise ConfigError(f"rollout.server.rewards.custom: {e}") from e
     paths = {f"rollout.server.rewards.custom.{name}": path for name, path in listed.items()}
     for key, dataset in (("dataset", cfg.dataset), ("eval.dataset", cfg.eval.dataset)):
-        if dataset is not None:
+        if dataset is not None and not (evaluation_only and key == "dataset"):
             try:
                 check_reward(dataset.reward, with_dataset_reward(listed, dataset.reward))
             except ConfigError as e:
@@ -117,8 +118,10 @@ def warn_unused_sections(cfg: ExperimentConfig) -> None:
                         data, cfg.dataset.path)
 
 
-def preflight(cfg: ExperimentConfig) -> None:
+def preflight(cfg: ExperimentConfig, evaluation_only: bool = False) -> None:
+    """The checks every command starting rollout servers runs first (``evaluation_only``: the
+    servers only evaluate ``eval.dataset``)."""
     check_token(cfg)
     check_rollout_server(cfg)
-    check_rewards(cfg)
+    check_rewards(cfg, evaluation_only)
     warn_unused_sections(cfg)

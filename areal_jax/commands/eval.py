@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
         # nor imported by the servers (it may live in a package this machine lacks)
         cfg = dataclasses.replace(cfg, dataset=dataclasses.replace(
             cfg.dataset, reward=cfg.eval.dataset.reward))
-    preflight(cfg)
+    preflight(cfg, evaluation_only=cfg.eval.dataset is not None)
     samples: list[list[dict]] | None = [] if args.samples else None
 
     def write_samples(keys: list[dict]) -> None:

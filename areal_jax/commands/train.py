@@ -32,8 +32,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         results = train(cfg)
     except KeyboardInterrupt:
-        print(f"areal-jax train: stopped; the same command resumes from the last checkpoint "
-              f"in {cfg.run_dir}/checkpoints", file=sys.stderr, flush=True)
+        print(f"areal-jax train: stopped; {_how_it_goes_on(cfg)}", file=sys.stderr, flush=True)
         return 130
     before, after = results.get("before"), results.get("after")
     if before and after:
@@ -41,3 +40,20 @@ def run(args: argparse.Namespace) -> int:
               f"{after['eval/accuracy']:.3f} in {results['wall_s']:.0f} s; "
               f"curves: areal-jax plot {cfg.run_dir}")
     return 0
+
+
+def _how_it_goes_on(cfg) -> str:
+    """What re-running the command does after a stop: resume from a checkpoint, or start RL
+    (or the whole run: SFT keeps no checkpoint) again."""
+    from pathlib import Path
+
+    from areal_jax.controller.sft_phase import sft_model_kept
+
+    checkpoints = Path(cfg.run_dir) / "checkpoints"
+    if checkpoints.is_dir() and any(p.name.isdigit() for p in checkpoints.iterdir()):
+        return f"the same command resumes from the last checkpoint in {checkpoints}"
+    if cfg.sft.steps and sft_model_kept(cfg):
+        return "no checkpoint of RL yet: the same command starts RL again from the SFT model"
+    if cfg.sft.steps:
+        return "stopped before SFT ended (it keeps no checkpoint): the same command starts over"
+    return "no checkpoint yet: the same command starts over"

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+_running: tuple[asyncio.AbstractEventLoop, Callable[[], Any]] | None = None  # run_stoppable's
 
 
 def _interrupt(signum, frame) -> None:
@@ -40,8 +41,10 @@ def run_stoppable(coro: Coroutine[Any, Any, T]) -> T:
         return first
 
     async def main() -> T:
+        global _running
         loop, task = asyncio.get_running_loop(), asyncio.current_task()
-        loop.add_signal_handler(signal.SIGTERM, lambda: note() and task.cancel())
+        _running = (loop, lambda: note() and task.cancel())
+        loop.add_signal_handler(signal.SIGTERM, _running[1])
         try:
             return await coro
         except asyncio.CancelledError:
@@ -49,6 +52,7 @@ def run_stoppable(coro: Coroutine[Any, Any, T]) -> T:
                 raise
             return None
         finally:
+            _running = None
             loop.remove_signal_handler(signal.SIGTERM)  # which leaves SIGTERM at SIG_DFL
             signal.signal(signal.SIGTERM, note)  # while the loop closes: noted, nothing raised
 
@@ -59,3 +63,16 @@ def run_stoppable(coro: Coroutine[Any, Any, T]) -> T:
     if stopped:
         raise KeyboardInterrupt
     return result
+
+
+def stop_the_running() -> bool:
+    """From any thread: stop the ``run_stoppable`` run in progress as a SIGTERM would. False
+    when none is (not started, or already unwinding its loop)."""
+    running = _running
+    if running is None:
+        return False
+    try:
+        running[0].call_soon_threadsafe(running[1])
+    except RuntimeError:  # its loop closed meanwhile
+        return False
+    return True

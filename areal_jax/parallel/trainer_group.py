@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import signal
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -34,6 +33,7 @@ from areal_jax.parallel.multihost import all_processes, broadcast_bytes, is_lead
 from areal_jax.parallel.multihost import exit_now, failure_naming_peers, peer_stop_requests
 from areal_jax.parallel.multihost import peer_failures, report_failure, request_stop
 from areal_jax.parallel.multihost import skip_shutdown_barrier
+from areal_jax.stopping import stop_the_running
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -189,18 +189,17 @@ class TrainerGroup:
                 self._running = None
 
     def _watch_followers(self) -> None:
-        """On the leader, until the group closes. A follower asked to stop: stop the run as a
-        SIGTERM here does. A follower that recorded a failure: give this side
+        """On the leader, until the group closes. A follower asked to stop: stop the run in
+        progress (``run_stoppable``) as a SIGTERM here does. A follower that recorded a failure: give this side
         ``FOLLOWER_FAILURE_GRACE_S`` to fail on its own (a collective whose peer left raises),
         then end the process naming the error: a collective waiting for a peer that joins no
         more, or the next command, would otherwise hold until ``jax.distributed``'s heartbeat
         timeout, then abort."""
         stop_asked = False
         while not self._closed.wait(1.0):
-            if not stop_asked and (stops := peer_stop_requests()):
+            if not stop_asked and (stops := peer_stop_requests()) and stop_the_running():
                 stop_asked = True
                 log.warning("trainer group: %s; stopping the run", "; ".join(stops))
-                os.kill(os.getpid(), signal.SIGTERM)
             failures = peer_failures()
             if not failures or self._closed.wait(FOLLOWER_FAILURE_GRACE_S) or self._broken:
                 continue

@@ -9,6 +9,7 @@ The same file is the worker: ``python tests/test_multihost.py <process_id> <port
 import faulthandler
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -65,6 +66,9 @@ def _worker(process_id: int, port: int, run_dir: Path, out: Path, mode: str) -> 
     group = TrainerGroup(Trainer(_config(run_dir), mesh=mesh, model=tiny_model(seed=21)))
     if mode in ("follower_fails", "follower_killed"):
         _follower_fails(group, out, killed=mode == "follower_killed")
+        return
+    if mode == "follower_slow":
+        _follower_slow(group, out)
         return
     if mode == "unshared":  # each process its own run_dir: a filesystem they do not share
         _unshared(process_id, mesh, run_dir, out)
@@ -133,6 +137,30 @@ def _follower_fails(group, out: Path, killed: bool) -> None:
         result["error"] = str(e)
     group.close()
     (out / "leader.json").write_text(json.dumps(result))
+
+
+def _follower_slow(group, out: Path) -> None:
+    """The follower's second step takes 6 s longer (a read of a hung filesystem, say), its
+    heartbeats alive; the leader reports each 2 s of the command which process holds it."""
+    from areal_jax.parallel import is_leader, trainer_group
+
+    if not is_leader():
+        step, calls = group.trainer.train_on_batch, []
+
+        def slow(groups):
+            calls.append(1)
+            if len(calls) == 2:
+                time.sleep(6)
+            return step(groups)
+
+        group.trainer.train_on_batch = slow
+        group.follow()
+        return
+    trainer_group.COMMAND_REPORT_S = 2.0
+    for batch in _batches():
+        group.train_on_batch(batch)
+    group.close()
+    (out / "leader.json").write_text(json.dumps("trained"))
 
 
 def _unshared(process_id: int, mesh, run_dir: Path, out: Path) -> None:
@@ -244,6 +272,17 @@ def test_a_follower_failing_inside_a_step_ends_the_group_naming_its_error(tmp_pa
     assert named in (json.loads(leader.read_text())["error"] if leader.is_file() else logs[0])
     assert [p.returncode for p in procs] == [1, 1], logs
     assert took < 60  # was: until jax.distributed's heartbeat timeout (100 s), then an abort
+
+
+def test_a_command_held_up_by_one_process_names_it(tmp_path):
+    # A follower stuck in a command with its heartbeats alive held every process with no
+    # error and no log line, for as long as it was stuck.
+    procs, logs, _ = _run_group(tmp_path, "follower_slow")
+    assert [p.returncode for p in procs] == [0, 0], logs
+    reports = re.findall(r"trainer-group command 'train' has run for (\d+) s; processes yet to "
+                         r"finish it: (.*)", logs[0])
+    assert len(reports) >= 2 and {who for _, who in reports} == {"1"}, logs[0][-3000:]
+    assert json.loads((tmp_path / "out" / "leader.json").read_text()) == "trained"
 
 
 def test_a_killed_follower_ends_the_group_at_the_heartbeat_timeout(tmp_path):

@@ -20,6 +20,7 @@ from jax.experimental import multihost_utils
 
 _FAILURES = "areal_jax/failures/"  # coordination-service keys: why a process gave up
 _STOPS = "areal_jax/stops/"  # ... and which process was asked to stop (SIGTERM, Ctrl-C)
+_DONE = "areal_jax/done/"  # ... and how many commands of the leader each follower finished
 
 
 def initialize_distributed(
@@ -146,6 +147,23 @@ def request_stop(message: str) -> None:
 def peer_stop_requests() -> list[str]:
     """What the other processes recorded with ``request_stop``."""
     return _records_of_others(_STOPS)
+
+
+def record_commands_done(count: int) -> None:
+    """Record that this process finished ``count`` commands of the leader."""
+    _record(_DONE, str(count))
+
+
+def commands_done() -> dict[int, int]:
+    """Per process that recorded any: how many commands of the leader it finished."""
+    client = _coordination_client()
+    if client is None:
+        return {}
+    try:
+        return {int(key.rsplit("/", 1)[1]): int(value)
+                for key, value in client.key_value_dir_get(_DONE)}
+    except Exception:  # noqa: BLE001 - a diagnostic: its absence is not an error
+        return {}
 
 
 def failure_naming_peers(error: BaseException) -> BaseException:

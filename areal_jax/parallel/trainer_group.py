@@ -22,6 +22,7 @@ import contextlib
 import logging
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
@@ -30,14 +31,16 @@ import jax
 
 from areal_jax.parallel import wire
 from areal_jax.parallel.multihost import all_processes, broadcast_bytes, is_leader
-from areal_jax.parallel.multihost import exit_now, failure_naming_peers, peer_stop_requests
-from areal_jax.parallel.multihost import peer_failures, report_failure, request_stop
+from areal_jax.parallel.multihost import commands_done, exit_now, failure_naming_peers
+from areal_jax.parallel.multihost import peer_failures, peer_stop_requests, record_commands_done
+from areal_jax.parallel.multihost import report_failure, request_stop
 from areal_jax.parallel.multihost import skip_shutdown_barrier
 from areal_jax.stopping import stop_the_running
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 FOLLOWER_FAILURE_GRACE_S = 10.0
+COMMAND_REPORT_S = 600.0  # a command running this long names the processes yet to finish it
 
 if TYPE_CHECKING:
     from areal_jax.trainer.trainer import PublishSnapshot, Trainer
@@ -58,6 +61,8 @@ class TrainerGroup:
         self._commanding = threading.Lock()  # held from a command's send to its agreement
         self._closed = threading.Event()
         self._running: str | None = None  # the command in flight on the leader
+        self._sent = 0  # commands the leader sent (followers: finished)
+        self._running_since = 0.0  # monotonic time the command in flight was sent
         if self._multi and is_leader():
             threading.Thread(target=self._watch_followers, name="trainer-group-watch",
                              daemon=True).start()
@@ -161,6 +166,8 @@ class TrainerGroup:
                     self.trainer.close()
                     return
                 self._run(command, header, arrays)
+                self._sent += 1
+                record_commands_done(self._sent)  # for the leader to name a process stuck
             except BaseException as e:  # noqa: BLE001 - the process ends here, see below
                 self._give_up(command, e)
             all_processes(True)  # the leader's agreement
@@ -182,7 +189,8 @@ class TrainerGroup:
             return run()
 
         with self._commanding:
-            self._running = command
+            self._sent += 1
+            self._running, self._running_since = command, time.monotonic()
             try:
                 return self._agree(command, send_and_run)
             finally:
@@ -195,8 +203,9 @@ class TrainerGroup:
         then end the process naming the error: a collective waiting for a peer that joins no
         more, or the next command, would otherwise hold until ``jax.distributed``'s heartbeat
         timeout, then abort."""
-        stop_asked = False
+        stop_asked, reported = False, (0, 0)
         while not self._closed.wait(1.0):
+            reported = self._report_slow_command(reported)
             if not stop_asked and (stops := peer_stop_requests()) and stop_the_running():
                 stop_asked = True
                 log.warning("trainer group: %s; stopping the run", "; ".join(stops))
@@ -208,6 +217,24 @@ class TrainerGroup:
             log.error("%s %s; the group cannot go on: the leader ends too", where,
                       "; ".join(failures))
             exit_now()
+
+    def _report_slow_command(self, reported: tuple[int, int]) -> tuple[int, int]:
+        """Every ``COMMAND_REPORT_S`` of a command in flight, name the processes yet to finish
+        it (a process stuck in a read of a hung filesystem, say, holds the others in the
+        command's collectives with its heartbeats alive). ``reported``: (command number,
+        reports made for it); returns the new one."""
+        command, seq = self._running, self._sent
+        if command is None:
+            return reported
+        count = reported[1] if reported[0] == seq else 0
+        running_s = time.monotonic() - self._running_since
+        if running_s < COMMAND_REPORT_S * (count + 1):
+            return seq, count
+        done = commands_done()
+        waiting = [str(i) for i in range(1, jax.process_count()) if done.get(i, 0) < seq]
+        log.warning("trainer-group command %r has run for %.0f s; processes yet to finish it: "
+                    "%s", command, running_s, ", ".join(waiting) or "0 (the leader) alone")
+        return seq, count + 1
 
     def _agree(self, command: str, run: Callable[[], T]) -> T:
         """On the leader: ``run()``, then agree with every process that it succeeded; a

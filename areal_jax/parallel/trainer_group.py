@@ -198,11 +198,12 @@ class TrainerGroup:
 
     def _watch_followers(self) -> None:
         """On the leader, until the group closes. A follower asked to stop: stop the run in
-        progress (``run_stoppable``) as a SIGTERM here does. A follower that recorded a failure: give this side
-        ``FOLLOWER_FAILURE_GRACE_S`` to fail on its own (a collective whose peer left raises),
-        then end the process naming the error: a collective waiting for a peer that joins no
-        more, or the next command, would otherwise hold until ``jax.distributed``'s heartbeat
-        timeout, then abort."""
+        progress (``run_stoppable``) as a SIGTERM here does. A follower that recorded a
+        failure: give this side ``FOLLOWER_FAILURE_GRACE_S`` to fail on its own (a collective
+        whose peer left raises), then end the process naming the error: a collective waiting
+        for a peer that joins no more, or the next command, would otherwise hold until
+        ``jax.distributed``'s heartbeat timeout, then abort. A command running long: see
+        ``_report_slow_command``."""
         stop_asked, reported = False, (0, 0)
         while not self._closed.wait(1.0):
             reported = self._report_slow_command(reported)

@@ -500,6 +500,59 @@ def test_a_dead_worker_fails_the_engine_for_good(model_dir, monkeypatch):
     assert "JAX engine failed: RuntimeError: device lost" in str(failure) and later is failure
 
 
+def test_a_top_k_beyond_int32_samples_from_every_token_and_harms_no_other_request(model_dir):
+    # It overflowed the engine's int32 sampling fields on the worker thread, which failed the
+    # engine for good, and every request with it.
+    async def main():
+        engine = await started(model_dir)
+        beside = asyncio.ensure_future(engine.generate_full(PROMPTS[1], SamplingParams(20), "g"))
+        huge = await engine.generate_full(
+            PROMPTS[0], SamplingParams(20, temperature=1.0, top_k=2**31, seed=5), "k")
+        every = await engine.generate_full(
+            PROMPTS[0], SamplingParams(20, temperature=1.0, top_k=-1, seed=5), "a")
+        greedy = await beside
+        failure = engine.failure
+        await engine.shutdown()
+        return huge, every, greedy, failure
+
+    huge, every, greedy, failure = run(main())
+    assert failure is None and len(greedy.output_ids) == 20
+    assert huge.output_ids == every.output_ids  # same seed: the same tokens
+    np.testing.assert_allclose(huge.logprobs, every.logprobs, atol=1e-5)  # batch company apart
+
+
+def test_a_start_that_fails_can_be_retried_and_a_shut_down_engine_aborts(model_dir, monkeypatch):
+    # A start failing in its compile (an out-of-memory on a GPU) left a worker that never ran:
+    # a second start returned at once, then generate and shutdown waited for ever. An engine
+    # shut down before its start could be started again, its worker thread outliving shutdown.
+    from rollout.engines import jax_worker
+
+    compile_all = jax_worker.DecodeWorker.precompile
+
+    def failing(self, threads):
+        raise RuntimeError("RESOURCE_EXHAUSTED: simulated out of memory while compiling")
+
+    async def main():
+        engine = make_engine(model_dir, precompile=True)
+        monkeypatch.setattr(jax_worker.DecodeWorker, "precompile", failing)
+        with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED"):
+            await engine.start()
+        monkeypatch.setattr(jax_worker.DecodeWorker, "precompile", compile_all)
+        await asyncio.wait_for(engine.start(), 120)
+        served = await asyncio.wait_for(engine.generate_full(PROMPTS[0], GREEDY, "a"), 60)
+        await asyncio.wait_for(engine.shutdown(), 60)
+        closed = make_engine(model_dir)
+        await closed.shutdown()
+        aborted = await closed.generate_full(PROMPTS[0], GREEDY, "b")
+        with pytest.raises(EngineError, match="shut down"):
+            await closed.start()
+        return served, aborted
+
+    served, aborted = run(main())
+    assert len(served.output_ids) == GREEDY.max_new_tokens
+    assert aborted.finish_reason == "abort" and aborted.output_ids == []
+
+
 def test_closing_the_stream_frees_the_slot(model_dir):
     async def main():
         engine = await started(model_dir, num_slots=1, prefill_buckets=[64],

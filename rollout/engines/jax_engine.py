@@ -189,13 +189,18 @@ class JaxEngine(GenerationEngine):
         return self._worker.error if self._worker is not None else None
 
     async def start(self) -> None:
+        """Load the weights and start the decode worker (compiling its programs first with
+        ``precompile``). A failed start leaves the engine unstarted, to be started again; an
+        engine that was shut down is not started again."""
+        if self._closed:
+            raise EngineError("the JAX engine was shut down; start a new one")
         if self._worker is not None:
             return
         graphdef, params = await asyncio.to_thread(
             load_params, self._model_path, self._cfg, self._dtype
         )
         o = self.options
-        self._worker = DecodeWorker(
+        worker = DecodeWorker(
             graphdef, params, self._initial_version, self._cfg,
             num_slots=o.num_slots, max_seq_len=o.max_seq_len, prefill_buckets=o.prefill_buckets,
             batch_buckets=o.batch_buckets,
@@ -204,10 +209,11 @@ class JaxEngine(GenerationEngine):
         if o.precompile:
             log.info("JAX engine: compiling its prefill and decode programs before serving")
             began = time.perf_counter()
-            calls = await asyncio.to_thread(self._worker.precompile, o.compile_threads)
+            calls = await asyncio.to_thread(worker.precompile, o.compile_threads)
             log.info("JAX engine: %d prefill and decode programs ready in %.1f s", calls,
                      time.perf_counter() - began)
-        self._worker.start()
+        worker.start()
+        self._worker = worker
 
     def _started(self) -> DecodeWorker:
         if self._worker is None:
@@ -236,6 +242,9 @@ class JaxEngine(GenerationEngine):
         self, prompt_ids: list[int], params: SamplingParams, request_id: str
     ) -> AsyncIterator[GenerationChunk]:
         self._check(prompt_ids, params)
+        if self._closed:  # shut down (started or not): every request ends aborted
+            yield ABORTED
+            return
         worker = self._started()
         queue: asyncio.Queue = asyncio.Queue()
         seq = self._sequence(prompt_ids, params, request_id, queue)

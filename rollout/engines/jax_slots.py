@@ -14,6 +14,9 @@ from collections.abc import Callable
 
 import numpy as np
 
+# Any top_k above the vocabulary keeps all of it; so does this one, the largest int32.
+_ALL_TOKENS = np.iinfo(np.int32).max
+
 from rollout.engine import GenerationChunk, SamplingParams
 from rollout.engines.jax_decode import IDLE, LENGTH, RUNNING, STOP, SlotArrays
 from rollout.engines.jax_sampling import seed_words
@@ -96,7 +99,7 @@ class SlotTable:
             p = seq.params
             fields.remaining[i] = p.max_new_tokens - len(seq.output)
             fields.temperature[i], fields.top_k[i], fields.top_p[i] = (
-                p.temperature, p.top_k, p.top_p)
+                p.temperature, min(p.top_k, _ALL_TOKENS), p.top_p)
             fields.seeds[i] = seed_words(seq.seed)
         return fields
 

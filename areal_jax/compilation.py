@@ -12,7 +12,12 @@ critical path) is counted apart.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import logging
 import os
+import platform
+import stat
+import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +29,7 @@ _TRACE_EVENTS = (
     "/jax/core/compile/backend_compile_duration",
 )
 _BACKEND_EVENT = _TRACE_EVENTS[-1]
+log = logging.getLogger(__name__)
 # Recorded (inside the backend event) only when the persistent cache held the program.
 _CACHE_LOAD_EVENT = "/jax/compilation_cache/cache_retrieval_time_sec"
 
@@ -36,25 +42,73 @@ def default_cache_dir() -> Path:
     return Path(base) / "areal-jax" / "xla"
 
 
-def enable_compilation_cache(directory: str | Path | None = None) -> Path | None:
+def host_key() -> str:
+    """The instruction set of this host's CPU, as a directory name: programs compiled for a
+    CPU run on that CPU only (JAX's cache keys leave it out), so hosts sharing a cache (a home
+    directory on a cluster) keep their programs apart."""
+    flags = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                flags = " ".join(sorted(line.split(":", 1)[1].split()))
+                break
+    flags = flags or f"{platform.machine()} {platform.processor()}"
+    return f"host-{hashlib.sha256(flags.encode()).hexdigest()[:12]}"
+
+
+def enable_compilation_cache(directory: str | Path | None = None,
+                             exact: bool = False) -> Path | None:
     """Turn on JAX's persistent compilation cache in ``directory`` (default:
-    ``default_cache_dir()``) for this process and the processes it starts; ``""`` turns it off.
-    Every program is cached, however fast it compiled. Returns the directory in use."""
+    ``default_cache_dir()``), in a subdirectory per CPU instruction set (``host_key``), for
+    this process and the processes it starts; ``""`` turns it off. Every program is cached,
+    however fast it compiled. A directory that others may write (they would choose the
+    machine code this process runs), or that cannot be written, is not used: a warning says
+    why and the cache is off. ``exact``: ``directory`` itself, no subdirectory (the one
+    another process of the run uses). Returns the directory in use (None: off)."""
     import jax
 
-    if directory == "":
-        jax.config.update("jax_compilation_cache_dir", None)
-        os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
-        return None
-    path = Path(directory) if directory else default_cache_dir()
-    path.mkdir(parents=True, exist_ok=True)
-    settings = {"jax_compilation_cache_dir": str(path),
-                "jax_persistent_cache_min_compile_time_secs": 0.0,
-                "jax_persistent_cache_min_entry_size_bytes": 0}
-    for name, value in settings.items():
-        jax.config.update(name, value)
-        os.environ[name.upper()] = str(value)
-    return path
+    if directory != "":
+        base = (Path(directory) if directory else default_cache_dir()).expanduser().resolve()
+        path = base if exact or base.name == host_key() else base / host_key()
+        if (why := _unusable_cache(path)) is None:
+            settings = {"jax_compilation_cache_dir": str(path),
+                        "jax_persistent_cache_min_compile_time_secs": 0.0,
+                        "jax_persistent_cache_min_entry_size_bytes": 0}
+            for name, value in settings.items():
+                jax.config.update(name, value)
+                os.environ[name.upper()] = str(value)
+            return path
+        log.warning("the persistent compilation cache %s is off: %s; every program compiles in "
+                    "every run (set compilation_cache_dir to a directory of your own, or '' to "
+                    "turn the cache off)", path, why)
+    jax.config.update("jax_compilation_cache_dir", None)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = ""  # off for the processes it starts too
+    return None
+
+
+def _unusable_cache(path: Path) -> str | None:
+    """Why ``path`` may not hold this process's compiled programs, or None (it is then
+    created, owned by this user, writable by no one else, and empty entries left by a write
+    that failed, which JAX would read and never replace, are removed)."""
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        for directory in (path, path.parent):
+            st = directory.stat()
+            if not stat.S_ISDIR(st.st_mode):
+                return f"{directory} is not a directory"
+            if st.st_uid not in (os.geteuid(), 0) or (directory == path and
+                                                      st.st_uid != os.geteuid()):
+                return f"{directory} belongs to another user (uid {st.st_uid})"
+            if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+                return f"others may write to {directory} (mode {stat.S_IMODE(st.st_mode):o})"
+        with tempfile.TemporaryFile(dir=path):
+            pass
+        for entry in path.iterdir():
+            if entry.name.endswith("-cache") and entry.is_file() and entry.stat().st_size == 0:
+                entry.unlink(missing_ok=True)
+    except OSError as e:
+        return f"{type(e).__name__}: {e}"
+    return None
 
 
 _thread_state = threading.local()

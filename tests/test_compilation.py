@@ -48,6 +48,59 @@ def test_a_second_process_reuses_the_first_ones_programs(tmp_path):
     assert _run(tmp_path / "cache") == (0, 1, 1)
 
 
+CACHE_SETTINGS = """
+import json, os, sys
+import jax
+from areal_jax.compilation import enable_compilation_cache
+out = []
+for directory in sys.argv[1:]:
+    used = enable_compilation_cache(directory)
+    out.append([str(used) if used else None, os.environ["JAX_COMPILATION_CACHE_DIR"],
+                jax.config.jax_compilation_cache_dir])
+print(json.dumps(out))
+"""
+
+
+def _cache_settings(*directories) -> tuple[list, str]:
+    """Per directory, in one fresh process: (the directory in use, what the processes it
+    starts inherit, JAX's setting); and the process's stderr."""
+    import json
+
+    done = subprocess.run([sys.executable, "-c", CACHE_SETTINGS, *map(str, directories)],
+                          capture_output=True, text=True, check=True)
+    return json.loads(done.stdout), done.stderr
+
+
+def test_the_cache_is_kept_per_host_cpu_and_found_under_any_spelling(tmp_path):
+    from areal_jax.compilation import host_key
+
+    cache = tmp_path / "cache"
+    (tmp_path / "link").symlink_to(cache, target_is_directory=True)
+    own = cache / host_key()
+    settings, _ = _cache_settings(cache, tmp_path / "link", own)
+    # Each spelling, and the host directory a launched process inherits, is the same cache.
+    assert settings == [[str(own), str(own), str(own)]] * 3
+    own.joinpath("jit_f-0123-cache").write_bytes(b"")  # a write that failed (disk full)
+    own.joinpath("jit_g-4567-cache").write_bytes(b"x")
+    _cache_settings(cache)
+    assert sorted(p.name for p in own.iterdir()) == ["jit_g-4567-cache"]
+
+
+def test_a_cache_others_may_write_or_no_one_can_is_not_used(tmp_path):
+    # Whoever writes the cache chooses the machine code the trainer runs; and a cache that
+    # could not be written threw the compile helper's work away with 39 warnings.
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    settings, err = _cache_settings(shared, a_file, "")
+    assert settings == [[None, "", None]] * 3
+    assert f"the persistent compilation cache {shared}/host-" in err
+    assert "is off: others may write to" in err and "(mode 777)" in err
+    assert f"{a_file}/host-" in err and "is off: NotADirectoryError" in err
+
+
 def test_compile_meter_counts_new_programs_only():
     meter = CompileMeter()
     f = jax.jit(lambda x: jnp.sin(x) * 7.25 + 1)

@@ -168,7 +168,7 @@ def main() -> int:
     try:
         from areal_jax.compilation import enable_compilation_cache
 
-        enable_compilation_cache(hello["cache_dir"])
+        enable_compilation_cache(hello["cache_dir"], exact=True)  # the trainer's own
     except Exception:  # noqa: BLE001 - reported to the parent, which compiles without us
         reply("error", traceback.format_exc())
         return 1

@@ -152,9 +152,9 @@ def test_a_helper_that_ends_hands_its_jobs_to_the_thread():
     ahead.close()
 
 
-def _helper_stuck_on(key: str) -> tuple[AheadCompiler, threading.Event]:
-    """A compiler whose helper ran one quick job (0.05 s, its longest so far) and is now
-    stuck on ``key`` until the returned event is set."""
+def _helper_stuck_on(key: tuple, quick: tuple) -> tuple[AheadCompiler, threading.Event]:
+    """A compiler whose helper ran one quick job ``quick`` (0.05 s, its longest so far) and
+    is now stuck on ``key`` until the returned event is set."""
     release = threading.Event()
 
     def helper(job_key):
@@ -163,7 +163,7 @@ def _helper_stuck_on(key: str) -> tuple[AheadCompiler, threading.Event]:
         return 0.05
 
     ahead = AheadCompiler(settle_s=0, helper=helper)
-    ahead.submit("quick", lambda: None)
+    ahead.submit(quick, lambda: None)
     assert ahead.wait_done(10)
     ahead.submit(key, lambda: None)
     time.sleep(0.1)  # the helper is on it
@@ -171,18 +171,29 @@ def _helper_stuck_on(key: str) -> tuple[AheadCompiler, threading.Event]:
 
 
 def test_a_step_waits_for_a_starved_helper_no_longer_than_its_longest_job():
-    ahead, release = _helper_stuck_on("slow")
+    ahead, release = _helper_stuck_on(("train", (8, 512)), quick=("train", (4, 128)))
     began = time.monotonic()
-    assert not ahead.claim("slow")  # the caller compiles it itself
+    assert not ahead.claim(("train", (8, 512)))  # the caller compiles it itself
     assert time.monotonic() - began < 2
     release.set()
+    ahead.close()
+
+
+def test_a_quick_job_of_another_kind_does_not_cut_the_wait_for_a_train_compile():
+    # The optimiser update's 0.05 s set how long a step waited for a train shape's compile
+    # (10-60 s): the step gave up at once and compiled it beside the helper.
+    ahead, release = _helper_stuck_on(("train", (8, 512)), quick=("update", ()))
+    threading.Timer(1.0, release.set).start()
+    began = time.monotonic()
+    assert ahead.claim(("train", (8, 512)))  # waited for the helper's compile
+    assert 0.8 < time.monotonic() - began < 10
     ahead.close()
 
 
 def test_closing_waits_for_a_stuck_helper_no_longer_than_its_longest_job():
     # close() joined the worker without limit: a helper starved of CPU or stopped held the end
     # of SFT, and of the run, for as long as its job (for ever when stopped).
-    ahead, release = _helper_stuck_on("stuck")
+    ahead, release = _helper_stuck_on(("train", (2, 64)), quick=("train", (1, 64)))
     began = time.monotonic()
     ahead.close()
     assert time.monotonic() - began < 5

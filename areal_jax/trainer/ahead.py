@@ -41,7 +41,7 @@ run there instead, each as soon as it is queued, windows or not: the process tak
 nobody else wants, so it cannot slow the steps the way this process's own compiles do. The
 helper compiles into the persistent cache, and the step that needs the programs loads them from
 it. A step that needs a key the helper is still compiling waits for it, but no longer than the
-helper's longest job so far (``DEFAULT_PATIENCE_S`` before any finished): a helper starved of
+helper's longest job of that kind so far (``DEFAULT_PATIENCE_S`` before one finished): a helper starved of
 CPU time is not waited for. If the helper ends or cannot start, the jobs run on the thread
 from then on, under the rules above.
 
@@ -127,6 +127,7 @@ class AheadCompiler:
         self._idle_since = 0.0  # when the current stretch of open windows began
         self._windows: collections.deque[float] = collections.deque(maxlen=_HISTORY)
         self._job_seconds: collections.deque[float] = collections.deque(maxlen=_HISTORY)
+        self._longest_of_kind: dict[Hashable, float] = {}  # per _kind, the longest job so far
 
     @property
     def in_helper(self) -> bool:
@@ -162,7 +163,7 @@ class AheadCompiler:
         compiles it). Returns whether they were compiled ahead."""
         with self._cv:
             self._queue.pop(key, None)
-            patience = self._patience_s()
+            patience = self._patience_s(key)
             deadline = None if patience is None else time.monotonic() + patience
             while key in self._running:
                 left = None if deadline is None else deadline - time.monotonic()
@@ -229,12 +230,16 @@ class AheadCompiler:
                 log.info("closed without waiting longer than %.0f s for the compile helper's "
                          "job", patience)
 
-    def _patience_s(self) -> float | None:
-        """How long a claim waits for a running job: without limit on the thread; for the
-        helper, its longest job so far (it may be starved of CPU time)."""
+    def _patience_s(self, key: Hashable | None = None) -> float | None:
+        """How long a claim of ``key`` (None: any job) waits for a running job: without limit
+        on the thread; for the helper, its longest job of that kind so far
+        (``DEFAULT_PATIENCE_S`` before one finished; a quick job of another kind says nothing
+        of a train step's compile), as it may be starved of CPU time."""
         if self._helper is None:
             return None
-        return max(self._job_seconds) if self._job_seconds else DEFAULT_PATIENCE_S
+        if key is None:
+            return max(self._longest_of_kind.values(), default=DEFAULT_PATIENCE_S)
+        return self._longest_of_kind.get(_kind(key), DEFAULT_PATIENCE_S)
 
     def _wait_s(self) -> float | None:
         """How long the worker waits before a job may start: 0 now, None until notified."""
@@ -281,6 +286,9 @@ class AheadCompiler:
                     (self._done if ok else self._failed).add(key)
                     if ok:
                         self._job_seconds.append(seconds)
+                        kind = _kind(key)
+                        self._longest_of_kind[kind] = max(
+                            seconds, self._longest_of_kind.get(kind, 0.0))
                     self._running.discard(key)
                     self._cv.notify_all()
 
@@ -313,3 +321,9 @@ def _lower_this_threads_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
     except OSError as e:
         log.warning("could not lower the compile-ahead thread's priority: %s", e)
+
+
+def _kind(key: Hashable) -> Hashable:
+    """What a job compiles (``"train"``, ``"update"``, ...: the first item of a tuple key),
+    whatever shape it is for."""
+    return key[0] if isinstance(key, tuple) and key else key

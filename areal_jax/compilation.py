@@ -61,10 +61,11 @@ def enable_compilation_cache(directory: str | Path | None = None,
     """Turn on JAX's persistent compilation cache in ``directory`` (default:
     ``default_cache_dir()``), in a subdirectory per CPU instruction set (``host_key``), for
     this process and the processes it starts; ``""`` turns it off. Every program is cached,
-    however fast it compiled. A directory that others may write (they would choose the
-    machine code this process runs), or that cannot be written, is not used: a warning says
-    why and the cache is off. ``exact``: ``directory`` itself, no subdirectory (the one
-    another process of the run uses). Returns the directory in use (None: off)."""
+    however fast it compiled. A directory that another user owns or every user may write
+    (they would choose the machine code this process runs), or that cannot be written, is not
+    used: a warning says why and the cache is off. ``exact``: ``directory`` itself, no
+    subdirectory (the one another process of the run uses). Returns the directory in use
+    (None: off)."""
     import jax
 
     if directory != "":
@@ -88,7 +89,7 @@ def enable_compilation_cache(directory: str | Path | None = None,
 
 def _unusable_cache(path: Path) -> str | None:
     """Why ``path`` may not hold this process's compiled programs, or None (it is then
-    created, owned by this user, writable by no one else, and empty entries left by a write
+    created, owned by this user, not writable by every user, and empty entries left by a write
     that failed, which JAX would read and never replace, are removed)."""
     try:
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -99,8 +100,10 @@ def _unusable_cache(path: Path) -> str | None:
             if st.st_uid not in (os.geteuid(), 0) or (directory == path and
                                                       st.st_uid != os.geteuid()):
                 return f"{directory} belongs to another user (uid {st.st_uid})"
-            if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
-                return f"others may write to {directory} (mode {stat.S_IMODE(st.st_mode):o})"
+            # Group-writable passes: with umask 002 a user's own directories are, for the
+            # user's private group.
+            if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+                return f"any user may write to {directory} (mode {stat.S_IMODE(st.st_mode):o})"
         with tempfile.TemporaryFile(dir=path):
             pass
         for entry in path.iterdir():

@@ -86,7 +86,7 @@ def test_the_cache_is_kept_per_host_cpu_and_found_under_any_spelling(tmp_path):
     assert sorted(p.name for p in own.iterdir()) == ["jit_g-4567-cache"]
 
 
-def test_a_cache_others_may_write_or_no_one_can_is_not_used(tmp_path):
+def test_a_cache_every_user_may_write_or_no_one_can_is_not_used(tmp_path):
     # Whoever writes the cache chooses the machine code the trainer runs; and a cache that
     # could not be written threw the compile helper's work away with 39 warnings.
     shared = tmp_path / "shared"
@@ -94,10 +94,13 @@ def test_a_cache_others_may_write_or_no_one_can_is_not_used(tmp_path):
     shared.chmod(0o777)
     a_file = tmp_path / "a_file"
     a_file.write_text("")
-    settings, err = _cache_settings(shared, a_file, "")
-    assert settings == [[None, "", None]] * 3
+    group = tmp_path / "group"  # umask 002: a user's directories are group-writable
+    group.mkdir(mode=0o775)
+    group.chmod(0o775)
+    settings, err = _cache_settings(shared, a_file, "", group)
+    assert settings[:3] == [[None, "", None]] * 3 and settings[3][0].startswith(f"{group}/host-")
     assert f"the persistent compilation cache {shared}/host-" in err
-    assert "is off: others may write to" in err and "(mode 777)" in err
+    assert "is off: any user may write to" in err and "(mode 777)" in err
     assert f"{a_file}/host-" in err and "is off: NotADirectoryError" in err
 
 

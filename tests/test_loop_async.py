@@ -1754,6 +1754,44 @@ def test_a_server_slower_than_the_others_at_each_load_stays_once_its_load_time_i
     assert loads >= 3
 
 
+class _QueuedLoads(ArithmeticEngine):
+    """Its loads take 0.4 s each on a disk shared with the other servers: one at a time."""
+
+    def __init__(self, disk: asyncio.Lock):
+        super().__init__()
+        self.disk = disk
+
+    async def update_weights(self, path, version):
+        async with self.disk:
+            await asyncio.sleep(0.4)
+        await super().update_weights(path, version)
+
+
+def test_loads_queued_on_one_shared_disk_push_no_server_out(tmp_path):
+    # Each publish's last load in line took four times the first: measured against the
+    # fastest server, it left the pool (and its groups were sent again) at one publish in three.
+    async def scenario():
+        disk = asyncio.Lock()
+        servers = await start_servers(tmp_path, [_QueuedLoads(disk) for _ in range(4)])
+        versions = [write_checkpoint(exports_dir(tmp_path) / f"v{v}", f"v{v}") for v in range(1, 5)]
+        pool = RolloutPool(addresses(servers), options=PoolOptions(
+            rejoin_interval_s=0.1, rpc_timeout_s=0.5, update_timeout_s=30.0))
+        left = []
+        try:
+            await pool.start()
+            for v, path in enumerate(versions, start=1):
+                await pool.update_weights(path, v)
+                left.append(4 - len(pool.live_servers))
+            return left, [s.version for s in pool._servers]
+        finally:
+            await pool.close()
+            for s in servers:
+                await s.stop(grace=0.5)
+
+    left, served = asyncio.run(scenario())
+    assert left == [0, 0, 0, 0] and served == [4] * 4
+
+
 class _TimedLoads(ArithmeticEngine):
     """Every load takes ``seconds``."""
 

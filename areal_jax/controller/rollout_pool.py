@@ -879,29 +879,28 @@ class RolloutPool:
                                        return_exceptions=return_exceptions)
         return [(s, r) for s, r in zip(servers, results) if r is not None]
 
-    def _straggler_deadline(self, server: _Server, fastest_s: float) -> float:
-        """Seconds after a publish started by which ``server`` must have loaded it, once
-        another server has (in ``fastest_s``): ``STRAGGLER_FACTOR`` times that load or its own
-        last one, at least ``rpc_timeout_s``."""
-        return max(self.options.rpc_timeout_s,
-                   STRAGGLER_FACTOR * max(fastest_s, server.load_s))
+    def _straggler_deadline(self, server: _Server, half_s: float) -> float:
+        """Seconds after a publish started by which ``server`` must have loaded it, once half
+        the servers have (by ``half_s``): ``STRAGGLER_FACTOR`` times that or its own last load,
+        at least ``rpc_timeout_s``."""
+        return max(self.options.rpc_timeout_s, STRAGGLER_FACTOR * max(half_s, server.load_s))
 
     async def _load_everywhere(self, call) -> list:
-        """``_each`` for a weight update: once one server has loaded the version, a server
-        still loading past its ``_straggler_deadline`` leaves the pool (its groups go to the
-        others; it rejoins once it has loaded the newest weights), so one slow or hung server
-        does not hold every publish up to ``update_timeout_s``."""
+        """``_each`` for a weight update: once half the servers have loaded the version, a
+        server still loading past its ``_straggler_deadline`` leaves the pool (its groups go to
+        the others; it rejoins once it has loaded the newest weights), so one slow or hung
+        server does not hold every publish up to ``update_timeout_s``. Half, not the fastest:
+        loads queued on one shared disk end one after another, the last in line no straggler."""
         servers = [s for s in [*self._servers, *self._leaving.values()] if s.alive]
         started = time.monotonic()
         tasks = {asyncio.ensure_future(self._control(
             s, "update weights", call, self.options.update_timeout_s)): s for s in servers}
-        pending, fastest_s = set(tasks), None
+        pending, loaded, half_s = set(tasks), 0, None
         try:
             while pending:
                 wait_s = None
-                if fastest_s is not None:
-                    deadline = min(self._straggler_deadline(tasks[t], fastest_s)
-                                   for t in pending)
+                if half_s is not None:
+                    deadline = min(self._straggler_deadline(tasks[t], half_s) for t in pending)
                     wait_s = max(0.0, started + deadline - time.monotonic())
                 done, pending = await asyncio.wait(pending, timeout=wait_s,
                                                    return_when=asyncio.FIRST_COMPLETED)
@@ -910,16 +909,18 @@ class RolloutPool:
                     if (not task.cancelled() and task.exception() is None
                             and task.result() is not None):
                         tasks[task].load_s = elapsed
-                        fastest_s = elapsed if fastest_s is None else fastest_s
-                if fastest_s is None:
+                        loaded += 1
+                if half_s is None and 2 * loaded >= len(servers):
+                    half_s = elapsed
+                if half_s is None:
                     continue
                 for task in list(pending):
                     server = tasks[task]
-                    allowed = self._straggler_deadline(server, fastest_s)
+                    allowed = self._straggler_deadline(server, half_s)
                     if elapsed >= allowed:
                         self._mark_dead(server, f"still loading the new weights {allowed:.0f} s "
-                                                f"into the publish, another server took "
-                                                f"{fastest_s:.1f} s; it rejoins once loaded")
+                                                f"into the publish, half the servers had them "
+                                                f"after {half_s:.1f} s; it rejoins once loaded")
                         task.cancel()
                         pending.discard(task)
         finally:  # also when this publish is cancelled: no load call outlives it

@@ -4,6 +4,7 @@ import json
 import os
 import socket
 import textwrap
+import time
 
 import pytest
 
@@ -54,6 +55,21 @@ def test_wrong_solution_fails_and_fraction_counts_passed_cases():
     )
     crashing = "```python\nraise SystemExit(1)\n```"
     assert code_fraction_reward(crashing, {"tests": SQUARE_CASES}) == 0.0
+
+
+@pytest.mark.parametrize("ending", [
+    "import os\nos._exit(0)", "raise SystemExit(0)", "exit(0)",
+    "import atexit, os\natexit.register(lambda: os._exit(0))"])
+def test_a_solution_ending_the_process_before_the_asserts_passes_nothing(ending):
+    # Exit status 0 was the pass: ending early with it scored 1.0 against any asserts.
+    wrong = f"def square(x):\n    return x + x\n{ending}\n"
+    assert code_reward(f"```python\n{wrong}```", {"tests": "assert square(3) == 9"}) == 0.0
+
+
+def test_assert_tests_see_the_solution_as_a_main_program_with_its_output():
+    solution = ("import sys\ndef square(x):\n    return x * x\nprint('talking', end='')\n"
+                "if __name__ == '__main__':\n    sys.stderr.write('main\\n')\n")
+    assert run_tests(solution, "assert square(4) == 16\nprint('done')", FAST) == (1, 1)
 
 
 def test_extract_code_prefers_last_python_block():
@@ -219,6 +235,46 @@ def test_process_that_leaves_the_group_is_killed_when_uid_isolated():
     if not result.uid_isolated:
         pytest.skip("the sandbox runs under the caller's uid here (not root)")
     assert not alive(int(result.stdout))
+
+
+def test_a_process_whose_main_thread_exited_is_killed_with_its_other_threads():
+    # Its leader showed as a zombie while a thread of it ran on: the clean-up skipped it, and
+    # it outlived the run (holding memory, racing the removal of the run's directory).
+    code = textwrap.dedent(
+        """
+        import ctypes, os, threading, time
+        pid = os.fork()
+        if pid == 0:
+            os.setsid()
+            threading.Thread(target=time.sleep, args=(60,)).start()
+            ctypes.CDLL(None).syscall(60, 0)  # SYS_exit: the main thread alone
+        print(pid, flush=True)
+        time.sleep(0.3)
+        """
+    )
+    result = run_python(code, limits=FAST)
+    if not result.uid_isolated:
+        pytest.skip("the sandbox runs under the caller's uid here (not root)")
+    pid = int(result.stdout)
+    deadline = time.monotonic() + 5
+    while _threads_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _threads_alive(pid)
+
+
+def _threads_alive(pid: int) -> bool:
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return False
+    states = []
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+        except FileNotFoundError:
+            continue
+    return any(state not in ("Z", "X") for state in states)
 
 
 def test_caller_files_are_not_writable_when_uid_isolated(tmp_path):

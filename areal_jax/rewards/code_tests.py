@@ -1,8 +1,9 @@
 """Code reward: run the completion's Python against the problem's tests in the sandbox.
 
 ``metadata["tests"]`` is either a list of ``{"input": stdin, "output": expected stdout}`` cases
-(a JSON string of such a list is accepted too) or a string of assert-based Python test code that
-is appended to the solution and must exit with status 0. Outputs are compared line by line with
+(a JSON string of such a list is accepted too) or a string of assert-based Python test code run
+after the solution, in its namespace, which must run to its end (a solution that ends the
+process early, with any status, fails) and exit with status 0. Outputs are compared line by line with
 trailing whitespace ignored. Optional ``metadata["timeout_s"]`` and ``metadata["memory_mb"]`` set
 the per-test wall-clock and memory limits (defaults: ``SandboxLimits``; at most
 ``MAX_TEST_TIMEOUT_S`` and ``MAX_TEST_MEMORY_MB``, since metadata may come from a client), and
@@ -17,6 +18,7 @@ from __future__ import annotations
 import collections
 import json
 import re
+import secrets
 
 from areal_jax.rewards.sandbox import SandboxLimits, run_python
 
@@ -30,6 +32,17 @@ MAX_TEST_CASES = 512
 # JSON decodes to many times its size, so its length is bounded as well.
 MAX_TESTS_CHARS = 8 << 20
 _FENCE = re.compile(r"```([A-Za-z0-9_+-]*)[ \t]*\n(.*?)```", re.DOTALL)
+# Assert-style tests pass when they run to their end: the harness prints a token it read from
+# stdin (not in the program's text) after the last assert, so a solution that ends the process
+# early with status 0 (``exit(0)``, ``os._exit(0)``) passes nothing.
+_ASSERT_HARNESS = """import sys as _sys
+def _run(_token, _code, _tests):
+    _globals = {{"__name__": "__main__"}}
+    exec(compile(_code, "<solution>", "exec"), _globals)
+    exec(compile(_tests, "<tests>", "exec"), _globals)
+    _sys.stdout.write("\\n" + _token + "\\n")
+_run(_sys.stdin.readline().strip(), {code!r}, {tests!r})
+"""
 
 
 def extract_code(completion: str) -> str:
@@ -84,8 +97,11 @@ def run_tests(
     tests = parse_tests(tests)
     _check_case_count(tests)
     if isinstance(tests, str):
-        result = run_python(code + "\n\n" + tests + "\n", limits=limits)
-        return int(result.ok), 1
+        token = secrets.token_hex(16)
+        result = run_python(_ASSERT_HARNESS.format(code=code, tests=tests), stdin=token,
+                            limits=limits)
+        ran_to_the_end = result.stdout.rstrip().rsplit("\n", 1)[-1] == token
+        return int(result.ok and ran_to_the_end), 1
     passed = 0
     for case in tests:
         result = run_python(code, stdin=str(case["input"]), limits=limits)

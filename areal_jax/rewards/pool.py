@@ -143,7 +143,10 @@ class _Worker:
         if self.process.is_alive():
             self.process.kill()
         self.process.join()
-        reap_scratch_root(self.scratch)
+        try:  # never raises: a replacement worker, or the pool's close, comes next
+            reap_scratch_root(self.scratch)
+        except OSError as e:
+            logger.warning("cleaning up after reward worker %s failed: %s", self.process.pid, e)
 
     def kill(self) -> None:
         self.stop()

@@ -1,6 +1,7 @@
 """The JAX generation engine against transformers and the trainer's log-prob recompute."""
 
 import asyncio
+import time
 import contextlib
 import json
 import threading
@@ -551,6 +552,29 @@ def test_a_start_that_fails_can_be_retried_and_a_shut_down_engine_aborts(model_d
     served, aborted = run(main())
     assert len(served.output_ids) == GREEDY.max_new_tokens
     assert aborted.finish_reason == "abort" and aborted.output_ids == []
+
+
+def test_an_engine_shut_down_while_it_starts_does_not_start(model_dir, monkeypatch):
+    # Its start went on after the shutdown: a decode thread ran on an engine that said it was
+    # shut down.
+    from rollout.engines import jax_worker
+
+    def slow(self, threads):
+        time.sleep(0.5)
+        return 0
+
+    monkeypatch.setattr(jax_worker.DecodeWorker, "precompile", slow)
+
+    async def main():
+        engine = make_engine(model_dir, precompile=True)
+        starting = asyncio.ensure_future(engine.start())
+        await asyncio.sleep(0.1)
+        await engine.shutdown()
+        with pytest.raises(EngineError, match="shut down while it started"):
+            await starting
+        return engine._worker
+
+    assert run(main()) is None
 
 
 def test_closing_the_stream_frees_the_slot(model_dir):

@@ -212,6 +212,8 @@ class JaxEngine(GenerationEngine):
             calls = await asyncio.to_thread(worker.precompile, o.compile_threads)
             log.info("JAX engine: %d prefill and decode programs ready in %.1f s", calls,
                      time.perf_counter() - began)
+        if self._closed:  # shut down while it loaded or compiled
+            raise EngineError("the JAX engine was shut down while it started")
         worker.start()
         self._worker = worker
 

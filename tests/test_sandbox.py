@@ -59,9 +59,14 @@ def test_wrong_solution_fails_and_fraction_counts_passed_cases():
 
 @pytest.mark.parametrize("ending", [
     "import os\nos._exit(0)", "raise SystemExit(0)", "exit(0)",
-    "import atexit, os\natexit.register(lambda: os._exit(0))"])
+    "import atexit, os\natexit.register(lambda: os._exit(0))",
+    "import builtins\nbuiltins.exec = lambda *a, **k: None",
+    "import builtins\n_c = builtins.compile\nbuiltins.compile = lambda s, f, m: _c('pass', f, m)",
+    "import os, sys\nsys.stdout.write(os.pread(0, 64, 0).decode())\nos._exit(0)",
+    "import os, sys\nsys.stdout.write(open('../io/stdin').read())\nos._exit(0)"])
 def test_a_solution_ending_the_process_before_the_asserts_passes_nothing(ending):
-    # Exit status 0 was the pass: ending early with it scored 1.0 against any asserts.
+    # Exit status 0 was the pass: ending early with it scored 1.0 against any asserts; then
+    # replacing the exec the harness ran the tests with, or reading its token back.
     wrong = f"def square(x):\n    return x + x\n{ending}\n"
     assert code_reward(f"```python\n{wrong}```", {"tests": "assert square(3) == 9"}) == 0.0
 
@@ -70,6 +75,19 @@ def test_assert_tests_see_the_solution_as_a_main_program_with_its_output():
     solution = ("import sys\ndef square(x):\n    return x * x\nprint('talking', end='')\n"
                 "if __name__ == '__main__':\n    sys.stderr.write('main\\n')\n")
     assert run_tests(solution, "assert square(4) == 16\nprint('done')", FAST) == (1, 1)
+
+
+def test_a_tree_of_thousands_of_nested_directories_is_removed_and_raises_nothing(tmp_path):
+    # Past Python's recursion limit (and the path length), its removal raised RecursionError
+    # out of the reward, lost the pool's worker, and left the tree on disk.
+    code = "import os\nfor _ in range(3000):\n    os.mkdir('d')\n    os.chdir('d')\nprint(9)\n"
+    set_scratch_root(str(tmp_path))
+    try:
+        result = run_python(code, limits=FAST)
+    finally:
+        set_scratch_root(None)
+    assert result.ok and result.stdout.strip() == "9"
+    assert os.listdir(tmp_path) == []
 
 
 def test_extract_code_prefers_last_python_block():

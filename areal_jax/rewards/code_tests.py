@@ -34,14 +34,20 @@ MAX_TESTS_CHARS = 8 << 20
 _FENCE = re.compile(r"```([A-Za-z0-9_+-]*)[ \t]*\n(.*?)```", re.DOTALL)
 # Assert-style tests pass when they run to their end: the harness prints a token it read from
 # stdin (not in the program's text) after the last assert, so a solution that ends the process
-# early with status 0 (``exit(0)``, ``os._exit(0)``) passes nothing.
-_ASSERT_HARNESS = """import sys as _sys
-def _run(_token, _code, _tests):
-    _globals = {{"__name__": "__main__"}}
-    exec(compile(_code, "<solution>", "exec"), _globals)
-    exec(compile(_tests, "<tests>", "exec"), _globals)
-    _sys.stdout.write("\\n" + _token + "\\n")
-_run(_sys.stdin.readline().strip(), {code!r}, {tests!r})
+# early with status 0 (``exit(0)``, ``os._exit(0)``) passes nothing. The harness holds on to
+# what it calls (a solution replacing ``builtins.exec`` skipped the tests), and its stdin, once
+# read, becomes /dev/null (the token could be read from it again).
+_ASSERT_HARNESS = """import os as _os, sys as _sys
+def _run(_code, _tests, _exec=exec, _compile=compile, _write=_os.write,
+         _flush=_sys.stdout.flush):
+    _token = _os.read(0, 64)
+    _os.dup2(_os.open(_os.devnull, _os.O_RDONLY), 0)
+    _namespace = {{"__name__": "__main__"}}
+    _exec(_compile(_code, "<solution>", "exec"), _namespace)
+    _exec(_compile(_tests, "<tests>", "exec"), _namespace)
+    _flush()
+    _write(1, b"\\n" + _token + b"\\n")
+_run({code!r}, {tests!r})
 """
 
 
@@ -100,7 +106,7 @@ def run_tests(
         token = secrets.token_hex(16)
         result = run_python(_ASSERT_HARNESS.format(code=code, tests=tests), stdin=token,
                             limits=limits)
-        ran_to_the_end = result.stdout.rstrip().rsplit("\n", 1)[-1] == token
+        ran_to_the_end = token in result.stdout
         return int(result.ok and ran_to_the_end), 1
     passed = 0
     for case in tests:

@@ -59,7 +59,8 @@ def reap_orphaned_scratch(root: str | None = None) -> list[str]:
             continue
         try:
             reap_scratch_root(path)
-        except OSError as e:  # another pool got there first, or not ours to remove
+        except Exception as e:  # noqa: BLE001 - another pool got there first, not ours to
+            # remove, or what a sandbox left defeats the removal: a new pool starts all the same
             logger.debug("could not reap %s: %s", path, e)
             continue
         reaped.append(path)
@@ -145,7 +146,7 @@ class _Worker:
         self.process.join()
         try:  # never raises: a replacement worker, or the pool's close, comes next
             reap_scratch_root(self.scratch)
-        except OSError as e:
+        except Exception as e:  # noqa: BLE001 - what a sandbox left must not stop the pool
             logger.warning("cleaning up after reward worker %s failed: %s", self.process.pid, e)
 
     def kill(self) -> None:
@@ -321,7 +322,10 @@ class RewardPool:
         """Return ``worker`` to the pool, or replace it when its state is unknown."""
         self._busy.discard(worker)
         if self._closed or not healthy:
-            worker.kill()
+            try:
+                worker.kill()
+            except Exception:  # noqa: BLE001 - its replacement starts all the same
+                logger.warning("stopping a reward worker failed", exc_info=True)
             if self._closed:
                 return
             worker = _Worker(self._ctx)

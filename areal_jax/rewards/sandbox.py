@@ -168,6 +168,8 @@ def run_python(source: str, stdin: str = "", limits: SandboxLimits | None = None
                 )
             except (OSError, subprocess.SubprocessError) as e:
                 raise SandboxError(f"cannot start {python} in the sandbox: {e}") from e
+            with contextlib.suppress(OSError):  # the code reads its stdin once, by its fd
+                os.unlink(stdin_path)
             timed_out = False
             try:
                 proc.wait(timeout=limits.timeout_s)
@@ -458,7 +460,22 @@ def _kill_tree(pgid: int, uid: int | None) -> None:
     """SIGKILL process group ``pgid`` and every process of ``uid`` until none is left."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGKILL)
+    if uid is not None:
+        _kill_as(uid)
     _kill_all(lambda group, owner: group == pgid or (uid is not None and owner == uid))
+
+
+def _kill_as(uid: int) -> None:
+    """``kill(-1, SIGKILL)`` as ``uid``: the kernel signals every process of that uid at once,
+    and a fork in progress fails, where a scan of /proc can miss a process that forks and
+    exits again and again (its pid keeps moving)."""
+    kill = shutil.which("kill", path=MINIMAL_PATH)
+    command = [kill, "-9", "-1"] if kill else [sys.executable, "-I", "-c",
+                                                 "import os; os.kill(-1, 9)"]
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        subprocess.run(command, user=uid, group=uid, extra_groups=[], env={"PATH": MINIMAL_PATH},
+                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL, timeout=10)
 
 
 def _kill_all(chosen: Callable[[int, int], bool]) -> None:
@@ -509,20 +526,27 @@ def _remove_tree(path: str) -> None:
     """
     if os.geteuid() != 0:  # root removes any tree as it is (and a path-based chmod as root
         # races a sandboxed process swapping a directory for a link to a host directory)
-        for root, dirs, _ in os.walk(path):
-            for d in dirs:
-                full = os.path.join(root, d)
-                if not os.path.islink(full):
-                    with contextlib.suppress(FileNotFoundError):
-                        os.chmod(full, 0o700)
-    error = None
+        with contextlib.suppress(OSError, RecursionError):  # a tree too deep: rm's turn below
+            for root, dirs, _ in os.walk(path):
+                for d in dirs:
+                    full = os.path.join(root, d)
+                    if not os.path.islink(full):
+                        with contextlib.suppress(FileNotFoundError):
+                            os.chmod(full, 0o700)
+    error: BaseException | None = None
     for _ in range(_REMOVE_ATTEMPTS):
         try:
             shutil.rmtree(path)
             return
-        except OSError as e:  # what the sandboxed code left may defeat a pass; never raised:
-            # a bad completion scores 0 and closing a pool ends, whatever the tree holds
+        except (OSError, RecursionError) as e:  # what the sandboxed code left may defeat a
+            # pass (thousands of nested directories, past Python's recursion and the path
+            # length); never raised: a bad completion scores 0, a pool closes, whatever it holds
             if not os.path.lexists(path):
                 return
             error = e
-    log.warning("could not delete the sandbox directory %s (left in place): %s", path, error)
+    with contextlib.suppress(OSError, subprocess.SubprocessError):  # walks by descriptors
+        subprocess.run(["rm", "-rf", "--one-file-system", "--", path], capture_output=True,
+                       timeout=120)
+    if os.path.lexists(path):
+        log.warning("could not delete the sandbox directory %s (left in place): %s", path,
+                    error)

@@ -178,6 +178,7 @@ def run_python(source: str, stdin: str = "", limits: SandboxLimits | None = None
             finally:
                 _kill_tree(proc.pid, _sandbox_uid(iso, proc.pid))
                 proc.wait()
+                _reap_strays(proc.pid, _sandbox_uid(iso, proc.pid))
             elapsed = time.monotonic() - start
             stdout = _read(fout, limits.max_file_bytes)
             stderr = _read(ferr, limits.max_file_bytes)
@@ -463,6 +464,19 @@ def _kill_tree(pgid: int, uid: int | None) -> None:
     if uid is not None:
         _kill_as(uid)
     _kill_all(lambda group, owner: group == pgid or (uid is not None and owner == uid))
+
+
+def _reap_strays(pgid: int, uid: int | None) -> None:
+    """Reap the dead processes the sandboxed code made this process's children (``clone`` with
+    ``CLONE_PARENT``): those of its process group, or, as root, of its uid. Left, each would
+    hold a pid for as long as this process lives."""
+    me = os.getpid()
+    for pid, _, group, owner in _proc_entries():
+        fields = _stat_fields(pid)
+        if fields is None or int(fields[1]) != me or not (group == pgid or owner == uid):
+            continue
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
 
 
 def _kill_as(uid: int) -> None:

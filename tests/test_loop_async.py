@@ -28,9 +28,9 @@ from rollout.engine import EngineError, GenerationChunk, WeightLoadError
 
 
 def test_generation_never_waits_for_the_trainer(tmp_path):
-    # The quickstart's operating point: the in-flight cap binds, not the staleness gate, and
-    # generation is the bottleneck. Every slot freed while the trainer trains or publishes must
-    # be refilled at once (with the refill at the top of the loop only, this measured 0.61).
+    # Where generation is the bottleneck and the in-flight cap binds, not the staleness gate:
+    # every slot freed while the trainer trains or publishes must be refilled at once (with
+    # the refill at the top of the loop only, this measured 0.61).
     prompts = items(200)
     trainer = RecordingTrainer(exports_dir(tmp_path), train_s=0.1, publish_s=0.1)
     cfg = config(tmp_path, {"batch_size": 4, "max_staleness": 8, "max_in_flight": 4})
@@ -38,6 +38,22 @@ def test_generation_never_waits_for_the_trainer(tmp_path):
     busy = [m["rollout/busy_fraction"] for m in loop.metrics[2:]]
     assert np.mean(busy) >= 0.95, busy
     assert len(trained_ids(trainer)) == 48
+
+
+def test_at_the_quickstarts_settings_generation_runs_up_to_the_staleness_bound(tmp_path):
+    # The quickstart's operating point on a 2-core CPU (batch 8, bound 2, in-flight cap 16):
+    # the trainer is the slower side and the staleness gate binds. At every step's end the
+    # groups generating or generated and not yet trained are all the gate allows: the servers'
+    # version lags the trainer's by the publish in flight, so bound x batch, never fewer
+    # (generation waited) and never more (the gate let one group too many through).
+    prompts = items(200)
+    trainer = RecordingTrainer(exports_dir(tmp_path), train_s=0.15, publish_s=0.02)
+    cfg = config(tmp_path, {"batch_size": 8, "max_staleness": 2, "max_in_flight": 16})
+    loop = run_on_servers(tmp_path, [ArithmeticEngine(step_s=0.001)], cfg, trainer, prompts, 10)
+    ahead = [m["rollout/in_flight"] + m["rollout/buffered"] for m in loop.metrics[1:]]
+    assert ahead == [16.0] * 9, ahead
+    assert max(m["staleness/over_bound_fraction"] for m in loop.metrics) == 0
+    assert_nothing_lost(tmp_path / "ledger.jsonl", prompts)
 
 
 def test_publishing_overlaps_the_next_train_step(tmp_path):

@@ -4,9 +4,11 @@ For each run directory: the RL phase's wall time (``results.json``), the seconds
 compiling where programs were needed (``timing/compile_s``, on the critical path) and their
 share of the phase (loading programs from the persistent cache included), the versions after
 version 3 that compiled a program there (``compile/programs``; runs recorded before the
-metric ``compile/loaded`` existed counted loads from the cache as compiles) and the programs
-loaded from the cache in the loop, and the seconds compiled ahead in the background
-(``timing/compile_ahead_s``, off the critical path).
+metric ``compile/loaded`` existed counted loads from the cache as compiles), the versions after
+version 3 whose step waited ``WAIT_S`` or more for programs however it got them (a load from
+the cache, or the compile helper's job still running: no program compiled there, yet time on
+the critical path), the programs loaded from the cache in the loop, and the seconds compiled
+ahead in the background (``timing/compile_ahead_s``, off the critical path).
 
 Usage: python benchmarks/compile_share.py RUN_DIR [RUN_DIR ...]
 """
@@ -18,6 +20,9 @@ import json
 from pathlib import Path
 
 
+WAIT_S = 1.0  # a step's wait for programs counted as slow from here on
+
+
 def compile_share(run_dir: Path) -> dict:
     """The figures above for one run directory."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -27,10 +32,13 @@ def compile_share(run_dir: Path) -> dict:
     evals = [r for r in rows if r["step"] == 0 and "eval/accuracy" in r]
     loop_s = steps[-1]["wall_time"] - evals[0]["wall_time"] if steps and evals else float("nan")
     late = [int(r["step"]) for r in steps if r["step"] > 3 and r["compile/programs"] > 0]
+    waits = [(int(r["step"]), r["timing/compile_s"]) for r in steps
+             if r["step"] > 3 and r["timing/compile_s"] >= WAIT_S]
     return {"run": str(run_dir), "versions": len(steps), "rl_wall_s": wall,
             "compile_s": compile_s, "share": compile_s / wall, "loop_s": loop_s,
             "first_version_compile_s": steps[0]["timing/compile_s"] if steps else 0.0,
             "versions_compiling_after_3": late,
+            "waits_after_3": waits,
             "loaded": int(sum(r.get("compile/loaded", 0) for r in steps)),
             "compile_ahead_s": sum(r.get("timing/compile_ahead_s", 0.0) for r in steps)}
 
@@ -40,9 +48,9 @@ def main() -> None:
     parser.add_argument("runs", nargs="+", type=Path)
     args = parser.parse_args()
     print("| run | versions | RL phase (s) | compile in the loop (s) | share | loop (s) "
-          "| of it version 1 (s) | versions compiling after 3 | loaded from the cache "
-          "| compiled ahead (s) |")
-    print("|---|---:|---:|---:|---:|---:|---:|---|---:|---:|")
+          "| of it version 1 (s) | versions compiling after 3 | waits after 3 (version: s) "
+          "| loaded from the cache | compiled ahead (s) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|---|---:|---:|")
     for run in args.runs:
         if not (run / "results.json").is_file():
             print(f"| {run.name} | not finished (no results.json): no RL phase to share |")
@@ -50,7 +58,9 @@ def main() -> None:
         c = compile_share(run)
         print(f"| {run.name} | {c['versions']} | {c['rl_wall_s']:.1f} | {c['compile_s']:.1f} "
               f"| {c['share']:.1%} | {c['loop_s']:.1f} | {c['first_version_compile_s']:.1f} "
-              f"| {c['versions_compiling_after_3'] or '-'} | {c['loaded']} "
+              f"| {c['versions_compiling_after_3'] or '-'} "
+              f"| {', '.join(f'{v}: {t:.1f}' for v, t in c['waits_after_3']) or '-'} "
+              f"| {c['loaded']} "
               f"| {c['compile_ahead_s']:.1f} |")
 
 

@@ -264,7 +264,7 @@ def _source_digest() -> str:
 
 def _prepare(cfg: ExperimentConfig, leader: bool) -> None:
     """Every process checks it runs the leader's config; the leader prepares the data and the
-    base model meanwhile the others wait."""
+    base model while the others wait."""
     from jax.experimental.multihost_utils import sync_global_devices as barrier
 
     check_same_config(cfg)

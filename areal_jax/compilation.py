@@ -12,6 +12,7 @@ critical path) is counted apart.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import os
@@ -42,6 +43,7 @@ def default_cache_dir() -> Path:
     return Path(base) / "areal-jax" / "xla"
 
 
+@functools.cache
 def host_key() -> str:
     """The instruction set of this host's CPU, as a directory name: programs compiled for a
     CPU run on that CPU only (JAX's cache keys leave it out), so hosts sharing a cache (a home

@@ -870,11 +870,15 @@ class RolloutPool:
                 raise
         return None
 
+    def _reachable(self) -> list[_Server]:
+        """The servers control calls go to: those in the pool and those leaving it."""
+        return [s for s in [*self._servers, *self._leaving.values()] if s.alive]
+
     async def _each(self, name: str, call, timeout: float,
                     return_exceptions: bool = False) -> list:
         """``(server, result)`` of ``call`` on every live server; servers that fail it leave
         the pool (``return_exceptions``: other errors are results, as ``asyncio.gather``)."""
-        servers = [s for s in [*self._servers, *self._leaving.values()] if s.alive]
+        servers = self._reachable()
         results = await asyncio.gather(*(self._control(s, name, call, timeout) for s in servers),
                                        return_exceptions=return_exceptions)
         return [(s, r) for s, r in zip(servers, results) if r is not None]
@@ -891,7 +895,7 @@ class RolloutPool:
         the others; it rejoins once it has loaded the newest weights), so one slow or hung
         server does not hold every publish up to ``update_timeout_s``. Half, not the fastest:
         loads queued on one shared disk end one after another, the last in line no straggler."""
-        servers = [s for s in [*self._servers, *self._leaving.values()] if s.alive]
+        servers = self._reachable()
         started = time.monotonic()
         tasks = {asyncio.ensure_future(self._control(
             s, "update weights", call, self.options.update_timeout_s)): s for s in servers}
@@ -1020,7 +1024,7 @@ class RolloutPool:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        live = [s for s in [*self._servers, *self._leaving.values()] if s.alive]
+        live = self._reachable()
         if self._paused:  # a run stopped while they were paused: they generate for the next
             await asyncio.gather(*(s.stub.Resume(
                 pb.ResumeRequest(), timeout=min(self.options.rpc_timeout_s, _RELEASE_S),

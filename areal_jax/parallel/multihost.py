@@ -166,13 +166,12 @@ def commands_done() -> dict[int, int]:
         return {}
 
 
-def failure_naming_peers(error: BaseException) -> BaseException:
-    """``error``, or, where it is a collective that failed because another process gave up
-    and that process recorded why, an error naming that cause (raised from ``error``)."""
-    failures = peer_failures()
-    if failures and isinstance(error, jax.errors.JaxRuntimeError):
-        return RuntimeError(f"another trainer process failed: {'; '.join(failures)}")
-    return error
+def peer_failure_behind(error: BaseException) -> str | None:
+    """What the other processes recorded (``report_failure``) when ``error`` is a collective
+    that failed because one of them gave up; None otherwise."""
+    if not isinstance(error, jax.errors.JaxRuntimeError):
+        return None
+    return "; ".join(peer_failures()) or None
 
 
 def differences_from_leader(fields: dict) -> tuple[list[str], bool]:
@@ -209,12 +208,14 @@ def failure_ends_group(active: bool = True) -> Iterator[None]:
     except BaseException as e:
         if not active or jax.process_count() == 1:
             raise
-        named = failure_naming_peers(e)
-        report_failure(f"process {jax.process_index()}: {type(named).__name__}: {named}")
+        if (behind := peer_failure_behind(e)) is None:
+            report_failure(f"process {jax.process_index()}: {type(e).__name__}: {e}")
+            skip_shutdown_barrier()
+            raise
+        named = RuntimeError(f"another trainer process failed: {behind}")
+        report_failure(f"process {jax.process_index()}: RuntimeError: {named}")
         skip_shutdown_barrier()
-        if named is not e:
-            raise named from e
-        raise
+        raise named from e
 
 
 def skip_shutdown_barrier() -> None:

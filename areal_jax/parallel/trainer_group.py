@@ -31,7 +31,7 @@ import jax
 
 from areal_jax.parallel import wire
 from areal_jax.parallel.multihost import all_processes, broadcast_bytes, is_leader
-from areal_jax.parallel.multihost import commands_done, exit_now, failure_naming_peers
+from areal_jax.parallel.multihost import commands_done, exit_now, peer_failure_behind
 from areal_jax.parallel.multihost import peer_failures, peer_stop_requests, record_commands_done
 from areal_jax.parallel.multihost import report_failure, request_stop
 from areal_jax.parallel.multihost import skip_shutdown_barrier
@@ -139,7 +139,7 @@ class TrainerGroup:
                 self._broken = True
                 skip_shutdown_barrier()
                 log.error("trainer group: could not release the other processes (%s)",
-                          failure_naming_peers(e))
+                          peer_failure_behind(e) or e)
             finally:
                 self.trainer.close()
 
@@ -251,10 +251,8 @@ class TrainerGroup:
                 raise
             self._broken = True
             skip_shutdown_barrier()  # the followers are gone, or stuck until this process ends
-            failures = peer_failures()
-            if failures and isinstance(e, jax.errors.JaxRuntimeError):  # a peer left the group
-                raise RuntimeError(f"trainer-group command {command!r} failed on "
-                                   f"{'; '.join(failures)}") from e
+            if (behind := peer_failure_behind(e)) is not None:  # a peer left the group
+                raise RuntimeError(f"trainer-group command {command!r} failed on {behind}") from e
             raise
 
     def _send(self, command: str, header: dict, arrays=()) -> None:

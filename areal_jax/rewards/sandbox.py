@@ -285,7 +285,8 @@ def _real_uid(pid: int | str) -> int | None:
 
 def _stat_fields(pid: int | str) -> list[bytes] | None:
     """The fields of ``/proc/PID/stat`` after the command name (state first, so field N of
-    proc(5) is at N - 3), or None where the process is gone."""
+    proc(5) is at N - 3), or None where the process is gone (``pid``: also ``PID/task/TID``,
+    one thread's)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             return f.read().rsplit(b")", 1)[1].split()
@@ -439,7 +440,7 @@ def _world_executable(path: str) -> bool:
 
 
 def _proc_entries():
-    """(pid, state, process group, real uid) of every process, read from /proc."""
+    """(pid, state, process group, real uid, parent pid) of every process, from /proc."""
     try:
         names = os.listdir("/proc")
     except OSError:
@@ -449,12 +450,12 @@ def _proc_entries():
             continue
         fields, uid = _stat_fields(name), _real_uid(name)
         if fields is not None and uid is not None:
-            yield int(name), fields[0].decode(), int(fields[2]), uid
+            yield int(name), fields[0].decode(), int(fields[2]), uid, int(fields[1])
 
 
 def _own_process_count() -> int:
     uid = os.getuid()
-    return sum(1 for *_, owner in _proc_entries() if owner == uid)
+    return sum(1 for _, _, _, owner, _ in _proc_entries() if owner == uid)
 
 
 def _kill_tree(pgid: int, uid: int | None) -> None:
@@ -471,12 +472,10 @@ def _reap_strays(pgid: int, uid: int | None) -> None:
     ``CLONE_PARENT``): those of its process group, or, as root, of its uid. Left, each would
     hold a pid for as long as this process lives."""
     me = os.getpid()
-    for pid, _, group, owner in _proc_entries():
-        fields = _stat_fields(pid)
-        if fields is None or int(fields[1]) != me or not (group == pgid or owner == uid):
-            continue
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(pid, os.WNOHANG)
+    for pid, _, group, owner, parent in _proc_entries():
+        if parent == me and (group == pgid or owner == uid):
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)
 
 
 def _kill_as(uid: int) -> None:
@@ -497,7 +496,7 @@ def _kill_all(chosen: Callable[[int, int], bool]) -> None:
     process whose main thread exited shows as a zombie while its other threads run on: it
     counts as alive until every thread has ended."""
     for _ in range(200):
-        alive = [pid for pid, state, group, owner in _proc_entries()
+        alive = [pid for pid, state, group, owner, _ in _proc_entries()
                  if chosen(group, owner) and (state not in ("Z", "X") or _threads_run(pid))]
         if not alive:
             return
@@ -514,12 +513,8 @@ def _threads_run(pid: int) -> bool:
         tasks = os.listdir(f"/proc/{pid}/task")
     except OSError:
         return False
-    for tid in tasks:
-        with contextlib.suppress(OSError):
-            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
-                if f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X"):
-                    return True
-    return False
+    return any((fields := _stat_fields(f"{pid}/task/{tid}")) is not None
+               and fields[0] not in (b"Z", b"X") for tid in tasks)
 
 
 def _read(f, limit: int) -> str:

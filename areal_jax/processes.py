@@ -33,8 +33,14 @@ def die_with_parent(parent: int, sig: int = signal.SIGKILL) -> None:
     gone. Elsewhere than Linux it does nothing."""
     if sys.platform != "linux":
         return
-    if libc().prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0) != 0 or os.getppid() != parent:
+    if not arm_parent_death_signal(sig) or os.getppid() != parent:
         os._exit(1)
+
+
+def arm_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
+    """``PR_SET_PDEATHSIG`` (Linux): ``sig`` when the thread that started this process ends;
+    whether it was armed. Changing credentials disarms it."""
+    return libc().prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0) == 0
 
 
 IMPORT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # holds areal_jax/

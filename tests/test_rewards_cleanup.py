@@ -14,7 +14,7 @@ import uuid
 
 import pytest
 
-from _procs import alive
+from _procs import alive, marked
 from areal_jax.rewards import RewardPool, code_tests, sandbox
 from areal_jax.rewards.pool import SCRATCH_PREFIX, reap_orphaned_scratch
 from areal_jax.rewards.code_tests import time_budget_s
@@ -74,39 +74,22 @@ def _sleepers(mark: str, escape: bool) -> str:
     )
 
 
-def _marked(mark: str) -> list[int]:
-    """Live (non-zombie) processes whose command line holds ``mark``."""
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/cmdline", "rb") as f:
-                cmdline = f.read()
-            with open(f"/proc/{name}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if mark.encode() in cmdline and state not in ("Z", "X"):
-            found.append(int(name))
-    return found
-
-
 def test_pool_timeout_kills_the_sandboxed_processes_and_removes_their_files(
     tmp_path, monkeypatch
 ):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the pool's workers keep runs
     mark = f"areal-leak-{uuid.uuid4().hex}"
-    escape = os.geteuid() == 0  # a process leaving its session is found by uid only as root
+    # a process leaving its session is found by uid as root, and dies with its PID namespace
+    escape = os.geteuid() == 0 or sandbox.pid_isolation_available()
     expected = 2 if escape else 1
 
     async def main(pool):
         call = asyncio.ensure_future(pool.score("sandboxed", _sleepers(mark, escape), {}))
         for _ in range(200):
-            if len(_marked(mark)) == expected or call.done():
+            if len(marked(mark)) == expected or call.done():
                 break
             await asyncio.sleep(0.05)
-        return len(_marked(mark)), await call
+        return len(marked(mark)), await call
 
     custom = {"sandboxed": f"{__name__}:sandboxed"}
     with RewardPool(num_workers=1, timeout_s=4.0, custom=custom) as pool:
@@ -114,7 +97,7 @@ def test_pool_timeout_kills_the_sandboxed_processes_and_removes_their_files(
         running, reward = asyncio.run(main(pool))
         assert running == expected  # the sandboxed programs were running when the call timed out
         assert (reward, pool.num_timeouts) == (0.0, 1)
-        assert _marked(mark) == []
+        assert marked(mark) == []
         # Only the replacement worker's empty scratch directory is left.
         assert [list(d.iterdir()) for d in tmp_path.iterdir()] == [[]]
         assert pool.score_sync("sandboxed", "pass", {}) == 1.0
@@ -206,18 +189,18 @@ def test_a_new_pool_reaps_the_scratch_of_a_killed_one(tmp_path, monkeypatch):
     subprocess.run([sys.executable, "-c", code], timeout=60)
     try:
         orphans = list(tmp_path.glob(f"{SCRATCH_PREFIX}*"))
-        assert len(orphans) == 1 and _marked(mark)
+        assert len(orphans) == 1 and marked(mark)
         live = tmp_path / f"{SCRATCH_PREFIX}{os.getpid()}-mine"
         live.mkdir()
         with RewardPool(1, timeout_s=5.0):
             pass
         assert not orphans[0].exists() and live.exists()
         deadline = time.monotonic() + 10
-        while _marked(mark) and time.monotonic() < deadline:
+        while marked(mark) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not _marked(mark)
+        assert not marked(mark)
     finally:
-        for pid in _marked(mark):
+        for pid in marked(mark):
             os.kill(pid, signal.SIGKILL)
 
 

@@ -5,15 +5,18 @@ import os
 import socket
 import textwrap
 import time
+import uuid
 
 import pytest
 
-from _procs import alive
+from _procs import marked
+from areal_jax.rewards import sandbox
 from areal_jax.rewards.code_tests import code_fraction_reward, code_reward, extract_code, run_tests
 from areal_jax.rewards.sandbox import (
     MINIMAL_PATH,
     SandboxLimits,
     network_isolation_available,
+    pid_isolation_available,
     run_python,
     set_scratch_root,
 )
@@ -35,6 +38,35 @@ def _group_members(pgid: int) -> list[int]:
             if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
                 members.append(int(name))
     return members
+
+
+def _uid_members(uid: int) -> list[int]:
+    """Processes running as ``uid`` with a thread alive (a zombie leader counts while one runs)."""
+    found = []
+    for name in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{name}/status") as f:
+                real = int(next(line for line in f if line.startswith("Uid:")).split()[1])
+        except (OSError, StopIteration):
+            continue
+        if real == uid and _threads_alive(int(name)):
+            found.append(int(name))
+    return found
+
+
+@pytest.fixture
+def runs(monkeypatch) -> list[tuple[int, int | None]]:
+    """(process group, sandbox uid or None) of each run, as the host numbers them: in a PID
+    namespace of its own the code sees other pids (its first process is 1)."""
+    seen = []
+    kill_tree = sandbox._kill_tree
+
+    def recording(pgid, uid):
+        seen.append((pgid, uid))
+        kill_tree(pgid, uid)
+
+    monkeypatch.setattr(sandbox, "_kill_tree", recording)
+    return seen
 
 
 def test_correct_solution_passes_io_and_assert_tests():
@@ -126,7 +158,7 @@ def test_memory_bomb_is_stopped():
     assert small.ok and small.stdout.strip() == str(64 << 20)
 
 
-def test_fork_bomb_is_stopped_by_the_process_limit():
+def test_fork_bomb_is_stopped_by_the_process_limit(runs):
     limits = SandboxLimits(timeout_s=5.0, max_processes=6)
     counting = textwrap.dedent(
         """
@@ -151,7 +183,6 @@ def test_fork_bomb_is_stopped_by_the_process_limit():
     bomb = textwrap.dedent(
         """
         import os
-        print(os.getpgid(0), flush=True)
         while True:
             try:
                 os.fork()
@@ -161,7 +192,7 @@ def test_fork_bomb_is_stopped_by_the_process_limit():
     )
     result = run_python(bomb, limits=SandboxLimits(timeout_s=1.5, max_processes=6))
     assert result.timed_out
-    assert _group_members(int(result.stdout.split()[0])) == []
+    assert _group_members(runs[-1][0]) == []
 
 
 def test_huge_file_write_is_stopped():
@@ -223,61 +254,79 @@ def test_cwd_is_a_private_temp_dir_that_is_removed(tmp_path):
 
 
 def test_child_left_behind_is_killed_with_the_group():
+    mark = f"areal-left-{uuid.uuid4().hex}"
     code = textwrap.dedent(
-        """
+        f"""
         import subprocess, sys
-        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-        print(child.pid, flush=True)
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", {mark!r}])
         """
     )
     result = run_python(code, limits=FAST)
     assert result.ok and not result.timed_out
     assert result.elapsed_s < FAST.timeout_s
-    assert not alive(int(result.stdout))
+    assert marked(mark) == []
 
 
-def test_process_that_leaves_the_group_is_killed_when_uid_isolated():
-    code = textwrap.dedent(
-        """
-        import ctypes, os, time
-        pid = os.fork()
-        if pid == 0:
-            os.setsid()
-            ctypes.CDLL(None).prctl(4, 0)  # PR_SET_DUMPABLE 0: /proc/PID now belongs to root
-            time.sleep(60)
-            os._exit(0)
-        print(pid, flush=True)
-        """
-    )
-    result = run_python(code, limits=FAST)
-    if not result.uid_isolated:
-        pytest.skip("the sandbox runs under the caller's uid here (not root)")
-    assert not alive(int(result.stdout))
-
-
-def test_a_process_whose_main_thread_exited_is_killed_with_its_other_threads():
-    # Its leader showed as a zombie while a thread of it ran on: the clean-up skipped it, and
+@pytest.mark.parametrize("main_thread", ["runs", "exits"])
+def test_a_process_that_leaves_the_group_is_killed_when_uid_or_pid_isolated(main_thread, runs):
+    # One that made itself non-dumpable (its /proc entries then belong to root); one whose main
+    # thread exited while another runs on (it shows as a zombie): the clean-up skipped it, and
     # it outlived the run (holding memory, racing the removal of the run's directory).
+    mark = f"areal-escape-{uuid.uuid4().hex}"
     code = textwrap.dedent(
-        """
-        import ctypes, os, threading, time
-        pid = os.fork()
-        if pid == 0:
+        f"""
+        import ctypes, os, sys, threading, time
+        if os.fork() == 0:
             os.setsid()
+            if {main_thread!r} == "runs":  # PR_SET_DUMPABLE 0 after the exec
+                sleep = "import ctypes, time; ctypes.CDLL(None).prctl(4, 0); time.sleep(60)"
+                os.execv(sys.executable, [sys.executable, "-c", sleep, {mark!r}])
             threading.Thread(target=time.sleep, args=(60,)).start()
             ctypes.CDLL(None).syscall(60, 0)  # SYS_exit: the main thread alone
-        print(pid, flush=True)
         time.sleep(0.3)
         """
     )
     result = run_python(code, limits=FAST)
-    if not result.uid_isolated:
-        pytest.skip("the sandbox runs under the caller's uid here (not root)")
-    pid = int(result.stdout)
-    deadline = time.monotonic() + 5
-    while _threads_alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not _threads_alive(pid)
+    if not (result.uid_isolated or result.pid_isolated):
+        pytest.skip("found by neither a uid of its own nor a PID namespace here")
+    assert marked(mark) == []
+    if result.uid_isolated:
+        deadline = time.monotonic() + 5
+        while _uid_members(runs[-1][1]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _uid_members(runs[-1][1]) == []
+
+
+def test_code_under_the_callers_uid_can_signal_no_process_outside_its_run(monkeypatch):
+    # Without root the code runs as the caller's uid: it could kill the rollout server, and a
+    # process that left its process group outlived the run, until runs got PID namespaces.
+    if not pid_isolation_available():
+        pytest.skip("no PID namespace can be made here")
+    as_caller = sandbox._Isolation(
+        as_root=False,
+        unshare_flags=sandbox._CLONE_NEWUSER | sandbox._CLONE_NEWNET | sandbox._CLONE_NEWPID,
+    )
+    monkeypatch.setattr(sandbox, "_isolation", lambda: as_caller)
+    mark = f"areal-escape-{uuid.uuid4().hex}"
+    code = textwrap.dedent(
+        f"""
+        import os, sys
+        if os.fork() == 0:
+            os.setsid()
+            os.execv(sys.executable, [sys.executable, "-c", "import time; time.sleep(60)",
+                                      {mark!r}])
+        try:
+            os.kill({os.getpid()}, 0)
+            print("reached the caller")
+        except ProcessLookupError:
+            print("no such process")
+        print(os.getpid())
+        """
+    )
+    result = run_python(code, limits=FAST)
+    assert result.pid_isolated and not result.uid_isolated
+    assert result.stdout.split() == ["no", "such", "process", "1"], result.stderr
+    assert marked(mark) == []
 
 
 def test_processes_the_code_makes_the_callers_children_are_reaped():

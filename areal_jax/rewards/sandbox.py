@@ -26,6 +26,13 @@ What :func:`run_python` enforces (docs/rewards.md lists what it does not):
 - A new IPC namespace (``CLONE_NEWIPC``) with it when the kernel allows: System V shared memory
   the code creates and detaches (which no address-space limit counts) goes with the run's last
   process instead of staying on the host; ``SandboxResult.ipc_isolated`` says whether it did.
+- A new PID namespace (``CLONE_NEWPID``) with it when the kernel allows: the code runs as its
+  first process and can signal no process outside it (without root it runs under the caller's
+  uid, and could otherwise kill the rollout server; outside the jail the host's ``/proc`` still
+  lists them, readable as any process's is); when that process ends, the kernel
+  kills every process left in the namespace, those that left the process group too. The
+  process that waits for it outside (the one the caller started) ends as it ended.
+  ``SandboxResult.pid_isolated`` says whether it was in effect.
 """
 
 from __future__ import annotations
@@ -47,7 +54,7 @@ import tempfile
 import time
 from collections.abc import Callable
 
-from areal_jax.processes import die_with_parent, libc
+from areal_jax.processes import arm_parent_death_signal, die_with_parent, libc
 from areal_jax.rewards import _jail
 
 MINIMAL_PATH = "/usr/local/bin:/usr/bin:/bin"
@@ -56,6 +63,7 @@ _CLONE_NEWNET = 0x40000000
 _CLONE_NEWUSER = 0x10000000
 _CLONE_NEWNS = 0x00020000
 _CLONE_NEWIPC = 0x08000000
+_CLONE_NEWPID = 0x20000000
 _RECORD = "pid"  # "<process group> <uid or -1> <start time>", written by the child before it runs code
 _scratch_root: str | None = None
 
@@ -111,6 +119,7 @@ class SandboxResult:
     uid_isolated: bool
     fs_isolated: bool
     ipc_isolated: bool
+    pid_isolated: bool
 
     @property
     def ok(self) -> bool:
@@ -132,7 +141,9 @@ def run_python(source: str, stdin: str = "", limits: SandboxLimits | None = None
     limits = limits or SandboxLimits()
     iso = _isolation()
     python = limits.python or _default_python(iso.as_root)
-    nproc = limits.max_processes if iso.as_root else _own_process_count() + limits.max_processes
+    nproc = limits.max_processes
+    if not iso.as_root:  # the uid's own processes count, and the waiter outside a PID namespace
+        nproc += _own_process_count() + bool(iso.unshare_flags & _CLONE_NEWPID)
     run_dir = tempfile.mkdtemp(prefix="areal-sandbox-", dir=_scratch_root)
     try:
         os.chmod(run_dir, 0o711)  # the sandbox uid may reach work/, not list or read the rest
@@ -194,6 +205,7 @@ def run_python(source: str, stdin: str = "", limits: SandboxLimits | None = None
         uid_isolated=iso.as_root,
         fs_isolated=iso.jail,
         ipc_isolated=bool(iso.unshare_flags & _CLONE_NEWIPC),
+        pid_isolated=bool(iso.unshare_flags & _CLONE_NEWPID),
     )
 
 
@@ -314,6 +326,11 @@ def network_isolation_available() -> bool:
     return bool(_isolation().unshare_flags & _CLONE_NEWNET)
 
 
+def pid_isolation_available() -> bool:
+    """Whether runs get their own PID namespace on this machine, as this user."""
+    return bool(_isolation().unshare_flags & _CLONE_NEWPID)
+
+
 def _child_setup(
     limits: SandboxLimits,
     nproc: int,
@@ -324,13 +341,15 @@ def _child_setup(
 ) -> None:
     """Runs in the forked child before exec (as the caller's user), in this order: record the
     process group and uid for the reaper, isolate, limit, drop to the sandbox uid, die with the
-    parent."""
+    parent (in a PID namespace: with the process waiting outside it)."""
     uid = _sandbox_uid(iso, os.getpid())
     with open(record + ".tmp", "w") as f:
         f.write(f"{os.getpid()} {-1 if uid is None else uid} {_start_time(os.getpid())}\n")
     os.rename(record + ".tmp", record)
+    outside = None  # in a PID namespace: a descriptor that reads end of file once the
+    # process waiting outside it is gone
     if iso.as_root and iso.unshare_flags:
-        _unshare(iso.unshare_flags)
+        outside = _isolate(iso.unshare_flags, parent)
     if jail is not None:
         jail_dir, workdir, read_only = jail
         _jail.enter(jail_dir, workdir, read_only, limits.max_file_bytes)
@@ -350,8 +369,12 @@ def _child_setup(
         os.setgid(uid)
         os.setuid(uid)
     elif iso.unshare_flags:
-        _unshare(iso.unshare_flags)
-    die_with_parent(parent)  # last: changing credentials clears the parent-death signal
+        outside = _isolate(iso.unshare_flags, parent)
+    # last: changing credentials clears the parent-death signal
+    if outside is None:
+        die_with_parent(parent)
+    else:
+        _die_with_the_waiter(outside)
 
 
 def _unshare(flags: int) -> None:
@@ -360,21 +383,79 @@ def _unshare(flags: int) -> None:
         raise OSError(err, f"unshare: {os.strerror(err)}")
 
 
+def _isolate(flags: int, parent: int | None) -> int | None:
+    """Enter new namespaces (``flags``); with a PID namespace, go on as its first process
+    (``_enter_pid_namespace``) and return its descriptor for ``_die_with_the_waiter``."""
+    _unshare(flags)
+    return _enter_pid_namespace(parent) if flags & _CLONE_NEWPID else None
+
+
+def _enter_pid_namespace(parent: int | None) -> int:
+    """After ``unshare(CLONE_NEWPID)``, whose namespace only this process's children join: fork
+    the namespace's first process, which returns (to exec the code) the read end of a pipe
+    whose write end only the process outside holds. The process outside waits for it, holding
+    no other descriptor (the caller's ``Popen`` returns once the code has exec'd), dies with
+    ``parent`` where given, and ends as the code's process ended."""
+    waiting, held = os.pipe()
+    first = os.fork()
+    if first == 0:
+        os.close(held)
+        return waiting
+    try:
+        os.closerange(0, held)
+        os.closerange(held + 1, 1 << 30)
+        if parent is not None:
+            die_with_parent(parent)
+        status = os.waitpid(first, 0)[1]
+        if os.WIFSIGNALED(status):  # end by the same signal, for the caller's returncode
+            sig = os.WTERMSIG(status)
+            with contextlib.suppress(OSError, ValueError):  # SIGKILL keeps its action
+                signal.signal(sig, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, [sig])
+            os.kill(os.getpid(), sig)
+        os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1)
+    finally:
+        os._exit(1)
+
+
+def _die_with_the_waiter(waiting: int) -> None:
+    """In a PID namespace's first process: receive SIGKILL when the process waiting outside
+    ends (its parent pid reads 0 here, so ``die_with_parent``'s check cannot tell); exit at
+    once where it has ended already (its end of the pipe closed)."""
+    if not arm_parent_death_signal():
+        os._exit(1)
+    os.set_blocking(waiting, False)
+    try:
+        gone = os.read(waiting, 1) == b""
+    except BlockingIOError:
+        gone = False
+    os.close(waiting)
+    if gone:
+        os._exit(1)
+
+
 @functools.cache
 def _isolation() -> _Isolation:
-    """Probe once per process which namespaces (and, as root, whether the jail) work here."""
+    """Probe once per process which namespaces (and, as root, whether the jail) work here: the
+    network namespace (with the mount namespace and the jail as root, with a user namespace
+    otherwise), then whether an IPC and a PID namespace can be added to it."""
     as_root = os.geteuid() == 0
     if sys.platform != "linux":
         return _Isolation(as_root, 0)
     libc()  # load before forking
-    # Each with an IPC namespace where the kernel gives one, else the same without it.
-    for ipc in (_CLONE_NEWIPC, 0):
-        flags = _CLONE_NEWNET | _CLONE_NEWNS | ipc
-        if as_root and _probe(functools.partial(_probe_jail, flags)):
-            return _Isolation(as_root, flags)
-    for ipc in (_CLONE_NEWIPC, 0):
-        flags = _CLONE_NEWNET | ipc | (0 if as_root else _CLONE_NEWUSER)
-        if _probe(lambda _, flags=flags: _unshare(flags)):
+
+    def works(flags: int, jail: bool) -> bool:
+        if jail:
+            return _probe(functools.partial(_probe_jail, flags))
+        return _probe(lambda _: _isolate(flags, None))
+
+    bases = [(_CLONE_NEWNET | _CLONE_NEWNS, True)] if as_root else []
+    bases.append((_CLONE_NEWNET | (0 if as_root else _CLONE_NEWUSER), False))
+    for flags, jail in bases:
+        if works(flags, jail):
+            for extra in (_CLONE_NEWIPC, _CLONE_NEWPID):
+                if works(flags | extra, jail):
+                    flags |= extra
             return _Isolation(as_root, flags)
     return _Isolation(as_root, 0)
 
@@ -405,7 +486,7 @@ def _probe(setup: Callable[[str], None]) -> bool:
 
 
 def _probe_jail(flags: int, scratch: str) -> None:
-    _unshare(flags)
+    _isolate(flags, None)
     jail, work = os.path.join(scratch, "jail"), os.path.join(scratch, "work")
     os.mkdir(jail)
     os.mkdir(work)

@@ -203,8 +203,14 @@ class ProcessGroupConfig:
     # host:port process 0's coordination service listens on (unset: every interface, at the
     # coordinator's port); it takes no credentials: keep it on a private network
     bind_address: str | None = None
+    # a trainer command (a step, a checkpoint, a snapshot) not finished on every process after
+    # this long ends the run, naming the processes yet to finish it (null: no limit)
+    command_timeout_s: float | None = 3600.0
 
     def __post_init__(self):
+        if self.command_timeout_s is not None and not self.command_timeout_s >= 1:
+            raise ConfigError(f"process_group.command_timeout_s: must be >= 1 or null, got "
+                              f"{self.command_timeout_s}")
         if self.heartbeat_timeout_s < 2:
             raise ConfigError(f"process_group.heartbeat_timeout_s: must be >= 2, got "
                               f"{self.heartbeat_timeout_s}")

@@ -43,7 +43,7 @@ def _worker(process_id: int, port: int, run_dir: Path, out: Path, mode: str) -> 
     from areal_jax.parallel import TrainerGroup, initialize_distributed, is_leader
 
     faulthandler.dump_traceback_later(200, exit=True)  # a hang shows where, in the test's log
-    heartbeat_s = 5 if mode == "follower_killed" else 100
+    heartbeat_s = 5 if mode in ("follower_killed", "follower_stuck") else 100
     initialize_distributed(f"127.0.0.1:{port}", 2, process_id, heartbeat_timeout_s=heartbeat_s)
     if mode == "sigterm":  # each process sends itself SIGTERM: it must end at once
         # Both joined first: a coordinator gone before the other process connected left that
@@ -63,12 +63,13 @@ def _worker(process_id: int, port: int, run_dir: Path, out: Path, mode: str) -> 
     if mode.startswith("sigterm_waiting"):
         _sigterm_while_waiting(mode, mesh, run_dir, out)
         return
-    group = TrainerGroup(Trainer(_config(run_dir), mesh=mesh, model=tiny_model(seed=21)))
+    group = TrainerGroup(Trainer(_config(run_dir), mesh=mesh, model=tiny_model(seed=21)),
+                         command_timeout_s=7.0 if mode == "follower_stuck" else None)
     if mode in ("follower_fails", "follower_killed"):
         _follower_fails(group, out, killed=mode == "follower_killed")
         return
-    if mode == "follower_slow":
-        _follower_slow(group, out)
+    if mode == "follower_stuck":
+        _follower_stuck(group, out)
         return
     if mode == "unshared":  # each process its own run_dir: a filesystem they do not share
         _unshared(process_id, mesh, run_dir, out)
@@ -139,9 +140,10 @@ def _follower_fails(group, out: Path, killed: bool) -> None:
     (out / "leader.json").write_text(json.dumps(result))
 
 
-def _follower_slow(group, out: Path) -> None:
-    """The follower's second step takes 6 s longer (a read of a hung filesystem, say), its
-    heartbeats alive; the leader reports each 2 s of the command which process holds it."""
+def _follower_stuck(group, out: Path) -> None:
+    """The follower's second step hangs (a read of a hung filesystem, say), its heartbeats
+    alive; the leader reports each 2 s of the command which process holds it, and ends at the
+    group's 7 s command timeout."""
     from areal_jax.parallel import is_leader, trainer_group
 
     if not is_leader():
@@ -150,7 +152,7 @@ def _follower_slow(group, out: Path) -> None:
         def slow(groups):
             calls.append(1)
             if len(calls) == 2:
-                time.sleep(6)
+                time.sleep(120)
             return step(groups)
 
         group.trainer.train_on_batch = slow
@@ -215,7 +217,8 @@ def _sigterm_while_waiting(mode: str, mesh, run_dir: Path, out: Path) -> None:
     from areal_jax.stopping import run_stoppable, stop_on_sigterm
 
     stop_on_sigterm()
-    group = TrainerGroup(Trainer(_config(run_dir), mesh=mesh, model=tiny_model(seed=21)))
+    group = TrainerGroup(Trainer(_config(run_dir), mesh=mesh, model=tiny_model(seed=21)),
+                         command_timeout_s=7.0 if mode == "follower_stuck" else None)
     if not is_leader():
         group.follow()
         (out / "follower.json").write_text(json.dumps("released"))
@@ -274,15 +277,19 @@ def test_a_follower_failing_inside_a_step_ends_the_group_naming_its_error(tmp_pa
     assert took < 60  # was: until jax.distributed's heartbeat timeout (100 s), then an abort
 
 
-def test_a_command_held_up_by_one_process_names_it(tmp_path):
+def test_a_command_held_up_by_one_process_names_it_and_ends_at_the_timeout(tmp_path):
     # A follower stuck in a command with its heartbeats alive held every process with no
-    # error and no log line, for as long as it was stuck.
-    procs, logs, _ = _run_group(tmp_path, "follower_slow")
-    assert [p.returncode for p in procs] == [0, 0], logs
+    # error and no log line, for as long as it was stuck: for ever.
+    procs, logs, took = _run_group(tmp_path, "follower_stuck", timeout=120)
     reports = re.findall(r"trainer-group command 'train' has run for (\d+) s; processes yet to "
                          r"finish it: (.*)", logs[0])
     assert len(reports) >= 2 and {who for _, who in reports} == {"1"}, logs[0][-3000:]
-    assert json.loads((tmp_path / "out" / "leader.json").read_text()) == "trained"
+    assert re.search(r"trainer-group command 'train' has not finished in [78] s "
+                     r"\(process_group.command_timeout_s\); processes yet to finish it: 1\. ",
+                     logs[0]), logs[0][-3000:]
+    assert procs[0].returncode == 1 and procs[1].returncode != 0
+    assert not (tmp_path / "out" / "leader.json").exists()
+    assert took < 60, took  # the follower at the heartbeat timeout (5 s), not after its 120 s
 
 
 def test_a_killed_follower_ends_the_group_at_the_heartbeat_timeout(tmp_path):

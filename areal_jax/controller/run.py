@@ -200,7 +200,7 @@ def _train(cfg: ExperimentConfig, leader: bool, held: contextlib.ExitStack,
         with failure_ends_group(cfg.distributed):
             trainer, extra, tokenizer, train_set, eval_items = _start(
                 cfg, leader, held, accept_log, progress)
-        group = TrainerGroup(trainer)
+        group = TrainerGroup(trainer, cfg.process_group.command_timeout_s)
         if not leader:
             try:
                 group.follow()  # until the leader closes the group

@@ -12,8 +12,11 @@ raises naming the follower's error; a follower that fails while the leader is be
 command that fails on the leader ends the group there; the followers stop with the leader's
 process. Either way the group is over. A follower sent SIGTERM or Ctrl-C asks the leader to
 stop the run (as if the leader had been sent SIGTERM: the run stops cleanly, then the leader
-releases the group) and keeps following meanwhile; a second signal ends it at once. With one
-process the group is a pass-through.
+releases the group) and keeps following meanwhile; a second signal ends it at once. A command
+not finished after ``command_timeout_s`` (one process stuck in it, its heartbeats alive: a read
+of a hung filesystem, say) ends the leader naming the processes yet to finish it; the run then
+resumes from its last checkpoint when started again. With one process the group is a
+pass-through.
 """
 
 from __future__ import annotations
@@ -54,8 +57,9 @@ class TrainerGroup:
     waits for it): each is a sequence of collectives that every process runs in the same order.
     """
 
-    def __init__(self, trainer: Trainer):
+    def __init__(self, trainer: Trainer, command_timeout_s: float | None = None):
         self.trainer = trainer
+        self.command_timeout_s = command_timeout_s  # None: a command may run for ever
         self._multi = jax.process_count() > 1
         self._broken = False  # a command failed somewhere: the others have left follow()
         self._commanding = threading.Lock()  # held from a command's send to its agreement
@@ -203,10 +207,11 @@ class TrainerGroup:
         whose peer left raises), then end the process naming the error: a collective waiting
         for a peer that joins no more, or the next command, would otherwise hold until
         ``jax.distributed``'s heartbeat timeout, then abort. A command running long: see
-        ``_report_slow_command``."""
+        ``_report_slow_command`` and ``_end_overdue_command``."""
         stop_asked, reported = False, (0, 0)
         while not self._closed.wait(1.0):
             reported = self._report_slow_command(reported)
+            self._end_overdue_command()
             if not stop_asked and (stops := peer_stop_requests()) and stop_the_running():
                 stop_asked = True
                 log.warning("trainer group: %s; stopping the run", "; ".join(stops))
@@ -231,11 +236,25 @@ class TrainerGroup:
         running_s = time.monotonic() - self._running_since
         if running_s < COMMAND_REPORT_S * (count + 1):
             return seq, count
-        done = commands_done()
-        waiting = [str(i) for i in range(1, jax.process_count()) if done.get(i, 0) < seq]
         log.warning("trainer-group command %r has run for %.0f s; processes yet to finish it: "
-                    "%s", command, running_s, ", ".join(waiting) or "0 (the leader) alone")
+                    "%s", command, running_s, _yet_to_finish(seq))
         return seq, count + 1
+
+    def _end_overdue_command(self) -> None:
+        """A command in flight for ``command_timeout_s``: end the leader, naming the processes
+        yet to finish it (the others then end at ``jax.distributed``'s heartbeat timeout)."""
+        command, seq, limit = self._running, self._sent, self.command_timeout_s
+        if command is None or limit is None:
+            return
+        running_s = time.monotonic() - self._running_since
+        if running_s < limit:
+            return
+        self._broken = True
+        log.error("trainer-group command %r has not finished in %.0f s "
+                  "(process_group.command_timeout_s); processes yet to finish it: %s. The group "
+                  "cannot go on: the leader ends; started again, the run resumes from its last "
+                  "checkpoint", command, running_s, _yet_to_finish(seq))
+        exit_now()
 
     def _agree(self, command: str, run: Callable[[], T]) -> T:
         """On the leader: ``run()``, then agree with every process that it succeeded; a
@@ -281,6 +300,13 @@ class TrainerGroup:
             t.expect_lengths(header["lengths"], header["batch_trajectories"])
         else:
             raise RuntimeError(f"unknown trainer-group command {command!r}")
+
+
+def _yet_to_finish(seq: int) -> str:
+    """The processes that have not recorded finishing the leader's command number ``seq``."""
+    done = commands_done()
+    waiting = [str(i) for i in range(1, jax.process_count()) if done.get(i, 0) < seq]
+    return ", ".join(waiting) or "0 (the leader) alone"
 
 
 @contextlib.contextmanager

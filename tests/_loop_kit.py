@@ -141,6 +141,7 @@ async def run_loop(tmp_path: Path, cfg: ExperimentConfig, trainer: RecordingTrai
                   {i.id: i for i in prompts}, on_step=lambda s, m: loop.metrics.append(m),
                   ledger=ledger)
     loop.metrics = []
+    loop.task = asyncio.current_task()  # the one running the loop: ``during`` may cancel it
     if state:
         loop.load_state_dict(state)
     side = asyncio.create_task(during(loop, pool)) if during else None

@@ -1851,3 +1851,49 @@ def test_a_rejoin_load_under_the_weights_lock_holds_publishing_up_for_a_bounded_
 
     waited = asyncio.run(scenario())
     assert waited < 4.0  # max(rpc_timeout_s 1, 3 x the first load's 1 s), not 30 s
+
+
+@pytest.mark.parametrize("stopped", ["in_a_step", "waiting_for_a_batch"])
+def test_a_stop_checkpoints_the_versions_trained_since_the_last_checkpoint(tmp_path, stopped):
+    # A stop (SIGTERM, Ctrl-C: the loop's task cancelled) wrote no checkpoint: the versions
+    # trained since the last one were trained again after the resume; one in a step left it
+    # running on its thread, unrecorded.
+    prompts = items(80)
+    # A checkpoint every 2 versions; with a bound of 0, no batch is ready as a step ends: the
+    # loop waits for one at every version.
+    cfg = config(tmp_path, {"max_staleness": 0 if stopped == "waiting_for_a_batch" else 1})
+    if stopped == "in_a_step":  # cancelled while the step to version 3 runs on its thread
+        trainer, engine = RecordingTrainer(exports_dir(tmp_path), train_s=0.3), 0.005
+
+        async def during(loop, pool, servers):
+            while not (trainer.version == 2 and loop._step is not None):
+                await asyncio.sleep(0.005)
+            loop.task.cancel()
+    else:  # cancelled as the loop waits for a batch at version 3 (not checkpointed yet)
+        trainer, engine, during = RecordingTrainer(exports_dir(tmp_path)), 0.005, None
+        idle = trainer.idle
+
+        @contextlib.contextmanager
+        def stopped_while_idle():
+            with idle():
+                if trainer.version == 3:
+                    asyncio.current_task().cancel()
+                yield
+
+        trainer.idle = stopped_while_idle
+
+    with pytest.raises(asyncio.CancelledError):
+        run_on_servers(tmp_path, [ArithmeticEngine(step_s=engine)], cfg, trainer, prompts, 6,
+                       during=during)
+    assert [version for version, _ in trainer.saved] == [2, 3]
+    state = trainer.saved[-1][1]
+    assert state["version"] == 3
+    events = read_ledger(tmp_path / "ledger.jsonl")
+    assert sorted({e["version"] for e in events if e["event"] == "train"}) == [1, 2, 3]
+
+    resumed = RecordingTrainer(exports_dir(tmp_path), version=3)
+    loop = run_on_servers(tmp_path, [ArithmeticEngine(step_s=0.005)], cfg, resumed, prompts, 6,
+                          state=state)
+    assert [version for version, _ in resumed.batches] == [3, 4, 5]  # none trained again
+    assert_nothing_lost(tmp_path / "ledger.jsonl", prompts)
+    assert len(loop.metrics) == 3

@@ -158,6 +158,12 @@ def test_a_model_path_without_a_hugging_face_config_names_the_setting(tmp_path, 
     (run / "checkpoints" / "4").mkdir(parents=True)
     (run / "config.json").write_text("{}")
     (run / "fingerprint.json").write_text("{}")
+    # --samples that cannot be written: named before any server starts (it was a traceback
+    # once the whole evaluation had run)
+    assert main(["eval", "--config", _write(tmp_path, _config(tmp_path)), "--model",
+                 str(tmp_path / "missing"), "--samples", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.startswith(
+        f"areal-jax eval: error: --samples: {tmp_path} is a directory; name the file to write")
     for model, says in ((tmp_path / "missing", "does not exist"),
                         (tmp_path / "not_a_model", "has no tokenizer vocabulary"),
                         (tmp_path / "not_a_model" / "config.json", "is a file"),
@@ -170,6 +176,28 @@ def test_a_model_path_without_a_hugging_face_config_names_the_setting(tmp_path, 
         err = capsys.readouterr().err
         assert err.startswith(f"areal-jax eval: error: --model: {model} {says}") and (
             "Traceback" not in err)
+
+
+def test_weights_that_do_not_fit_the_models_config_are_named_before_the_run_dir_is_taken(
+        tmp_path, capsys):
+    # Found only as SFT loaded them, after the run directory had recorded the model: the same
+    # run_dir then refused the corrected model as "another model".
+    from areal_jax.models import TinyModelSpec, build_tiny_model
+
+    model = build_tiny_model(tmp_path / "model", TinyModelSpec(
+        hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
+        max_position_embeddings=128, tokenizer_vocab_size=300))
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "intermediate_size": 128}))
+    cfg = _config(tmp_path, model_path=str(model))
+    assert main(["train", "--config", _write(tmp_path, cfg)]) == 2
+    assert (f"model_path: checkpoint {model}: tensor model.layers.0.mlp.gate_proj.weight has "
+            "shape (64, 32), the config implies (128, 32)") in capsys.readouterr().err
+    (model / "model.safetensors").rename(tmp_path / "weights")
+    assert main(["train", "--config", _write(tmp_path, cfg)]) == 2
+    assert (f"model_path: no model.safetensors or model.safetensors.index.json in {model}"
+            in capsys.readouterr().err)
+    assert not (tmp_path / "run" / "fingerprint.json").exists()
 
 
 def test_eval_needs_only_the_held_out_reward(tmp_path, capsys, monkeypatch):
@@ -393,11 +421,20 @@ def test_files_a_run_trusts_later_are_written_whole_and_a_torn_one_is_named(tmp_
         check_fingerprint(cfg)
 
 
-def test_the_sft_command_refuses_a_distributed_config(tmp_path):
+def test_the_sft_command_refuses_a_distributed_config_or_a_config_it_cannot_use(tmp_path,
+                                                                                capsys):
     # Every process would run its own SFT and write the same <run_dir>/sft_model.
     cfg = _config(tmp_path, sft={"steps": 2})
-    with pytest.raises(SystemExit, match="runs on one process; with distributed: true"):
-        main(["sft", "--config", _write(tmp_path, cfg), "distributed=true"])
+    assert main(["sft", "--config", _write(tmp_path, cfg), "distributed=true"]) == 2
+    assert "areal-jax sft: error: distributed: `areal-jax sft` runs on one process" in (
+        capsys.readouterr().err)
+    assert main(["sft", "--config", _write(tmp_path, cfg), "sft.steps=0"]) == 2
+    assert "areal-jax sft: error: sft.steps: must be >= 1" in capsys.readouterr().err
+    # A config refused as its data is read leaves no run directory behind (it left one,
+    # empty, where `train` leaves none).
+    assert main(["sft", "--config", _write(tmp_path, cfg), "sft.response_key=solution"]) == 2
+    assert "sft.response_key: 'solution' is not a key" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
 
 
 def test_sft_without_its_response_field_names_the_setting(tmp_path):
@@ -510,6 +547,20 @@ def test_sft_refuses_a_null_or_overlong_response_before_its_first_step(tmp_path)
     with pytest.raises(ConfigError, match=r"prompt b's prompt \(\d+ tokens\) \+ 'solution' "
                        r"\(\d+ tokens\) is over the SFT micro-batch token budget \(64"):
         sft_examples(cfg, tok)
+
+
+def test_sft_targets_of_non_text_values_are_the_json_text_the_reward_reads(tmp_path):
+    # The target was Python's str(): ['fig'] and True where the reward reads ["fig"] and true.
+    from areal_jax.models.tiny import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer(tmp_path / "tok", vocab_size=300)
+    cfg = from_dict(ExperimentConfig, _config(
+        tmp_path, sft={"steps": 1, "response_key": "answer"}, dataset={"id_field": "id"}))
+    rows = [{"id": "a", "question": "1?", "answer": ["fig"]},
+            {"id": "b", "question": "2?", "answer": True}]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    targets = [tok.decode(response[:-1]) for _, response in sft_examples(cfg, tok)]
+    assert targets == ['["fig"]', "true"]
 
 
 def test_sft_ends_answers_with_a_token_generation_stops_on(tmp_path, caplog):
@@ -690,3 +741,19 @@ def test_an_unset_token_variable_is_named_before_anything_starts(tmp_path, capsy
     assert ("rollout.auth_token_env: AREAL_TEST_UNSET_TOKEN is unset (or empty) in this "
             "process's environment") in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_samples_show_the_answer_with_its_end_token_and_as_the_reward_read_it(tmp_path):
+    # The samples kept special tokens only: a reward's input could not be read from them.
+    from areal_jax.controller.evaluation import answer_record, with_text
+    from areal_jax.data.dataset import PromptItem
+    from areal_jax.models.tiny import build_tiny_tokenizer
+    from areal_jax.protocol.v1 import rollout_pb2 as pb
+
+    tok = build_tiny_tokenizer(tmp_path / "tok", vocab_size=300)
+    ids = [*tok("7", add_special_tokens=False)["input_ids"], tok.eos_token_id]
+    item = PromptItem(id="a", prompt_ids=[1], prompt_text="3+4=", metadata={"answer": 7})
+    [record] = with_text([answer_record(item, pb.Trajectory(
+        output_ids=ids, reward=1.0, finish_reason=pb.FINISH_REASON_STOP))], tok)
+    assert (record["completion"], record["reward_input"]) == ("7" + tok.eos_token, "7")
+    assert record["metadata"] == {"answer": "7"}  # as the reward reads it

@@ -242,7 +242,11 @@ def test_sigterm_stops_a_run_like_ctrl_c(tmp_path):
     finally:
         proc.kill()
     assert proc.returncode == 130, err[-3000:]
-    assert "stopped; the same command resumes from the last checkpoint" in err
+    # The versions trained since the last checkpoint were checkpointed as it stopped.
+    last = _steps(run_dir)[-1]
+    assert (run_dir / "checkpoints" / str(last)).is_dir(), err[-3000:]
+    assert ("stopped; the same command resumes from the newest intact checkpoint in "
+            f"{run_dir / 'checkpoints'} (the newest: version {last})") in err
     time.sleep(1)
 
     left = [pid for pid in os.listdir("/proc") if pid.isdigit() and str(tmp_path) in

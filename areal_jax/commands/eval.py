@@ -48,6 +48,8 @@ def run(args: argparse.Namespace) -> int:
         cfg = dataclasses.replace(cfg, dataset=dataclasses.replace(
             cfg.dataset, reward=cfg.eval.dataset.reward))
     preflight(cfg, evaluation_only=cfg.eval.dataset is not None)
+    if args.samples:  # checked before any server starts: the answers are written at the end
+        _check_output_file(Path(args.samples), "--samples")
     samples: list[list[dict]] | None = [] if args.samples else None
 
     def write_samples(keys: list[dict]) -> None:
@@ -82,3 +84,21 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {out}")
     write_samples([{"version": version} for version, _ in exports])
     return 0
+
+
+def _check_output_file(path, flag: str) -> None:
+    """``path`` can be written as a file (its directory made if missing), else a
+    ``ConfigError`` naming ``flag``."""
+    import os
+
+    from areal_jax.config import ConfigError
+
+    if path.is_dir():
+        raise ConfigError(f"{flag}: {path} is a directory; name the file to write")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"{flag}: cannot make the directory {path.parent}: {e.strerror}"
+                          ) from None
+    if not os.access(path.parent, os.W_OK):
+        raise ConfigError(f"{flag}: the directory {path.parent} is not writable")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shutil
 from pathlib import Path
 
 NAME = "sft"
@@ -16,7 +17,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from areal_jax.compilation import enable_compilation_cache
-    from areal_jax.config import load_config
+    from areal_jax.config import ConfigError, load_config
     from areal_jax.controller.progress import TrainingProgress
     from areal_jax.controller.prepare import check_fingerprint, prepare_base_model, prepare_data
     from areal_jax.controller.prepare import record_config
@@ -30,20 +31,28 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = load_config(ExperimentConfig, args.config, args.overrides)
     if cfg.sft.steps < 1:
-        raise SystemExit("sft.steps must be >= 1 for `areal-jax sft`")
+        raise ConfigError(f"sft.steps: must be >= 1 for `areal-jax sft`, got {cfg.sft.steps}")
     if cfg.distributed:  # each process would run its own SFT into the same sft_model
-        raise SystemExit("`areal-jax sft` runs on one process; with distributed: true, "
-                         "`areal-jax train` runs the SFT warm start across the processes")
+        raise ConfigError("distributed: `areal-jax sft` runs on one process; with distributed: "
+                          "true, `areal-jax train` runs the SFT warm start across the processes")
     claim_devices(cfg, with_servers=False)  # no servers: the trainer's share stays set
     enable_compilation_cache(cfg.compilation_cache_dir)
-    Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
-    prepare_data(cfg)
-    base = prepare_base_model(cfg)
-    # a finished SFT is kept (run_sft): its examples are not read again
-    tokenizer = load_tokenizer(base, ModelConfig.from_pretrained(base).vocab_size, "model_path")
-    examples = [] if sft_model_kept(cfg) else sft_examples(
-        cfg, tokenizer, end_id=sft_end_token(base, tokenizer))
-    with hold_run_dir(Path(cfg.run_dir), "sft"):
+    run_dir = Path(cfg.run_dir)
+    made = not run_dir.exists()
+    try:
+        prepare_data(cfg)
+        base = prepare_base_model(cfg)
+        # a finished SFT is kept (run_sft): its examples are not read again
+        tokenizer = load_tokenizer(base, ModelConfig.from_pretrained(base).vocab_size,
+                                   "model_path")
+        examples = [] if sft_model_kept(cfg) else sft_examples(
+            cfg, tokenizer, end_id=sft_end_token(base, tokenizer))
+    except BaseException:
+        if made:  # a refused config leaves no run directory behind, as `train`'s
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with hold_run_dir(run_dir, "sft"):
         check_fingerprint(cfg)  # the SFT model `train` would reuse must be this config's
         record_config(cfg)  # a train refused later names what it changed against this
         with TrainingProgress() as progress:

@@ -50,8 +50,11 @@ def _how_it_goes_on(cfg) -> str:
     from areal_jax.controller.sft_phase import sft_model_kept
 
     checkpoints = Path(cfg.run_dir) / "checkpoints"
-    if checkpoints.is_dir() and any(p.name.isdigit() for p in checkpoints.iterdir()):
-        return f"the same command resumes from the last checkpoint in {checkpoints}"
+    versions = sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()) \
+        if checkpoints.is_dir() else []
+    if versions:
+        return (f"the same command resumes from the newest intact checkpoint in {checkpoints} "
+                f"(the newest: version {versions[-1]})")
     if cfg.sft.steps and sft_model_kept(cfg):
         return "no checkpoint of RL yet: the same command starts RL again from the SFT model"
     if cfg.sft.steps:

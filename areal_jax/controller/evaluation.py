@@ -13,7 +13,7 @@ import numpy as np
 
 from areal_jax.controller.requests import rollout_request
 from areal_jax.controller.rollout_pool import RequestFailedError, RolloutPool
-from areal_jax.data.dataset import PromptItem
+from areal_jax.data.dataset import PromptItem, metadata_text
 from areal_jax.protocol import finish_reason_from_proto
 
 log = logging.getLogger(__name__)
@@ -110,14 +110,16 @@ def answer_record(item: PromptItem, trajectory) -> dict:
     return {"id": item.id, "prompt": item.prompt_text, "output_ids": list(trajectory.output_ids),
             "reward": trajectory.reward,
             "finish_reason": finish_reason_from_proto(trajectory.finish_reason),
-            "metadata": dict(item.metadata)}
+            "metadata": {k: metadata_text(v) for k, v in item.metadata.items()}}
 
 
 def with_text(records: list[dict], tokenizer) -> list[dict]:
     """``records`` (``answer_record``) with each answer decoded as ``completion`` (special
-    tokens kept: an end-of-sequence shows where the answer stopped)."""
+    tokens kept: an end-of-sequence shows where the answer stopped) and as ``reward_input``,
+    the text the single-turn workflow gives the reward (special tokens removed)."""
     return [{**{k: v for k, v in r.items() if k != "output_ids"},
              "completion": tokenizer.decode(r["output_ids"], skip_special_tokens=False),
+             "reward_input": tokenizer.decode(r["output_ids"], skip_special_tokens=True),
              "output_tokens": len(r["output_ids"])} for r in records]
 
 

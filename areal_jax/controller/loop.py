@@ -101,14 +101,21 @@ class RLLoop:
         self._paused = False
         self._ended = False  # set once run() stops training: no more prompts are submitted
         self._publisher: Publisher | None = None
+        self._taken: list[_Finished] | None = None  # the batch of the step in progress
+        self._step: asyncio.Future | None = None  # that step, until trained and recorded
+        self._unlogged: tuple[int, dict] | None = None  # a trained version's metrics row
+        self._saving: tuple[int, asyncio.Future] | None = None  # the last checkpoint write
+        self._saved = 0  # the newest checkpoint's version
         self._busy = BusyWindow()
         self._compiles = CompileMeter()
         self._rewards = RewardWatch(cfg.dataset.reward, advantage=cfg.trainer.advantage)
 
     # ---- state that survives a restart -------------------------------------------------
     def pending_ids(self) -> list[str]:
-        """Prompt ids accepted but not trained yet: buffered, in flight, waiting to be resent."""
-        return ([f.item.id for f in sorted(self._buffer)]
+        """Prompt ids accepted but not trained yet: taken for a step that has not trained,
+        buffered, in flight, waiting to be resent."""
+        return ([f.item.id for f in self._taken or ()]
+                + [f.item.id for f in sorted(self._buffer)]
                 + [item.id for _, item in sorted(self._in_flight.items())]
                 + [i.id for i in self._retry])
 
@@ -274,7 +281,8 @@ class RLLoop:
 
     async def run(self, total_steps: int, checkpoint: Callable[[dict], None]) -> None:
         """Train until the trainer reaches ``total_steps`` versions; the last version is
-        published when this returns."""
+        published when this returns. Cancelled (a stop, or a server that keeps exiting), it
+        checkpoints what it trained since the last checkpoint first (``_checkpoint_at_stop``)."""
         self._fatal, self._ended = None, False
         sync = self.cfg.schedule.mode == "sync"
         every_ckpt, every_eval = self.cfg.checkpoint_every, self.cfg.eval.every_steps
@@ -282,28 +290,21 @@ class RLLoop:
         self._publisher = Publisher(self.pool, self.version, push,
                                     on_published=lambda v, t: self._fill())
         self._busy_fractions()
+        self._saved = self.version  # the newest checkpoint's version (or the start's)
         try:
             if self.version < total_steps:  # a finished run started again asks for nothing
                 self._fill()
             while self.version < total_steps:
                 wait_start = time.monotonic()
-                batch = await self._next_batch()
-                groups = [group_from_proto(f.group) for f in batch]
-                metrics = _staleness_metrics(groups, self.version, self.cfg.schedule.max_staleness)
-                metrics.update(self._rewards.observe(groups))
+                batch = self._taken = await self._next_batch()
                 if sync:
                     self._paused = True
                     await self.pool.pause()
-                t0 = time.monotonic()
-                step_metrics, snapshot = await asyncio.to_thread(self._train, groups)
-                t1 = time.monotonic()
-                metrics.update(step_metrics)
-                self.version = self.trainer.version
-                if self.version >= total_steps:  # before the last evaluation and checkpoint
-                    self._end_submissions()
-                if self.ledger is not None:
-                    self.ledger.record("train", version=self.version,
-                                       prompts=[f.item.id for f in batch])
+                # Shielded: a stop waits for the step and its records (_checkpoint_at_stop).
+                self._step = asyncio.ensure_future(
+                    self._train_step(batch, total_steps, wait_start))
+                metrics, snapshot, groups, wait_s, train_s = await asyncio.shield(self._step)
+                self._step = None
                 if sync:
                     await self._publisher.publish_now(snapshot)
                     self._paused = False
@@ -311,21 +312,77 @@ class RLLoop:
                     self._fill()
                 else:
                     self._publisher.submit(snapshot)
-                metrics.update(self._loop_metrics(groups, t0 - wait_start, t1 - t0))
+                metrics.update(self._loop_metrics(groups, wait_s, train_s))
                 if every_eval and self.version % every_eval == 0 and self.on_eval is not None:
                     await self._publisher.flush()
                     metrics.update(await self.on_eval(self.version))
                 self.on_step(self.version, metrics)
+                self._unlogged = None
                 if every_ckpt and (self.version % every_ckpt == 0 or self.version == total_steps):
-                    await asyncio.to_thread(checkpoint, self.state_dict())
+                    await self._checkpoint(checkpoint)
             self._end_submissions()
             await self._publisher.flush()
             if self.ledger is not None:
                 self.ledger.record("end", version=self.version, pending=self.pending_ids(),
                                    data=self.prompts.state_dict())
+        except asyncio.CancelledError:
+            if every_ckpt:
+                await self._checkpoint_at_stop(checkpoint)
+            raise
         finally:
             self._ended = True
             await self._publisher.close()
+
+    async def _train_step(self, batch: list[_Finished], total_steps: int, wait_start: float):
+        """Train on ``batch`` and record it (version, ledger, the metrics row to log); returns
+        the row so far, the snapshot to publish, the groups, and the seconds waited for the
+        batch (since ``wait_start``) and trained."""
+        groups = [group_from_proto(f.group) for f in batch]
+        metrics = _staleness_metrics(groups, self.version, self.cfg.schedule.max_staleness)
+        metrics.update(self._rewards.observe(groups))
+        t0 = time.monotonic()
+        step_metrics, snapshot = await asyncio.to_thread(self._train, groups)
+        wait_s, train_s = t0 - wait_start, time.monotonic() - t0
+        metrics.update(step_metrics)
+        self.version = self.trainer.version
+        self._taken = None
+        if self.version >= total_steps:  # before the last evaluation and checkpoint
+            self._end_submissions()
+        if self.ledger is not None:
+            self.ledger.record("train", version=self.version, prompts=[f.item.id for f in batch])
+        self._unlogged = (self.version, metrics)
+        return metrics, snapshot, groups, wait_s, train_s
+
+    async def _checkpoint(self, checkpoint: Callable[[dict], None]) -> None:
+        """Checkpoint the trainer and this loop's state; shielded: a stop waits for the write."""
+        self._saving = (self.version, asyncio.ensure_future(
+            asyncio.to_thread(checkpoint, self.state_dict())))
+        await asyncio.shield(self._saving[1])
+        self._saved = self._saving[0]
+
+    async def _checkpoint_at_stop(self, checkpoint: Callable[[dict], None]) -> None:
+        """After a cancellation: let the checkpoint write and the step in flight finish (the
+        step recorded, its metrics row logged), then checkpoint the versions trained since the
+        last checkpoint, so that the resumed run does not train them again. A failure here is
+        logged; the stop goes on."""
+        try:
+            if self._saving is not None:  # done, or still writing
+                await self._saving[1]
+                self._saved = self._saving[0]
+            if self._step is not None:
+                await self._step
+                self._step = None
+            if self._unlogged is not None:
+                self.on_step(*self._unlogged)
+                self._unlogged = None
+            if self.version > self._saved:
+                log.warning("stopping: checkpointing version %d (the last checkpoint was of "
+                            "version %d)", self.version, self._saved)
+                await asyncio.to_thread(checkpoint, self.state_dict())
+                self._saved = self.version
+        except Exception:  # noqa: BLE001 - the stop goes on; said, with what the resume does
+            log.exception("stopping: the step or checkpoint in progress failed; the run "
+                          "resumes from its newest checkpoint (version %d)", self._saved)
 
     def _end_submissions(self) -> None:
         """The last version is trained: ask for nothing more, and take back the groups still

@@ -45,9 +45,13 @@ def base_model_path(cfg: ExperimentConfig) -> Path:
 
 
 def check_model_dir(path: Path, key: str) -> Path:
-    """``path`` if it is a local Hugging Face model directory with its tokenizer's vocabulary,
-    else a ``ConfigError`` naming ``key`` (without it transformers builds a tokenizer of a few
-    special tokens from ``tokenizer_config.json`` alone, and every prompt encodes to nothing)."""
+    """``path`` if it is a local Hugging Face model directory with its tokenizer's vocabulary
+    and the weights its config implies (by their headers), else a ``ConfigError`` naming
+    ``key`` (without the vocabulary transformers builds a tokenizer of a few special tokens
+    from ``tokenizer_config.json`` alone, and every prompt encodes to nothing; weights that do
+    not fit would fail the run only once it started, its run directory taken)."""
+    from areal_jax.models.hf_io import CheckpointError, check_hf_weights
+
     expected = "a local Hugging Face model directory is expected (nothing is downloaded)"
     if not path.exists():
         raise ConfigError(f"{key}: {path} does not exist; {expected}")
@@ -66,8 +70,11 @@ def check_model_dir(path: Path, key: str) -> Path:
         raise ConfigError(f"{key}: {path} has no config.json; {expected}")
     try:
         check_vocabulary(path, key)
+        check_hf_weights(path)
     except ModelConfigError as e:
         raise ConfigError(str(e)) from None
+    except CheckpointError as e:
+        raise ConfigError(f"{key}: {e}") from None
     return path
 
 

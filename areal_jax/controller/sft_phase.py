@@ -15,7 +15,7 @@ from areal_jax.config import ConfigError
 from areal_jax.controller.prepare import dataset_config
 from areal_jax.controller.progress import TrainingProgress
 from areal_jax.controller.trainers import make_trainer
-from areal_jax.data.dataset import PromptDataset
+from areal_jax.data.dataset import PromptDataset, metadata_text
 from areal_jax.experiment import ExperimentConfig
 from areal_jax.metrics import MetricsLogger
 from areal_jax.models import ModelConfig, export_hf_tensors
@@ -68,7 +68,8 @@ def sft_examples(cfg: ExperimentConfig, tokenizer, dataset: PromptDataset | None
     end = tokenizer.eos_token_id if end_id is None else end_id
     examples = []
     for item in dataset:
-        response = tokenizer(str(item.metadata[key]), add_special_tokens=False)["input_ids"]
+        response = tokenizer(metadata_text(item.metadata[key]),
+                             add_special_tokens=False)["input_ids"]
         response = [*response, end]
         if len(item.prompt_ids) + len(response) > budget:
             raise ConfigError(

@@ -49,8 +49,9 @@ class DatasetConfig:
             if not key or not isinstance(column, str) or not column:
                 raise ValueError(f"dataset.metadata_fields: {key!r} must map to a column name")
 
-    def resolved_format(self) -> str:
-        """``format``, or the one the file suffix implies when ``auto``."""
+    def resolved_format(self, section: str = "dataset") -> str:
+        """``format``, or the one the file suffix implies when ``auto`` (an error names
+        ``section``'s ``format``)."""
         if self.format != "auto":
             return self.format
         suffix = Path(self.path).suffix.lower()
@@ -59,6 +60,6 @@ class DatasetConfig:
         if suffix in (".parquet", ".pq"):
             return "parquet"
         raise ConfigError(
-            f"dataset.format: cannot infer the format of {self.path!r} from its suffix "
-            "(.jsonl or .parquet); set dataset.format"
+            f"{section}.format: cannot infer the format of {self.path!r} from its suffix "
+            f"(.jsonl or .parquet); set {section}.format"
         )

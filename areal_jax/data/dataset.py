@@ -37,7 +37,7 @@ class PromptDataset(Sequence[PromptItem]):
     def __init__(self, config: DatasetConfig, tokenizer, section: str = "dataset"):
         self.config = config
         path = Path(config.path)
-        rows = read_rows(path, config.resolved_format(), f"{section}.path")
+        rows = read_rows(path, config.resolved_format(section), f"{section}.path")
         ids, questions, metadata = [], [], []
         seen: dict[str, str] = {}
         # a prompt of raw text (use_chat_template: false) may carry its own template's tokens
@@ -162,6 +162,12 @@ def _item_id(value, where: str) -> str:
         raise DatasetError(f"{where}: an id must have 1 to {MAX_ID_CHARS} characters, got "
                            f"{len(item_id)}")
     return item_id
+
+
+def metadata_text(value) -> str:
+    """A metadata value as it travels with a request, and as the reward (and SFT's target)
+    reads it: a string as it is, anything else as its JSON text."""
+    return value if isinstance(value, str) else json.dumps(value)
 
 
 def _wire_value(value, where: str):

@@ -121,11 +121,11 @@ def check_tensors(found: dict[str, tuple[tuple[int, ...], np.dtype]],
             raise CheckpointError(f"{where} is missing tensor {name}")
         if found[name][0] != shape:
             raise CheckpointError(
-                f"tensor {name} has shape {found[name][0]}, the config implies {shape}"
+                f"{where}: tensor {name} has shape {found[name][0]}, the config implies {shape}"
             )
         if found[name][1] not in FLOAT_DTYPES:
             raise CheckpointError(
-                f"tensor {name} has dtype {found[name][1].name}; supported: {allowed}"
+                f"{where}: tensor {name} has dtype {found[name][1].name}; supported: {allowed}"
             )
     unused = sorted(n for n in found if n not in expected and not n.endswith(_HARMLESS_SUFFIXES))
     if unused:
@@ -246,6 +246,16 @@ def _place(files: WeightFiles, m: TensorMap, names: list[str], full_shape: tuple
         which = names[0] if len(names) == 1 else f"{names[0]} (or another layer's)"
         raise CheckpointError(f"tensor {which} has values beyond the range of {dtype.name}")
     return cast
+
+
+def check_hf_weights(path: str | Path, cfg: ModelConfig | None = None) -> None:
+    """The weight files of the HF directory ``path`` against its config (``cfg``: read from
+    it), from their headers: every tensor the config implies, with its shape and a float
+    dtype, and no other. Raises ``CheckpointError``; the values are checked as they load."""
+    cfg = cfg or ModelConfig.from_pretrained(path)
+    files = WeightFiles(path)
+    _check_layer_count(files, cfg, path)  # before anything is built per layer
+    check_tensors(_checkpoint_tensors(files, cfg), hf_shapes(cfg), cfg, f"checkpoint {path}")
 
 
 def load_hf_model(

@@ -14,18 +14,24 @@ def alive(pid: int) -> bool:
 
 
 def marked(mark: str) -> list[int]:
-    """Live (non-zombie) processes whose command line holds ``mark``."""
+    """Processes with a live (non-zombie) thread whose command line holds ``mark`` (a process
+    whose main thread exited shows as a zombie with an empty command line while its other
+    threads run on: each thread is read)."""
     found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
+    for name in filter(str.isdigit, os.listdir("/proc")):
         try:
-            with open(f"/proc/{name}/cmdline", "rb") as f:
-                cmdline = f.read()
-            with open(f"/proc/{name}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
+            threads = os.listdir(f"/proc/{name}/task")
         except OSError:
             continue
-        if mark.encode() in cmdline and state not in ("Z", "X"):
-            found.append(int(name))
+        for tid in threads:
+            try:
+                with open(f"/proc/{name}/task/{tid}/cmdline", "rb") as f:
+                    cmdline = f.read()
+                with open(f"/proc/{name}/task/{tid}/stat") as f:
+                    state = f.read().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if mark.encode() in cmdline and state not in ("Z", "X"):
+                found.append(int(name))
+                break
     return found

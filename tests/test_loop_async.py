@@ -1853,22 +1853,26 @@ def test_a_rejoin_load_under_the_weights_lock_holds_publishing_up_for_a_bounded_
     assert waited < 4.0  # max(rpc_timeout_s 1, 3 x the first load's 1 s), not 30 s
 
 
-@pytest.mark.parametrize("stopped", ["in_a_step", "waiting_for_a_batch"])
+@pytest.mark.parametrize("stopped", ["in_a_step", "in_a_step_twice", "waiting_for_a_batch"])
 def test_a_stop_checkpoints_the_versions_trained_since_the_last_checkpoint(tmp_path, stopped):
     # A stop (SIGTERM, Ctrl-C: the loop's task cancelled) wrote no checkpoint: the versions
     # trained since the last one were trained again after the resume; one in a step left it
-    # running on its thread, unrecorded.
+    # running on its thread, unrecorded. Cancelled again as it stops (a server that keeps
+    # exiting, then SIGTERM), it dropped that checkpoint.
     prompts = items(80)
     # A checkpoint every 2 versions; with a bound of 0, no batch is ready as a step ends: the
     # loop waits for one at every version.
     cfg = config(tmp_path, {"max_staleness": 0 if stopped == "waiting_for_a_batch" else 1})
-    if stopped == "in_a_step":  # cancelled while the step to version 3 runs on its thread
+    if stopped.startswith("in_a_step"):  # cancelled as the step to version 3 runs
         trainer, engine = RecordingTrainer(exports_dir(tmp_path), train_s=0.3), 0.005
 
         async def during(loop, pool, servers):
             while not (trainer.version == 2 and loop._step is not None):
                 await asyncio.sleep(0.005)
             loop.task.cancel()
+            if stopped == "in_a_step_twice":
+                await asyncio.sleep(0.1)
+                loop.task.cancel()
     else:  # cancelled as the loop waits for a batch at version 3 (not checkpointed yet)
         trainer, engine, during = RecordingTrainer(exports_dir(tmp_path)), 0.005, None
         idle = trainer.idle

@@ -2,6 +2,7 @@
 
 import asyncio
 import os
+import sys
 import time
 
 import pytest
@@ -48,7 +49,10 @@ def text_reward(completion: str, metadata: dict) -> float:
 
 
 def returned_reward(completion: str, metadata: dict):
-    """Returns what the completion names: None, a huge number, or a metadata key's value."""
+    """Returns what the completion names: None, a huge number, or a metadata key's value; or
+    exits."""
+    if completion == "exit":
+        sys.exit(3)
     returned = {"none": None, "huge": 1e300, "list": [1.0]}
     return returned[completion] if completion in returned else metadata["gold"]
 
@@ -203,6 +207,10 @@ def test_errors_score_zero_and_the_worker_keeps_serving(pool):
     assert error("x", {"answer": "1", "id": "7"}) == (
         0.0, "KeyError: 'gold' (metadata keys: answer, id)")
     assert error("x", {"gold": -1e9}) == (-1e9, None)  # the bound itself is a reward
+    # sys.exit() in a reward ended its worker: "worker died (EOFError())", a restart
+    restarts = pool.num_errors
+    assert error("exit") == (0.0, "SystemExit: 3")
+    assert pool.num_errors == restarts + 1 and error("x", {"gold": 2}) == (2.0, None)
 
 
 def test_hung_and_crashing_workers_are_replaced():

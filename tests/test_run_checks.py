@@ -164,6 +164,11 @@ def test_a_model_path_without_a_hugging_face_config_names_the_setting(tmp_path, 
                  str(tmp_path / "missing"), "--samples", str(tmp_path)]) == 2
     assert capsys.readouterr().err.startswith(
         f"areal-jax eval: error: --samples: {tmp_path} is a directory; name the file to write")
+    (tmp_path / "old_run").mkdir()
+    (tmp_path / "old_run" / "fingerprint.json").write_text("{}")
+    assert main(["eval", "--config", _write(tmp_path, _config(tmp_path)), "--model",
+                 str(tmp_path / "missing"), "--samples", str(tmp_path / "old_run" / "m")]) == 2
+    assert "is inside the run directory" in capsys.readouterr().err
     for model, says in ((tmp_path / "missing", "does not exist"),
                         (tmp_path / "not_a_model", "has no tokenizer vocabulary"),
                         (tmp_path / "not_a_model" / "config.json", "is a file"),

@@ -273,17 +273,18 @@ def test_a_process_that_leaves_the_group_is_killed_when_uid_or_pid_isolated(main
     # thread exited while another runs on (it shows as a zombie): the clean-up skipped it, and
     # it outlived the run (holding memory, racing the removal of the run's directory).
     mark = f"areal-escape-{uuid.uuid4().hex}"
+    left = {  # PR_SET_DUMPABLE 0; SYS_exit: the main thread alone
+        "runs": "import ctypes, time; ctypes.CDLL(None).prctl(4, 0); time.sleep(60)",
+        "exits": "import ctypes, threading, time; "
+                 "threading.Thread(target=time.sleep, args=(60,)).start(); "
+                 "ctypes.CDLL(None).syscall(60, 0)"}[main_thread]
     code = textwrap.dedent(
         f"""
-        import ctypes, os, sys, threading, time
+        import os, sys, time
         if os.fork() == 0:
             os.setsid()
-            if {main_thread!r} == "runs":  # PR_SET_DUMPABLE 0 after the exec
-                sleep = "import ctypes, time; ctypes.CDLL(None).prctl(4, 0); time.sleep(60)"
-                os.execv(sys.executable, [sys.executable, "-c", sleep, {mark!r}])
-            threading.Thread(target=time.sleep, args=(60,)).start()
-            ctypes.CDLL(None).syscall(60, 0)  # SYS_exit: the main thread alone
-        time.sleep(0.3)
+            os.execv(sys.executable, [sys.executable, "-c", {left!r}, {mark!r}])
+        time.sleep(0.5)
         """
     )
     result = run_python(code, limits=FAST)
@@ -327,6 +328,29 @@ def test_code_under_the_callers_uid_can_signal_no_process_outside_its_run(monkey
     assert result.pid_isolated and not result.uid_isolated
     assert result.stdout.split() == ["no", "such", "process", "1"], result.stderr
     assert marked(mark) == []
+
+
+def test_a_crash_of_the_code_writes_no_core_dump(monkeypatch):
+    # In a PID namespace the process outside ends by the code's signal: with the caller's
+    # core limit it dumped the caller's memory (a GiB per crashing completion here).
+    import resource
+
+    before = resource.getrlimit(resource.RLIMIT_CORE)
+    left = []
+    remove = sandbox._remove_tree
+
+    def listing_then_removing(path):
+        left.extend(name for _, _, names in os.walk(path) for name in names)
+        remove(path)
+
+    monkeypatch.setattr(sandbox, "_remove_tree", listing_then_removing)
+    resource.setrlimit(resource.RLIMIT_CORE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    try:
+        result = run_python("import ctypes; ctypes.string_at(0)", limits=FAST)
+    finally:
+        resource.setrlimit(resource.RLIMIT_CORE, before)
+    assert result.returncode == -11
+    assert not [name for name in left if name.startswith("core")], left
 
 
 def test_processes_the_code_makes_the_callers_children_are_reaped():

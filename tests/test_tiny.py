@@ -52,10 +52,12 @@ def test_the_tiny_model_command_refuses_shapes_it_cannot_build(tmp_path, capsys)
     out = tmp_path / "tiny"
     out.mkdir()
     (out / "mine.txt").write_text("kept")
-    for args, message in ((["--num-heads", "0"], "tiny.num_heads: must be >= 1, got 0"),
-                          (["--hidden-size", "28"], r"tiny.hidden_size \(28\) must be num_heads "
+    for args, message in ((["--num-heads", "0"], "--num-heads: must be >= 1, got 0"),
+                          (["--hidden-size", "28"], r"--hidden-size \(28\) must be num_heads "
                                                     r"\(4\) x an even head dimension"),
-                          (["--num-kv-heads", "3"], r"tiny.num_heads \(4\) must be a multiple")):
+                          (["--num-kv-heads", "3"], r"--num-heads \(4\) must be a multiple"),
+                          (["--tokenizer-vocab-size", "100"],  # it made one of 259, unsaid
+                           r"--tokenizer-vocab-size: must be >= 259 \(the 256 byte tokens")):
         assert main(["tiny-model", str(out), *args]) == 2
         err = capsys.readouterr().err
         assert re.search(message, err) and "Traceback" not in err, err

@@ -87,14 +87,22 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check_output_file(path, flag: str) -> None:
-    """``path`` can be written as a file (its directory made if missing), else a
-    ``ConfigError`` naming ``flag``."""
+    """``path`` can be written as a file (its directory made if missing) outside any run
+    directory (it would overwrite the run's own files), else a ``ConfigError`` naming
+    ``flag``."""
     import os
 
     from areal_jax.config import ConfigError
+    from areal_jax.controller.prepare import FINGERPRINT_FILE
 
     if path.is_dir():
         raise ConfigError(f"{flag}: {path} is a directory; name the file to write")
+    where = path.parent.resolve()
+    run_dir = next((d for d in (where, *where.parents) if (d / FINGERPRINT_FILE).is_file()), None)
+    if run_dir is not None:
+        raise ConfigError(f"{flag}: {path} is inside the run directory {run_dir}, whose files "
+                          "it could overwrite (its evaluations keep their answers in "
+                          "eval_samples/); write it elsewhere")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 
 NAME = "tiny-model"
 HELP = "Build a tiny byte-level BPE tokenizer and a random model (HF format), no downloads."
@@ -29,10 +30,16 @@ def run(args: argparse.Namespace) -> int:
     import numpy as np
     from transformers import AutoTokenizer
 
+    from areal_jax.config import ConfigError
     from areal_jax.models import build_tiny_model, load_hf_model
     from areal_jax.models.tiny import TinyModelSpec
 
-    spec = TinyModelSpec(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TinyModelSpec)})
+    try:
+        spec = TinyModelSpec(**{f.name: getattr(args, f.name)
+                                for f in dataclasses.fields(TinyModelSpec)})
+    except ConfigError as e:  # named by this command's flags, not the config's keys
+        raise ConfigError(re.sub(r"\btiny\.(\w+)", lambda m: "--" + m[1].replace("_", "-"),
+                                 str(e))) from None
     path = build_tiny_model(args.out_dir, spec)
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     model, _ = load_hf_model(path)

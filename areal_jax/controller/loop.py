@@ -8,7 +8,8 @@ version the servers serve, so a publish still in flight tightens the bound inste
 it.
 
 Nothing accepted is lost: groups in flight or buffered when a checkpoint is written are recorded
-by prompt id and resubmitted first after a restart; groups of a failed server are resubmitted
+by prompt id and resubmitted first after a restart (a stop checkpoints what was trained since
+the last checkpoint, so nothing trained is trained again either); groups of a failed server are resubmitted
 elsewhere by the pool; an over-stale group dropped at batch formation (``schedule.overstale:
 drop``) has its prompt generated again. Only a request a server rejects as invalid is not
 retried, nor one whose answer is too long to train on (a trajectory over the micro-batch token
@@ -18,6 +19,7 @@ budget: a multi-turn workflow's, say); many in a row stop the run with the error
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import sys
@@ -326,8 +328,11 @@ class RLLoop:
                 self.ledger.record("end", version=self.version, pending=self.pending_ids(),
                                    data=self.prompts.state_dict())
         except asyncio.CancelledError:
-            if every_ckpt:
-                await self._checkpoint_at_stop(checkpoint)
+            if every_ckpt:  # to its end, whatever cancels this task again meanwhile
+                stopping = asyncio.ensure_future(self._checkpoint_at_stop(checkpoint))
+                while not stopping.done():
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await asyncio.shield(stopping)
             raise
         finally:
             self._ended = True

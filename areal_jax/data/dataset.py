@@ -167,7 +167,7 @@ def _item_id(value, where: str) -> str:
 def metadata_text(value) -> str:
     """A metadata value as it travels with a request, and as the reward (and SFT's target)
     reads it: a string as it is, anything else as its JSON text."""
-    return value if isinstance(value, str) else json.dumps(value)
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
 
 def _wire_value(value, where: str):
@@ -184,4 +184,5 @@ def _wire_value(value, where: str):
     except (TypeError, ValueError, RecursionError) as e:
         raise DatasetError(f"{where}: a metadata value must be text or JSON data, with finite "
                            f"numbers ({type(value).__name__}: {e})") from None
+    _check_text(metadata_text(value), where)  # a string inside it too
     return value

@@ -103,6 +103,11 @@ class TinyModelSpec:
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"tiny.num_heads ({self.num_heads}) must be a multiple of "
                               f"num_kv_heads ({self.num_kv_heads})")
+        least = 256 + len(SPECIAL_TOKENS)  # every byte, and the special tokens
+        if self.tokenizer_vocab_size < least:
+            raise ConfigError(f"tiny.tokenizer_vocab_size: must be >= {least} (the 256 byte "
+                              f"tokens and {len(SPECIAL_TOKENS)} special ones), got "
+                              f"{self.tokenizer_vocab_size}")
 
 
 def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None) -> Path:

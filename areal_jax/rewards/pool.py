@@ -99,7 +99,8 @@ def _worker_main(conn, scratch: str, parent: int | None) -> None:
         except KeyError as e:  # the typical mistake: a key the dataset does not map
             keys = ", ".join(sorted(metadata)[:20]) or "none"
             reply = ("error", f"KeyError: {e} (metadata keys: {keys})")
-        except Exception as e:  # a failing reward must not take the worker down
+        except (Exception, SystemExit) as e:  # a failing reward (sys.exit() too) must not
+            # take the worker down
             reply = ("error", f"{type(e).__name__}: {e}")
         conn.send(reply)
 

@@ -31,7 +31,9 @@ What :func:`run_python` enforces (docs/rewards.md lists what it does not):
   uid, and could otherwise kill the rollout server; outside the jail the host's ``/proc`` still
   lists them, readable as any process's is); when that process ends, the kernel
   kills every process left in the namespace, those that left the process group too. The
-  process that waits for it outside (the one the caller started) ends as it ended.
+  process that waits for it outside (the one the caller started) ends as it ended. As the
+  namespace's first process, the code's main process ignores the signals it sends itself
+  without a handler (and the soft CPU limit's SIGXCPU: the hard one's SIGKILL ends it).
   ``SandboxResult.pid_isolated`` says whether it was in effect.
 """
 
@@ -359,7 +361,6 @@ def _child_setup(
         (resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes)),
         (resource.RLIMIT_NPROC, (nproc, nproc)),
         (resource.RLIMIT_FSIZE, (limits.max_file_bytes, limits.max_file_bytes)),
-        (resource.RLIMIT_NOFILE, (limits.max_open_files, limits.max_open_files)),
         (resource.RLIMIT_CORE, (0, 0)),
     ):
         resource.setrlimit(which, value)
@@ -370,6 +371,8 @@ def _child_setup(
         os.setuid(uid)
     elif iso.unshare_flags:
         outside = _isolate(iso.unshare_flags, parent)
+    # after the isolation, which opens a pipe with the caller's descriptors still open
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limits.max_open_files, limits.max_open_files))
     # last: changing credentials clears the parent-death signal
     if outside is None:
         die_with_parent(parent)
@@ -402,13 +405,16 @@ def _enter_pid_namespace(parent: int | None) -> int:
         os.close(held)
         return waiting
     try:
-        os.closerange(0, held)
-        os.closerange(held + 1, 1 << 30)
         if parent is not None:
             die_with_parent(parent)
+        for fd in os.listdir("/proc/self/fd"):  # those open, not every number up to the limit
+            if int(fd) != held:  # (without close_range, a loop of a billion close calls)
+                with contextlib.suppress(OSError):  # the listing's own, closed by now
+                    os.close(int(fd))
         status = os.waitpid(first, 0)[1]
-        if os.WIFSIGNALED(status):  # end by the same signal, for the caller's returncode
-            sig = os.WTERMSIG(status)
+        if os.WIFSIGNALED(status):  # end by the same signal, for the caller's returncode,
+            sig = os.WTERMSIG(status)  # without a core dump of this copy of the caller
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
             with contextlib.suppress(OSError, ValueError):  # SIGKILL keeps its action
                 signal.signal(sig, signal.SIG_DFL)
             signal.pthread_sigmask(signal.SIG_UNBLOCK, [sig])
@@ -480,6 +486,9 @@ def _probe(setup: Callable[[str], None]) -> bool:
                     timeout=30,
                 )
                 return True
+            except subprocess.TimeoutExpired:  # not a refusal: something is wrong here
+                log.warning("a probe of the sandbox's isolation did not finish in 30 s; "
+                            "without another try that succeeds, runs go without it")
             except (OSError, subprocess.SubprocessError):
                 continue
     return False

@@ -163,9 +163,19 @@ def from_dict(cls: type[T], data: dict[str, Any] | None, prefix: str = "") -> T:
     except ConfigError as e:
         if not prefix or str(e).startswith(prefix):
             raise
-        raise ConfigError(f"{prefix}: {e}") from e  # name the section it came from
+        raise ConfigError(_in_section(prefix, str(e), fields)) from e
     except (ValueError, TypeError) as e:
-        raise ConfigError(f"{prefix or cls.__name__}: {e}") from e
+        raise ConfigError(_in_section(prefix or cls.__name__, str(e), fields)) from e
+
+
+def _in_section(prefix: str, message: str, fields) -> str:
+    """``message`` of a check in section ``prefix``: ``prefix.key: must ...`` where it reads
+    ``key must ...`` for one of the section's keys (``lr must be > 0`` -> ``trainer.lr: must
+    be > 0``), else ``prefix: message``."""
+    key, _, rest = message.partition(" ")
+    if key in fields and rest.startswith("must "):
+        return f"{prefix}.{key}: {rest}"
+    return f"{prefix}: {message}"
 
 
 def to_dict(cfg: Any) -> Any:

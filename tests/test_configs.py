@@ -90,8 +90,8 @@ def test_trainer_temperature_follows_sampling_unless_set_otherwise():
      "process_group.join_timeout_s: must be >= 1, got 0"),
     # the quickstart's batch: 8 prompts x 8 answers; the first step would fail
     ("trainer.ppo_n_minibatches=65", r"trainer.ppo_n_minibatches \(65\) is more than the 64 "),
-    ("sft.trainer.lr=-1", r"sft.trainer: lr must be > 0, got -1"),
-    ("trainer.lr=0", r"trainer: lr must be > 0, got 0"),
+    ("sft.trainer.lr=-1", r"sft.trainer.lr: must be > 0, got -1"),
+    ("trainer.lr=0", r"trainer.lr: must be > 0, got 0"),
     ("sft.trainer.lrr=1", r"unknown config key sft.trainer.lrr"),
 ])
 def test_what_every_request_would_be_refused_for_is_refused_before_the_run(override, message):

@@ -23,7 +23,9 @@ def run(args: argparse.Namespace) -> int:
     from areal_jax.experiment import ExperimentConfig
     from areal_jax.stopping import stop_on_sigterm
 
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    # force: importing Orbax has already given the root logger absl's default handler
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s",
+                        force=True)
     cfg = load_config(ExperimentConfig, args.config, args.overrides)
     preflight(cfg)
     # SIGTERM (kill, scancel, docker stop) stops the run as Ctrl-C does: servers stopped,

@@ -9,11 +9,12 @@ it.
 
 Nothing accepted is lost: groups in flight or buffered when a checkpoint is written are recorded
 by prompt id and resubmitted first after a restart (a stop checkpoints what was trained since
-the last checkpoint, so nothing trained is trained again either); groups of a failed server are resubmitted
-elsewhere by the pool; an over-stale group dropped at batch formation (``schedule.overstale:
-drop``) has its prompt generated again. Only a request a server rejects as invalid is not
-retried, nor one whose answer is too long to train on (a trajectory over the micro-batch token
-budget: a multi-turn workflow's, say); many in a row stop the run with the error.
+the last checkpoint, so nothing trained is trained again either); groups of a failed server are
+resubmitted elsewhere by the pool; an over-stale group dropped at batch formation
+(``schedule.overstale: drop``) has its prompt generated again. Only a request a server rejects
+as invalid is not retried, nor one whose answer is too long to train on (a trajectory over the
+micro-batch token budget: a multi-turn workflow's, say); many in a row stop the run with the
+error.
 """
 
 from __future__ import annotations

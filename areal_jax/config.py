@@ -165,7 +165,9 @@ def from_dict(cls: type[T], data: dict[str, Any] | None, prefix: str = "") -> T:
             raise
         raise ConfigError(_in_section(prefix, str(e), fields)) from e
     except (ValueError, TypeError) as e:
-        raise ConfigError(_in_section(prefix or cls.__name__, str(e), fields)) from e
+        if not prefix:
+            raise ConfigError(f"{cls.__name__}: {e}") from e
+        raise ConfigError(_in_section(prefix, str(e), fields)) from e
 
 
 def _in_section(prefix: str, message: str, fields) -> str:

@@ -23,9 +23,10 @@ def run(args: argparse.Namespace) -> int:
     from areal_jax.experiment import ExperimentConfig
     from areal_jax.stopping import stop_on_sigterm
 
-    # force: importing Orbax has already given the root logger absl's default handler
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s",
-                        force=True)
+    console = "%(levelname)s %(name)s: %(message)s"
+    logging.basicConfig(level=logging.WARNING, format=console)
+    for handler in logging.getLogger().handlers:  # importing Orbax may have given the root
+        handler.setFormatter(logging.Formatter(console))  # absl's default handler already
     cfg = load_config(ExperimentConfig, args.config, args.overrides)
     preflight(cfg)
     # SIGTERM (kill, scancel, docker stop) stops the run as Ctrl-C does: servers stopped,

@@ -6,6 +6,7 @@ trainer takes servers that are ahead back to its version."""
 import asyncio
 import contextlib
 import re
+import threading
 import time
 from pathlib import Path
 
@@ -1865,9 +1866,17 @@ def test_a_stop_checkpoints_the_versions_trained_since_the_last_checkpoint(tmp_p
     cfg = config(tmp_path, {"max_staleness": 0 if stopped == "waiting_for_a_batch" else 1})
     if stopped.startswith("in_a_step"):  # cancelled as the step to version 3 runs
         trainer, engine = RecordingTrainer(exports_dir(tmp_path), train_s=0.3), 0.005
+        train, third = trainer.train_on_batch, threading.Event()
+
+        def training(groups):
+            if trainer.version == 2:
+                third.set()
+            return train(groups)
+
+        trainer.train_on_batch = training
 
         async def during(loop, pool, servers):
-            while not (trainer.version == 2 and loop._step is not None):
+            while not third.is_set():
                 await asyncio.sleep(0.005)
             loop.task.cancel()
             if stopped == "in_a_step_twice":

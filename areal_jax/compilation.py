@@ -20,6 +20,7 @@ import platform
 import stat
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
@@ -91,8 +92,8 @@ def enable_compilation_cache(directory: str | Path | None = None,
 
 def _unusable_cache(path: Path) -> str | None:
     """Why ``path`` may not hold this process's compiled programs, or None (it is then
-    created, owned by this user, not writable by every user, and empty entries left by a write
-    that failed, which JAX would read and never replace, are removed)."""
+    created, owned by this user, not writable by every user, and its damaged entries are
+    removed: ``_remove_damaged_entries``)."""
     try:
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
         for directory in (path, path.parent):
@@ -108,12 +109,58 @@ def _unusable_cache(path: Path) -> str | None:
                 return f"any user may write to {directory} (mode {stat.S_IMODE(st.st_mode):o})"
         with tempfile.TemporaryFile(dir=path):
             pass
-        for entry in path.iterdir():
-            if entry.name.endswith("-cache") and entry.is_file() and entry.stat().st_size == 0:
-                entry.unlink(missing_ok=True)
+        _remove_damaged_entries(path)
     except OSError as e:
         return f"{type(e).__name__}: {e}"
     return None
+
+
+# Entries older than this file's modification time were read whole and found intact.
+_CHECKED_STAMP = ".areal-jax-checked"
+# An entry modified this recently may still be being written: it is checked by a later start.
+SETTLED_S = 60.0
+
+
+def _remove_damaged_entries(path: Path) -> None:
+    """Remove the cache entries a write left cut short (a process killed in the write, a full
+    disk): JAX reads such an entry, warns, compiles the program again and never replaces it,
+    in every later run. Empty entries go whatever their age; the others are checked by
+    decompressing them, once each: those written since the previous check and settled."""
+    try:
+        from jax._src.compilation_cache import decompress_executable
+    except ImportError:  # another JAX: empty entries only
+        decompress_executable = None
+    stamp = path / _CHECKED_STAMP
+    since = stamp.stat().st_mtime if stamp.is_file() else 0.0
+    settled = time.time() - SETTLED_S
+    removed = []
+    for entry in path.iterdir():
+        try:
+            st = entry.stat()
+        except FileNotFoundError:  # removed meanwhile (another process's check)
+            continue
+        if not (entry.name.endswith("-cache") and stat.S_ISREG(st.st_mode)):
+            continue
+        unchecked = decompress_executable is not None and since <= st.st_mtime < settled
+        if st.st_size == 0 or (unchecked and not _decompresses(entry, decompress_executable)):
+            entry.unlink(missing_ok=True)
+            removed.append(entry.name)
+    stamp.touch()
+    os.utime(stamp, (settled, settled))
+    if removed:
+        log.warning("removed %d damaged entries of the compilation cache %s (writes cut short; "
+                    "their programs compile again once): %s", len(removed), path,
+                    ", ".join(sorted(removed)[:3]) + (", ..." if len(removed) > 3 else ""))
+
+
+def _decompresses(entry: Path, decompress) -> bool:
+    try:
+        decompress(entry.read_bytes())
+    except FileNotFoundError:  # removed meanwhile (another process's check)
+        return True
+    except Exception:  # noqa: BLE001 - zlib.error, zstd's errors: the entry is damaged
+        return False
+    return True
 
 
 _thread_state = threading.local()

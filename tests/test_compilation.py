@@ -48,6 +48,32 @@ def test_a_second_process_reuses_the_first_ones_programs(tmp_path):
     assert _run(tmp_path / "cache") == (0, 1, 1)
 
 
+def test_an_entry_whose_write_was_cut_short_is_removed_and_written_again(tmp_path):
+    from areal_jax.compilation import SETTLED_S
+
+    _run(tmp_path / "cache")
+    (entry,) = (tmp_path / "cache").glob("*/jit_*-cache")
+    intact = entry.read_bytes()
+    entry.write_bytes(intact[: len(intact) // 2])  # the process writing it was killed
+    # ... more than SETTLED_S ago, after the start of the process that wrote it had checked
+    # the cache (the start stamps the check)
+    written = time.time() - 2 * SETTLED_S
+    os.utime(entry, (written, written))
+    os.utime(entry.with_name(".areal-jax-checked"), (written - 1, written - 1))
+    # JAX alone would read it, warn, compile and keep it, in every later run; the start
+    # removes it, so this run compiles once and stores the program again, and the next loads it.
+    assert _run(tmp_path / "cache") == (1, 0, 0)
+    assert _run(tmp_path / "cache") == (0, 1, 1)
+    # An entry written less than SETTLED_S ago (perhaps being written now) is left alone; it is
+    # checked by a start after that, and an empty one goes at once.
+    entry.write_bytes(intact[:10])
+    assert _run(tmp_path / "cache") == (1, 0, 0)
+    assert entry.read_bytes() == intact[:10]
+    entry.write_bytes(b"")
+    assert _run(tmp_path / "cache") == (1, 0, 0)
+    assert _run(tmp_path / "cache") == (0, 1, 1)
+
+
 CACHE_SETTINGS = """
 import json, os, sys
 import jax
@@ -83,7 +109,7 @@ def test_the_cache_is_kept_per_host_cpu_and_found_under_any_spelling(tmp_path):
     own.joinpath("jit_f-0123-cache").write_bytes(b"")  # a write that failed (disk full)
     own.joinpath("jit_g-4567-cache").write_bytes(b"x")
     _cache_settings(cache)
-    assert sorted(p.name for p in own.iterdir()) == ["jit_g-4567-cache"]
+    assert sorted(p.name for p in own.iterdir()) == [".areal-jax-checked", "jit_g-4567-cache"]
 
 
 def test_a_cache_every_user_may_write_or_no_one_can_is_not_used(tmp_path):

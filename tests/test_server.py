@@ -1331,6 +1331,10 @@ def test_a_request_waiting_for_a_place_when_the_drain_begins_is_turned_away(tmp_
             call = h.stub.Rollout()
             for rid in ("running", "queued", "waiting"):  # the third waits for a place
                 await call.write(rollout_request(rid, prompt="none", max_new_tokens=20))
+            # Queue and slot taken before the Generate call is made (it could otherwise take
+            # the queue place first, and a queued request runs to its end in a drain).
+            admission = h.server.servicer._admission
+            await until(lambda: admission.queued == admission.running == 1)
             params = pb.SamplingParams(max_new_tokens=4)
             generate = h.stub.Generate(pb.GenerateRequest(  # so does this one
                 request_id="waiting-g", prompt_ids=encode("x"), sampling_params=params))

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from areal_jax.cli import main
-from areal_jax.config import ConfigError, from_dict
+from areal_jax.config import ConfigError, from_dict, to_dict
 from areal_jax.controller.prepare import check_fingerprint
 from areal_jax.controller.sft_phase import sft_examples
 from areal_jax.data import DatasetError
@@ -762,3 +762,43 @@ def test_samples_show_the_answer_with_its_end_token_and_as_the_reward_read_it(tm
         output_ids=ids, reward=1.0, finish_reason=pb.FINISH_REASON_STOP))], tok)
     assert (record["completion"], record["reward_input"]) == ("7" + tok.eos_token, "7")
     assert record["metadata"] == {"answer": "7"}  # as the reward reads it
+
+
+def test_a_synthetic_task_and_tiny_model_made_by_a_refused_start_follow_the_corrected_config(
+        tmp_path, capsys):
+    """A refused start had written the synthetic task and built the tiny model; the same
+    run_dir with the synthetic or tiny section corrected kept them, and the run would have
+    trained on data (and a model) of the refused config under the new one's fingerprint."""
+    run = tmp_path / "run"
+
+    def start(**changes):
+        cfg = {"run_dir": str(run), "model_path": "tiny",
+               "tiny": {"hidden_size": 32, "intermediate_size": 64, "num_layers": 1,
+                        "num_heads": 2, "num_kv_heads": 1, "tokenizer_vocab_size": 300},
+               "synthetic": {"num_train": 40, "num_test": 10},
+               "dataset": {"path": "{run_dir}/data/train.jsonl", "reward": "synthetic_arith",
+                           "metadata_fields": {"answer": "answer"}},
+               "sampling": {"max_new_tokens": 5000}}  # refused: fits no micro-batch
+        for key, value in changes.items():
+            cfg[key] = {**cfg[key], **value}
+        assert main(["train", "--config", _write(tmp_path, cfg)]) == 2
+        assert "sampling.max_new_tokens (5000)" in capsys.readouterr().err
+        return from_dict(ExperimentConfig, {**cfg, "sampling": {}})
+
+    def made() -> tuple[int, int, int]:
+        hidden = json.loads((run / "base_model" / "config.json").read_text())["hidden_size"]
+        return (len((run / "data" / "train.jsonl").read_text().splitlines()),
+                len((run / "data" / "test.jsonl").read_text().splitlines()), hidden)
+
+    start()
+    assert made() == (40, 10, 32)
+    start(synthetic={"num_train": 20, "num_test": 5}, tiny={"hidden_size": 64})
+    assert made() == (20, 5, 64)
+    cfg = start(synthetic={"num_train": 20, "num_test": 5}, tiny={"hidden_size": 64})
+    assert made() == (20, 5, 64)
+    check_fingerprint(cfg)  # a start that began: its files are the run's from now on
+    start(synthetic={"num_train": 30, "num_test": 5})
+    assert made() == (20, 5, 64)
+    with pytest.raises(ConfigError, match="was started with another data configuration"):
+        check_fingerprint(from_dict(ExperimentConfig, {**to_dict(cfg), "synthetic": {
+            "num_train": 30, "num_test": 5}}))

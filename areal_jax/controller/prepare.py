@@ -25,6 +25,8 @@ from areal_jax.protocol.runs import MAX_RUN_ID_CHARS, is_run_id
 
 FINGERPRINT_FILE = "fingerprint.json"
 RUN_ID_FILE = "run_id"
+# The specs (config sections) the run directory's synthetic data and tiny model were made from.
+MADE_FROM_FILE = "made_from.json"
 _WEIGHTS_EDGE = 1 << 20  # bytes hashed at each end of a weights file
 
 
@@ -79,26 +81,52 @@ def check_model_dir(path: Path, key: str) -> Path:
 
 
 def prepare_base_model(cfg: ExperimentConfig) -> Path:
-    """The base HF directory; ``tiny`` builds the kit once into the run dir."""
+    """The base HF directory; ``tiny`` builds the kit once into the run dir (again where a
+    start refused before it began made it from another ``tiny`` spec: ``_made_by_another``)."""
     path = base_model_path(cfg)
     if cfg.model_path != "tiny":
         return check_model_dir(path, "model_path")
-    if not (path / "config.json").is_file():
+    spec = to_dict(cfg.tiny_model)
+    if not (path / "config.json").is_file() or _made_by_another(cfg, "tiny", spec):
         from areal_jax.models.tiny import build_tiny_model
 
-        build_tiny_model(path, cfg.tiny_model)
+        build_tiny_model(path, cfg.tiny_model)  # replaces the directory whole
+        _record_made(cfg, "tiny", spec)
     return path
 
 
 def prepare_data(cfg: ExperimentConfig) -> None:
-    """Write the synthetic task's files into the run dir when configured (idempotent)."""
+    """Write the synthetic task's files into the run dir when configured, once (again where a
+    start refused before it began wrote them from another ``synthetic`` spec)."""
     if cfg.synthetic is None:
         return
     from areal_jax.data.synthetic import write_synthetic_splits
 
     out = Path(cfg.run_dir) / "data"
-    if not (out / "train.jsonl").is_file():
-        write_synthetic_splits(out, cfg.synthetic)
+    spec = to_dict(cfg.synthetic)
+    if (out / "train.jsonl").is_file() and not _made_by_another(cfg, "synthetic", spec):
+        return
+    (out / "train.jsonl").unlink(missing_ok=True)  # written last: the files are whole once it is
+    write_synthetic_splits(out, cfg.synthetic)
+    _record_made(cfg, "synthetic", spec)
+
+
+def _made_by_another(cfg: ExperimentConfig, section: str, spec: dict) -> bool:
+    """Whether the run directory's files made from config ``section`` were made from another
+    spec by a start that never began (refused by a later check, so it recorded no
+    fingerprint): they were, and would be, taken as this spec's. Once a start has recorded the
+    fingerprint the files stay as they are, and ``check_fingerprint`` names the change."""
+    run_dir = Path(cfg.run_dir)
+    made = run_dir / MADE_FROM_FILE
+    if (run_dir / FINGERPRINT_FILE).is_file() or not made.is_file():
+        return False
+    return read_json(made).get(section, spec) != spec
+
+
+def _record_made(cfg: ExperimentConfig, section: str, spec: dict) -> None:
+    path = Path(cfg.run_dir) / MADE_FROM_FILE
+    made = read_json(path) if path.is_file() else {}
+    write_atomic(path, json.dumps({**made, section: spec}, indent=2, sort_keys=True))
 
 
 def starting_model(cfg: ExperimentConfig) -> Path:

@@ -669,8 +669,8 @@ def test_a_run_directory_that_cannot_be_locked_is_used_unguarded_with_a_warning(
 def test_a_synthetic_task_no_dataset_reads_and_a_tiny_model_not_built_are_named(tmp_path,
                                                                                  caplog):
     """A quickstart config adapted to one's own data kept its synthetic section: the task was
-    generated for nothing, without a word; adapted to one's own model, its tiny section was
-    ignored as silently."""
+    generated for nothing, without a word, and removing the section then changed the run's
+    data; adapted to one's own model, its tiny section was ignored as silently."""
     from pathlib import Path
 
     from areal_jax.commands._preflight import warn_unused_sections
@@ -695,8 +695,18 @@ def test_a_synthetic_task_no_dataset_reads_and_a_tiny_model_not_built_are_named(
         f"run_dir={tmp_path}", "dataset.path=/data/train.jsonl",
         "eval.dataset.path=/data/test.jsonl"])
     warn_unused_sections(own_data)
-    assert (f"synthetic: writes the arithmetic task to {tmp_path}/data, but no dataset reads "
-            "it (dataset.path: /data/train.jsonl)") in caplog.text
+    assert (f"synthetic: describes the arithmetic task it would write to {tmp_path}/data, but "
+            "no dataset reads it (dataset.path: /data/train.jsonl): the section is ignored "
+            "(remove it)") in caplog.text
+    # Ignored: not written, and not part of the run's data, so removing it changes nothing.
+    from areal_jax.controller.prepare import prepare_data
+
+    cfg = from_dict(ExperimentConfig, _config(tmp_path, synthetic={"num_train": 5}))
+    prepare_data(cfg)
+    assert not (tmp_path / "run" / "data").exists()
+    (tmp_path / "run").mkdir()
+    check_fingerprint(cfg)
+    check_fingerprint(from_dict(ExperimentConfig, {**to_dict(cfg), "synthetic": None}))
 
 
 def test_sft_trainer_settings_are_checked_with_no_sft_steps(tmp_path):

@@ -99,23 +99,19 @@ def _found_in(module: str) -> Path:
 
 
 def warn_unused_sections(cfg: ExperimentConfig) -> None:
-    """Say when the ``synthetic`` section writes a task no dataset reads, or a ``tiny`` section
-    describes a model not built: a quickstart config adapted to one's own data or model keeps
-    them, and they were generated, or ignored, without a word."""
-    from areal_jax.controller.prepare import dataset_config
+    """Say when the ``synthetic`` section describes a task no dataset reads, or a ``tiny``
+    section a model not built: a quickstart config adapted to one's own data or model keeps
+    them, and they were ignored without a word."""
+    from areal_jax.controller.prepare import synthetic_files_read
 
     if cfg.tiny is not None and cfg.model_path != "tiny":
         log.warning("tiny: describes the model built for model_path: tiny, but model_path is "
                     "%s: the section is ignored (remove it)", cfg.model_path)
-    if cfg.synthetic is not None:
-        data = Path(cfg.run_dir) / "data"
-        written = {(data / f"{split}.jsonl").resolve() for split in ("train", "test")}
-        read = {Path(dataset_config(d, cfg.run_dir).path).resolve()
-                for d in (cfg.dataset, cfg.eval.dataset) if d is not None}
-        if not written & read:
-            log.warning("synthetic: writes the arithmetic task to %s, but no dataset reads it "
-                        "(dataset.path: %s): it is generated for nothing (remove the section)",
-                        data, cfg.dataset.path)
+    if cfg.synthetic is not None and not synthetic_files_read(cfg):
+        log.warning("synthetic: describes the arithmetic task it would write to %s, but no "
+                    "dataset reads it "
+                    "(dataset.path: %s): the section is ignored (remove it)",
+                    Path(cfg.run_dir) / "data", cfg.dataset.path)
 
 
 def preflight(cfg: ExperimentConfig, evaluation_only: bool = False) -> None:

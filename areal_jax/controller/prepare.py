@@ -96,9 +96,10 @@ def prepare_base_model(cfg: ExperimentConfig) -> Path:
 
 
 def prepare_data(cfg: ExperimentConfig) -> None:
-    """Write the synthetic task's files into the run dir when configured, once (again where a
-    start refused before it began wrote them from another ``synthetic`` spec)."""
-    if cfg.synthetic is None:
+    """Write the synthetic task's files into the run dir when configured and read by a
+    dataset, once (again where a start refused before it began wrote them from another
+    ``synthetic`` spec)."""
+    if cfg.synthetic is None or not synthetic_files_read(cfg):
         return
     from areal_jax.data.synthetic import write_synthetic_splits
 
@@ -199,20 +200,41 @@ def _path_model_digest(cfg: ExperimentConfig) -> str:
     return _digest({"model_path": cfg.model_path, "tiny": to_dict(cfg.tiny_model)})
 
 
-def _data_digest(cfg: ExperimentConfig, dataset: DatasetConfig) -> str:
-    """The data part: ``dataset`` (the config as hashed) and the data files' contents."""
-    synthetic = to_dict(cfg.synthetic) if cfg.synthetic else None
+def synthetic_files_read(cfg: ExperimentConfig) -> bool:
+    """Whether a dataset (training or held-out) reads the files the ``synthetic`` section
+    writes into the run directory."""
+    data = Path(cfg.run_dir) / "data"
+    written = [(data / f"{split}.jsonl").resolve() for split in ("train", "test")]
+    read = [Path(dataset_config(d, cfg.run_dir).path).resolve()
+            for d in (cfg.dataset, cfg.eval.dataset) if d is not None]
+    return any(path == file or path in file.parents for path in read for file in written)
+
+
+def _data_digest(cfg: ExperimentConfig, dataset: DatasetConfig,
+                 unused_synthetic: bool = False) -> str:
+    """The data part: ``dataset`` (the config as hashed), the ``synthetic`` section where a
+    dataset reads its files (``unused_synthetic``: also where none does, as recorded before)
+    and the data files' contents."""
+    synthetic = (to_dict(cfg.synthetic) if cfg.synthetic
+                 and (unused_synthetic or synthetic_files_read(cfg)) else None)
     files = Path(dataset_config(cfg.dataset, cfg.run_dir).path)
     return _digest({"dataset": to_dict(dataset), "synthetic": synthetic}, files)
 
 
 def _filled_path_data_digest(cfg: ExperimentConfig) -> str:
     """The data part as run directories recorded it before paths were hashed as written."""
-    return _data_digest(cfg, dataset_config(cfg.dataset, cfg.run_dir))
+    return _data_digest(cfg, dataset_config(cfg.dataset, cfg.run_dir), unused_synthetic=True)
+
+
+def _unused_synthetic_data_digest(cfg: ExperimentConfig) -> str:
+    """The data part as run directories recorded it before a ``synthetic`` section no dataset
+    reads was left out (removing it, as the warning about it says, changed the run's data)."""
+    return _data_digest(cfg, cfg.dataset, unused_synthetic=True)
 
 
 # The forms older run directories recorded a part in: accepted, and recorded anew.
-_OLDER_FORMS = {"model": _path_model_digest, "data": _filled_path_data_digest}
+_OLDER_FORMS = {"model": (_path_model_digest,),
+                "data": (_filled_path_data_digest, _unused_synthetic_data_digest)}
 
 
 def run_id(cfg: ExperimentConfig) -> str:
@@ -240,7 +262,7 @@ def check_fingerprint(cfg: ExperimentConfig) -> None:
         return
     recorded = read_json(path)
     changed = [k for k in current if recorded.get(k) != current[k]]
-    if changed and all(k in _OLDER_FORMS and recorded.get(k) == _OLDER_FORMS[k](cfg)
+    if changed and all(any(recorded.get(k) == form(cfg) for form in _OLDER_FORMS.get(k, ()))
                        for k in changed):
         write_atomic(path, json.dumps(current, indent=2))  # an older record of the same run
         return

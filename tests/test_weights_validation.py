@@ -236,6 +236,24 @@ def test_index_mapping_a_tensor_outside_the_checkpoint_is_refused(src, tmp_path)
             load_hf_model(path)
 
 
+def test_an_index_mapping_a_tensor_to_a_fifo_or_a_directory_is_refused_at_once(src, tmp_path):
+    # A FIFO's open waited for a writer for ever: the load never ended, and a server, whose
+    # loads run one at a time, took no update again.
+    import concurrent.futures
+    import os
+
+    path = _variant(src, tmp_path / "idx", lambda t: None)
+    os.mkfifo(path / "fifo.safetensors")
+    (path / "dir.safetensors").mkdir()
+    for target in ("fifo.safetensors", "dir.safetensors"):
+        index = {"weight_map": {Q0: "model.safetensors", K0: target}}
+        (path / "model.safetensors.index.json").write_text(json.dumps(index))
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            load = pool.submit(load_hf_model, path)
+            with pytest.raises(CheckpointError, match=f"{target} is not a regular file"):
+                load.result(timeout=30)
+
+
 def test_weights_files_whose_headers_add_up_past_the_bound_are_not_parsed(src, tmp_path):
     # Each header within the per-file bound, but every file listed was parsed before any
     # check: 300 MiB of headers took 2.7 GB of memory and 48 s.

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 import struct
 from pathlib import Path
 
@@ -38,13 +39,29 @@ class SafetensorsError(ValueError):
     """A safetensors file is missing, truncated or malformed; the message names it."""
 
 
+def _open_regular(path: Path):
+    """``path`` opened for reading, if it is a regular file (a FIFO's open or read would wait
+    for a writer for ever: it is opened without waiting, and refused); else SafetensorsError."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise SafetensorsError(f"weights file {path} does not exist") from None
+    except OSError as e:
+        raise SafetensorsError(f"weights file {path} cannot be read: {e.strerror}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise SafetensorsError(f"weights file {path} is not a regular file")
+    return os.fdopen(fd, "rb")
+
+
 def header_bytes(path: str | Path) -> int:
     """The length of the header of the safetensors file ``path`` (its first 8 bytes), 0 where
-    the file cannot tell (missing, shorter than that: ``SafetensorsFile`` names why)."""
+    the file cannot tell (missing, not a file, shorter than that: ``SafetensorsFile`` names
+    why)."""
     try:
-        with open(path, "rb") as f:
+        with _open_regular(Path(path)) as f:
             raw = f.read(8)
-    except OSError:
+    except (OSError, SafetensorsError):
         return 0
     return struct.unpack("<Q", raw)[0] if len(raw) == 8 else 0
 
@@ -54,10 +71,8 @@ class SafetensorsFile:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        if not self.path.is_file():
-            raise SafetensorsError(f"weights file {self.path} does not exist")
-        size = self.path.stat().st_size
-        with open(self.path, "rb") as f:
+        with _open_regular(self.path) as f:
+            size = os.fstat(f.fileno()).st_size
             raw = f.read(8)
             if len(raw) < 8:
                 raise SafetensorsError(f"{self.path} is truncated (no header)")

@@ -45,7 +45,6 @@ async def main(run_dir: Path, steps: int, addresses: list[str]) -> None:
     pool = RolloutPool(addresses, options=PoolOptions(rejoin_interval_s=0.2))
     await pool.start()
     ledger = RunLedger(run_dir / "ledger.jsonl")
-    ledger.record("start", version=trainer.version)
     try:
         path = trainer.snapshot_for_publish().write()
         await sync_servers(pool, Path(path), trainer.version, cfg)

@@ -16,7 +16,7 @@ from _rollout_fakes import ArithmeticEngine, ExactAnswerScorer, encode, make_tok
 from _rollout_fakes import write_checkpoint
 
 from areal_jax.config import from_dict
-from areal_jax.controller.ledger import RunLedger, read_ledger, trained_batches
+from areal_jax.controller.ledger import RunLedger, read_ledger, rejected_prompts, trained_batches
 from areal_jax.controller.loop import RLLoop
 from areal_jax.controller.rollout_pool import PoolOptions, RolloutPool
 from areal_jax.data.dataset import PromptItem
@@ -160,20 +160,21 @@ def trained_ids(trainer: RecordingTrainer) -> list[str]:
 
 
 def assert_nothing_lost(ledger_path: Path, prompts, seed: int = 0, shuffle: bool = True) -> dict:
-    """From the run's ledger: the prompts trained (as the run finally stands) plus those still
-    pending at the end are exactly those the data iterator yielded, minus rejected ones —
-    nothing lost, nothing trained twice. Returns the trained batches."""
+    """From the run's ledger: the prompts trained and rejected (as the run finally stands)
+    plus those still pending at the end are exactly those the data iterator yielded: nothing
+    lost, nothing trained or rejected twice. Returns the trained batches."""
     events = read_ledger(ledger_path)
     end = [e for e in events if e["event"] == "end"][-1]
     batches = trained_batches(events)
     assert sorted(batches) == list(range(1, end["version"] + 1)), sorted(batches)
     trained = [p for ids in batches.values() for p in ids]
-    rejected = [e["prompt"] for e in events if e["event"] == "reject"]
+    rejected = rejected_prompts(events)
     data = end["data"]
     iterator = PromptIterator(prompts, seed=seed, shuffle=shuffle)
     yielded = [next(iterator).id for _ in range(data["epoch"] * data["size"] + data["index"])]
-    got = collections.Counter(trained) + collections.Counter(end["pending"])
-    want = collections.Counter(yielded) - collections.Counter(rejected)
+    got = (collections.Counter(trained) + collections.Counter(end["pending"])
+           + collections.Counter(rejected))
+    want = collections.Counter(yielded)
     assert got == want, (got - want, want - got)
     return batches
 

@@ -45,7 +45,6 @@ def _run(tmp_path, address_list, steps, during=None, options=None, prompts=None,
     prompts = prompts or items(300)
     trainer = RecordingTrainer(exports_dir(tmp_path), train_s=0.05)
     ledger = RunLedger(tmp_path / "ledger.jsonl")
-    ledger.record("start", version=0)
 
     async def main():
         return await run_loop(tmp_path, config(tmp_path, {"max_staleness": 2}, **cfg), trainer,

@@ -516,6 +516,30 @@ def test_answers_too_long_to_train_on_are_rejected_not_a_crash(tmp_path, caplog)
                        RecordingTrainer(exports_dir(tmp_path / "all")), prompts, 10)
 
 
+def test_rejections_after_the_checkpoint_a_run_resumes_from_are_void_in_the_ledger(tmp_path):
+    # The ledger kept a killed run's rejections past its last checkpoint: their prompts were
+    # generated again by the resumed run, and the ledger showed them rejected and trained, or
+    # rejected twice, where nothing had been lost.
+    prompts = items(200)
+    cfg = config(tmp_path, {"max_staleness": 2}, trainer={"micro_batch": {"token_budget": 9}},
+                 checkpoint_every=2)
+    first = RecordingTrainer(exports_dir(tmp_path), train_s=0.01)
+    run_on_servers(tmp_path, [RamblingEngine(every=4)], cfg, first, prompts, 6)
+    (version, state), = [(v, st) for v, st in first.saved if v == 4]
+    # Killed after version 6 was trained, before its checkpoint was written: the run resumes
+    # from version 4, where fewer groups had been rejected than by the end.
+    rejected = [e for e in read_ledger(tmp_path / "ledger.jsonl") if e["event"] == "reject"]
+    assert len(rejected) > state["rejected_groups"] > 0
+    # Generated again, those answers come out short enough (sampling) and are trained.
+    resumed = RecordingTrainer(exports_dir(tmp_path), version=4, train_s=0.01)
+    run_on_servers(tmp_path, [ArithmeticEngine()], cfg, resumed, prompts, 8, state=state)
+    starts = [e for e in read_ledger(tmp_path / "ledger.jsonl") if e["event"] == "start"]
+    assert [(e["version"], e["rejected"]) for e in starts] == [
+        (0, 0), (4, state["rejected_groups"])]
+    batches = assert_nothing_lost(tmp_path / "ledger.jsonl", prompts)
+    assert sorted(batches) == list(range(1, 9))
+
+
 @pytest.mark.parametrize("policy", ["drop", "train"])
 def test_overstale_groups_at_batch_formation(tmp_path, policy):
     prompts = items(200)

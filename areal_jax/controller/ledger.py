@@ -1,12 +1,14 @@
 """The run ledger: an append-only JSONL record of what happened to every prompt group.
 
 Events: ``submit`` (request id, prompt id, gate version), ``reject`` (the server found the
-request invalid: field and message), ``drop`` (over-stale at batch formation, prompt generated
-again), ``train`` (version and the prompt ids of its batch), ``start`` (the run (re)starts from
-the trainer at a version, restored from a checkpoint or not: trained records of later versions
-are void) and ``end`` (groups still
-pending and the data position). From it one can check that nothing accepted was lost or
-trained twice, across crashes and restarts.
+request invalid, or its answers were too long to train: field and message), ``drop``
+(over-stale at batch formation, prompt generated again), ``train`` (version and the prompt ids
+of its batch), ``start`` (the loop (re)starts from the trainer at a version, restored from a
+checkpoint or not, with the count of groups rejected up to that checkpoint: trained records of
+later versions, and rejections past that count, are void: their prompts are generated again)
+and ``end`` (groups still pending and the data position). From it one can check that nothing
+accepted was lost or trained twice, across crashes and restarts (``trained_batches``,
+``rejected_prompts``).
 """
 
 from __future__ import annotations
@@ -71,3 +73,16 @@ def trained_batches(events: list[dict]) -> dict[int, list[str]]:
         elif e["event"] == "train":
             batches[e["version"]] = e["prompts"]
     return batches
+
+
+def rejected_prompts(events: list[dict]) -> list[str]:
+    """The prompt ids rejected, in order, as the run finally stands: a ``start`` that restored
+    a checkpoint counting k rejections voids every rejection after the first k (those came
+    after that checkpoint, and their prompts were generated again)."""
+    rejected: list[str] = []
+    for e in events:
+        if e["event"] == "start" and "rejected" in e:  # older ledgers did not say
+            rejected = rejected[: e["rejected"]]
+        elif e["event"] == "reject":
+            rejected.append(e["prompt"])
+    return rejected

@@ -294,6 +294,8 @@ class RLLoop:
                                     on_published=lambda v, t: self._fill())
         self._busy_fractions()
         self._saved = self.version  # the newest checkpoint's version (or the start's)
+        if self.ledger is not None:  # what the run stands on: the ledger voids what came after
+            self.ledger.record("start", version=self.version, rejected=self._rejected)
         try:
             if self.version < total_steps:  # a finished run started again asks for nothing
                 self._fill()

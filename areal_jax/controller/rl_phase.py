@@ -192,7 +192,6 @@ async def run_rl(cfg: ExperimentConfig, trainer, tokenizer, train_set: PromptDat
         # needs no window; should it end, its jobs wait for the loop's, unless asked for).
         if sketching and (cfg.compile_first_batches or not in_helper):
             waiting.enter_context(trainer.idle())
-        ledger.record("start", version=version)
         task = progress.start_phase("connecting to the rollout servers" if cfg.rollout.remote
                                     else "starting rollout servers", None)
         async with rollout_servers(

@@ -343,10 +343,12 @@ async def rollout_servers(cfg: ExperimentConfig, model_path: Path, version: int,
         await wait_ready(pool, servers, cfg.rollout.start_timeout_s)
         yield pool, servers
     finally:
-        if pool is not None:
-            await pool.close()
-        if servers is not None:
-            servers.stop()
+        try:
+            if pool is not None:
+                await pool.close()
+        finally:  # a stop that cancels the close, or a close that fails, stops them too
+            if servers is not None:
+                servers.stop()
 
 
 REMOTE_CHECK_S = 10.0  # how long the check before SFT waits for remote servers to answer

@@ -476,3 +476,50 @@ def test_a_frozen_server_is_stopped_by_its_sigterm_not_waited_out(tmp_path):
     servers._procs.append(_Proc(index=0, port=0, proc=proc))
     servers.stop(timeout_s=30)
     assert proc.returncode == 3  # its own SIGTERM handler, not the SIGKILL after the timeout
+
+
+def test_a_stop_during_the_pools_close_still_stops_the_local_servers(tmp_path, monkeypatch):
+    # The servers were stopped after the pool's close: a SIGTERM that cancelled the close (its
+    # resume and release calls take seconds) left them to die only with the trainer process.
+    import asyncio
+
+    from _loop_kit import config
+    from areal_jax.controller import servers as servers_module
+
+    stopped = []
+
+    class Servers:
+        addresses = ["127.0.0.1:1"]
+
+        def check_alive(self):
+            pass
+
+        def stop(self):
+            stopped.append(True)
+
+    class Pool:
+        async def start(self, **_):
+            pass
+
+        async def close(self):
+            self.closing.set()
+            await asyncio.sleep(3600)
+
+    pool = Pool()
+    monkeypatch.setattr(servers_module, "launch_local", lambda *a, **k: Servers())
+    monkeypatch.setattr(servers_module, "make_pool", lambda *a, **k: pool)
+
+    async def main():
+        async def run():
+            async with servers_module.rollout_servers(config(tmp_path), tmp_path, 0):
+                pass
+
+        pool.closing = asyncio.Event()
+        task = asyncio.create_task(run())
+        await asyncio.wait_for(pool.closing.wait(), 10)
+        task.cancel()  # the stop arrives as the pool closes
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    assert stopped == [True]

@@ -16,6 +16,10 @@ from areal_jax.protocol.v1 import rollout_pb2 as pb
 # A log-probability is <= 0; float error may put it above: ~max|logit| / temperature x 6e-8
 # in float32, so the slack grows as the temperature falls.
 LOGPROB_SLACK = 1e-3
+# The largest reward trained on: a group's rewards, their squares and sums stay far inside
+# float32 (a finite 1e39 made every advantage of its batch non-finite, and the run stopped as
+# diverged, naming no reward).
+MAX_ABS_REWARD = 1e15
 _FINISH_REASONS = frozenset({pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH,
                              pb.FINISH_REASON_ABORT})
 
@@ -52,8 +56,8 @@ def _trajectory_problem(t: pb.Trajectory, vocab_size: int, newest_version: int,
         return f"output_mask: {len(t.output_mask)} entries for {n} output_ids"
     if t.finish_reason not in _FINISH_REASONS:
         return f"finish_reason: {t.finish_reason} is not a finished state"
-    if not math.isfinite(t.reward):
-        return f"reward: {t.reward}"
+    if not (math.isfinite(t.reward) and abs(t.reward) <= MAX_ABS_REWARD):
+        return f"reward: {t.reward:.6g} is not a finite value within ±{MAX_ABS_REWARD:g}"
     if n == 0:
         return None
     ids = np.asarray(t.output_ids, dtype=np.int64)

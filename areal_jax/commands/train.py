@@ -53,11 +53,11 @@ def _how_it_goes_on(cfg) -> str:
     from areal_jax.controller.sft_phase import sft_model_kept
 
     checkpoints = Path(cfg.run_dir) / "checkpoints"
-    versions = sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()) \
-        if checkpoints.is_dir() else []
-    if versions:
+    newest = max((int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()),
+                 default=None) if checkpoints.is_dir() else None
+    if newest is not None:
         return (f"the same command resumes from the newest intact checkpoint in {checkpoints} "
-                f"(the newest: version {versions[-1]})")
+                f"(the newest: version {newest})")
     if cfg.sft.steps and sft_model_kept(cfg):
         return "no checkpoint of RL yet: the same command starts RL again from the SFT model"
     if cfg.sft.steps:

@@ -160,8 +160,10 @@ def _checkpoint_tensors(files: WeightFiles, cfg: ModelConfig,
     its shape, without reading either tensor)."""
     found = {n: (files.shape(n), files.dtype(n)) for n in files.names()}
     if cfg.tie_word_embeddings and _TIED_HEAD in found and _EMBED in found:
-        same = found[_TIED_HEAD][0] == found[_EMBED][0] and (not compare_tied_head or np.array_equal(
-            files.get(_TIED_HEAD).astype(np.float32), files.get(_EMBED).astype(np.float32)))
+        same = found[_TIED_HEAD][0] == found[_EMBED][0]
+        if same and compare_tied_head:
+            same = np.array_equal(files.get(_TIED_HEAD).astype(np.float32),
+                                  files.get(_EMBED).astype(np.float32))
         if not same:
             raise CheckpointError(
                 f"tensor {_TIED_HEAD} differs from {_EMBED}, but tie_word_embeddings is true"

@@ -5,10 +5,14 @@ running request returns its partial output), load the checkpoint from disk with 
 ``weight_version``, continue; each interrupted request is resubmitted with
 ``input_ids = prompt + output so far`` and ``max_new_tokens`` reduced by what was produced. A
 token's version is the ``weight_version`` SGLang reports with the answer that produced it, except
-for an answer a pause interrupted: its tokens carry the version recorded when it was submitted
-(older SGLang returns from the pause before such answers are built, so they may report the
-post-swap version). Pause works the same way: interrupted requests wait and are resubmitted after
-resume.
+for an answer a pause interrupted (older SGLang returns from the pause before such answers are
+built, so they may report the post-swap version): its tokens carry the version served when the
+last pause before the answer came began. SGLang holds a request that reaches it during a pause
+until the generation continues, so a request runs under one version, the one served when the
+pause that cuts it began; the version served when the request was sent is older where it reached
+SGLang during a pause. Pause works the same way: interrupted requests wait and are resubmitted after resume.
+Control calls (pause, continue, abort, loads, status) have connections of their own, so they
+never queue behind ``/generate`` calls.
 
 A failed load may leave SGLang partly updated (it records the new path before loading and "rolls
 back" from it), so after one the previous checkpoint is loaded again with the previous version;
@@ -49,6 +53,7 @@ from rollout.engines.http_json import JsonHttpClient, UnreachableError
 from rollout.engines.sglang_launch import SGLangProcess, free_port, wait_ready
 
 log = logging.getLogger(__name__)
+CONTROL_CONNECTIONS = 16  # pause, continue, abort, loads and status calls at once
 PROBE_TIMEOUT_S = 10.0  # a server that does not answer /model_info within this is gone
 
 
@@ -162,11 +167,13 @@ class SGLangEngine(GenerationEngine):
         self._warned_top_p = False
         self._vocab_size, self._context_len, self._eos_ids = _model_dims(model_path, options)
         self.process: SGLangProcess | None = None
-        self._client: JsonHttpClient | None = None
+        self._client: JsonHttpClient | None = None  # control calls
+        self._generate_client: JsonHttpClient | None = None  # /generate calls
         self._control = asyncio.Lock()  # pause / resume / update run one at a time
         self._running = asyncio.Event()  # cleared while paused
         self._running.set()
         self._pause_epoch = 0  # bumped by every pause: tells interruptions from real aborts
+        self._version_at_pause = version  # the version served when the last pause began
         self._closed = False
         self._in_flight = 0
         self._idle = asyncio.Event()
@@ -235,7 +242,9 @@ class SGLangEngine(GenerationEngine):
             )
             self.process.start()
             url = f"http://{opts.host}:{port}"
-        self._client = JsonHttpClient(url, opts.max_connections, opts.request_timeout_s)
+        self._client = JsonHttpClient(url, CONTROL_CONNECTIONS, opts.request_timeout_s)
+        self._generate_client = JsonHttpClient(url, opts.max_connections,
+                                               opts.request_timeout_s)
         try:
             await wait_ready(self._client, self.process, opts.startup_timeout_s)
             await self._read_limits()
@@ -322,7 +331,10 @@ class SGLangEngine(GenerationEngine):
             if interrupted:
                 finish = api.interrupted_finish(out.token_ids, remaining, stops)
             reported = out.weight_version
-            token_version = version if interrupted or reported is None else reported
+            if interrupted:  # run under the version the last pause ended (module docstring)
+                token_version = self._version_at_pause
+            else:
+                token_version = version if reported is None else reported
             yield GenerationChunk(
                 tuple(out.token_ids), tuple(out.logprobs), (token_version,) * n, finish
             )
@@ -340,7 +352,7 @@ class SGLangEngine(GenerationEngine):
         self._in_flight += 1
         self._idle.clear()
         try:
-            status, body = await self._client.request("POST", api.GENERATE, payload)
+            status, body = await self._generate_client.request("POST", api.GENERATE, payload)
         except asyncio.CancelledError:
             self._spawn(self._client.request("POST", api.ABORT, api.abort_payload(rid)))
             raise
@@ -374,6 +386,7 @@ class SGLangEngine(GenerationEngine):
     async def _pause_backend(self) -> None:
         self._running.clear()
         self._pause_epoch += 1
+        self._version_at_pause = self._version
         await self._post_ok(api.PAUSE, api.PAUSE_PAYLOAD)
 
     async def _resume_backend(self) -> None:
@@ -471,8 +484,9 @@ class SGLangEngine(GenerationEngine):
     async def _release(self) -> None:
         if self.process is not None:
             await self.process.stop(self.options.shutdown_timeout_s)
-        if self._client is not None:
-            self._client.close()
+        for client in (self._client, self._generate_client):
+            if client is not None:
+                client.close()
 
     def stats(self) -> dict[str, float]:
         return {"http_requests_in_flight": self._in_flight, "resubmissions": self._resubmissions}

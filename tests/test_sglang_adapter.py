@@ -283,8 +283,12 @@ def _fake_sglang(tmp_path: Path, body: str, monkeypatch) -> None:
 
 
 def test_launches_sglang_waits_until_ready_and_stops_it(model_dir, tmp_path, monkeypatch):
-    _fake_sglang(tmp_path, "from _rollout_sglang_double import main\nmain()\n", monkeypatch)
+    _fake_sglang(tmp_path, "import os\nprint('inherited:', os.environ.get("
+                 "'SGLANG_RETURN_ORIGINAL_LOGPROB'), flush=True)\n"
+                 "from _rollout_sglang_double import main\nmain()\n", monkeypatch)
     monkeypatch.setenv("SGLANG_DOUBLE_STARTUP_S", "0.5")  # /health_generate answers 503 first
+    # exported for another RL stack: SGLang would return log-probs before the temperature
+    monkeypatch.setenv("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")
     log_path = tmp_path / "sglang.log"
     options = {
         "python": sys.executable,
@@ -311,6 +315,7 @@ def test_launches_sglang_waits_until_ready_and_stops_it(model_dir, tmp_path, mon
     # The checkpoint names no dtype, which SGLang's auto would serve in float16.
     assert engine.process.argv[engine.process.argv.index("--dtype") + 1] == "bfloat16"
     assert engine.process.exit_code() is not None  # stopped with the engine
+    assert "inherited: None" in log_path.read_text()
 
 
 def test_launch_failure_reports_the_exit_code_and_log(model_dir, tmp_path, monkeypatch):

@@ -20,6 +20,24 @@ from rollout.engines.http_json import JsonHttpClient
 log = logging.getLogger(__name__)
 
 
+# Settings of SGLang's environment that change what its answers mean to the trainer:
+# SGLANG_RETURN_ORIGINAL_LOGPROB returns log_softmax(logits) before the temperature, not the
+# log-probs of the distribution sampled from (RL stacks often export it).
+CHANGES_LOGPROBS = ("SGLANG_RETURN_ORIGINAL_LOGPROB",)
+
+
+def launch_environment() -> dict[str, str]:
+    """This process's environment for an SGLang it launches, less ``CHANGES_LOGPROBS`` (a
+    warning names each one set)."""
+    env = dict(os.environ)
+    for name in CHANGES_LOGPROBS:
+        if env.pop(name, None) is not None:
+            log.warning("%s is set: not passed to the SGLang launched (it would return log-probs "
+                        "before the temperature, and the trainer would weight tokens by them)",
+                        name)
+    return env
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port that was free a moment ago."""
     with socket.socket() as s:
@@ -47,6 +65,7 @@ class SGLangProcess:
                 tied_argv(self.argv, signal.SIGKILL),
                 stdout=out,
                 stderr=subprocess.STDOUT,
+                env=launch_environment(),
                 start_new_session=True,
             )
         log.info("started SGLang (pid %d), log in %s", self._proc.pid, self.log_path)

@@ -774,14 +774,16 @@ def test_samples_show_the_answer_with_its_end_token_and_as_the_reward_read_it(tm
     assert record["metadata"] == {"answer": "7"}  # as the reward reads it
 
 
-def test_a_synthetic_task_and_tiny_model_made_by_a_refused_start_follow_the_corrected_config(
+def test_a_synthetic_task_or_tiny_model_made_by_a_refused_start_is_named_when_the_config_changes(
         tmp_path, capsys):
     """A refused start had written the synthetic task and built the tiny model; the same
     run_dir with the synthetic or tiny section corrected kept them, and the run would have
     trained on data (and a model) of the refused config under the new one's fingerprint."""
+    import shutil
+
     run = tmp_path / "run"
 
-    def start(**changes):
+    def start(refusal="sampling.max_new_tokens (5000)", **changes):
         cfg = {"run_dir": str(run), "model_path": "tiny",
                "tiny": {"hidden_size": 32, "intermediate_size": 64, "num_layers": 1,
                         "num_heads": 2, "num_kv_heads": 1, "tokenizer_vocab_size": 300},
@@ -792,7 +794,7 @@ def test_a_synthetic_task_and_tiny_model_made_by_a_refused_start_follow_the_corr
         for key, value in changes.items():
             cfg[key] = {**cfg[key], **value}
         assert main(["train", "--config", _write(tmp_path, cfg)]) == 2
-        assert "sampling.max_new_tokens (5000)" in capsys.readouterr().err
+        assert refusal in capsys.readouterr().err
         return from_dict(ExperimentConfig, {**cfg, "sampling": {}})
 
     def made() -> tuple[int, int, int]:
@@ -802,12 +804,19 @@ def test_a_synthetic_task_and_tiny_model_made_by_a_refused_start_follow_the_corr
 
     start()
     assert made() == (40, 10, 32)
-    start(synthetic={"num_train": 20, "num_test": 5}, tiny={"hidden_size": 64})
-    assert made() == (20, 5, 64)
+    start(f"{run / 'data'} was made from another synthetic section (synthetic.num_test was 10, "
+          f"now 5; synthetic.num_train was 40, now 20) by a start refused before it began: "
+          f"delete {run / 'data'} to make it from this one",
+          synthetic={"num_train": 20, "num_test": 5})
+    shutil.rmtree(run / "data")
+    start(f"{run / 'base_model'} was made from another tiny section (tiny.hidden_size was 32, "
+          "now 64)", synthetic={"num_train": 20, "num_test": 5}, tiny={"hidden_size": 64})
+    assert made() == (20, 5, 32)  # written anew; the model left as it was
+    shutil.rmtree(run / "base_model")
     cfg = start(synthetic={"num_train": 20, "num_test": 5}, tiny={"hidden_size": 64})
     assert made() == (20, 5, 64)
     check_fingerprint(cfg)  # a start that began: its files are the run's from now on
-    start(synthetic={"num_train": 30, "num_test": 5})
+    start(synthetic={"num_train": 30, "num_test": 5}, tiny={"hidden_size": 64})
     assert made() == (20, 5, 64)
     with pytest.raises(ConfigError, match="was started with another data configuration"):
         check_fingerprint(from_dict(ExperimentConfig, {**to_dict(cfg), "synthetic": {

@@ -81,51 +81,63 @@ def check_model_dir(path: Path, key: str) -> Path:
 
 
 def prepare_base_model(cfg: ExperimentConfig) -> Path:
-    """The base HF directory; ``tiny`` builds the kit once into the run dir (again where a
-    start refused before it began made it from another ``tiny`` spec: ``_made_by_another``)."""
+    """The base HF directory; ``tiny`` builds the kit once into the run dir (a kit built from
+    another ``tiny`` section by a start refused before it began is refused: ``_check_made``)."""
     path = base_model_path(cfg)
     if cfg.model_path != "tiny":
         return check_model_dir(path, "model_path")
     spec = to_dict(cfg.tiny_model)
-    if not (path / "config.json").is_file() or _made_by_another(cfg, "tiny", spec):
+    if (path / "config.json").is_file():
+        _check_made(cfg, "tiny", spec, path)
+    else:
         from areal_jax.models.tiny import build_tiny_model
 
-        build_tiny_model(path, cfg.tiny_model)  # replaces the directory whole
         _record_made(cfg, "tiny", spec)
+        build_tiny_model(path, cfg.tiny_model)  # replaces the directory whole
     return path
 
 
 def prepare_data(cfg: ExperimentConfig) -> None:
     """Write the synthetic task's files into the run dir when configured and read by a
-    dataset, once (again where a start refused before it began wrote them from another
-    ``synthetic`` spec)."""
+    dataset, once (files written from another ``synthetic`` section by a start refused before
+    it began are refused: ``_check_made``)."""
     if cfg.synthetic is None or not synthetic_files_read(cfg):
         return
     from areal_jax.data.synthetic import write_synthetic_splits
 
     out = Path(cfg.run_dir) / "data"
     spec = to_dict(cfg.synthetic)
-    if (out / "train.jsonl").is_file() and not _made_by_another(cfg, "synthetic", spec):
+    if (out / "train.jsonl").is_file():  # written last: the files are whole once it is
+        _check_made(cfg, "synthetic", spec, out)
         return
-    (out / "train.jsonl").unlink(missing_ok=True)  # written last: the files are whole once it is
-    write_synthetic_splits(out, cfg.synthetic)
     _record_made(cfg, "synthetic", spec)
+    write_synthetic_splits(out, cfg.synthetic)
 
 
-def _made_by_another(cfg: ExperimentConfig, section: str, spec: dict) -> bool:
-    """Whether the run directory's files made from config ``section`` were made from another
-    spec by a start that never began (refused by a later check, so it recorded no
-    fingerprint): they were, and would be, taken as this spec's. Once a start has recorded the
-    fingerprint the files stay as they are, and ``check_fingerprint`` names the change."""
+def _check_made(cfg: ExperimentConfig, section: str, spec: dict, made_path: Path) -> None:
+    """``ConfigError`` where ``made_path`` was made from another spec of config ``section`` by
+    a start that never began (refused by a later check, so it recorded no fingerprint): it
+    would be taken as this spec's. Never remade in place: another start may be reading it.
+    Once a start has recorded the fingerprint, ``check_fingerprint`` names any change."""
     run_dir = Path(cfg.run_dir)
-    made = run_dir / MADE_FROM_FILE
-    if (run_dir / FINGERPRINT_FILE).is_file() or not made.is_file():
-        return False
-    return read_json(made).get(section, spec) != spec
+    record = run_dir / MADE_FROM_FILE
+    if (run_dir / FINGERPRINT_FILE).is_file() or not record.is_file():
+        return
+    made = read_json(record).get(section, spec)
+    if made == spec:
+        return
+    changes = [f"{section}.{k} was {made.get(k)!r}, now {spec.get(k)!r}"
+               for k in sorted(set(made) | set(spec)) if made.get(k) != spec.get(k)]
+    raise ConfigError(
+        f"{made_path} was made from another {section} section ({'; '.join(changes)}) by a start "
+        f"refused before it began: delete {made_path} to make it from this one (nothing was "
+        "trained on it), or use a new run_dir")
 
 
 def _record_made(cfg: ExperimentConfig, section: str, spec: dict) -> None:
+    """Record (before they are made) the spec the files of config ``section`` are made from."""
     path = Path(cfg.run_dir) / MADE_FROM_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
     made = read_json(path) if path.is_file() else {}
     write_atomic(path, json.dumps({**made, section: spec}, indent=2, sort_keys=True))
 

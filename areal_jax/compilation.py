@@ -21,6 +21,7 @@ import stat
 import tempfile
 import threading
 import time
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
@@ -125,11 +126,8 @@ def _remove_damaged_entries(path: Path) -> None:
     """Remove the cache entries a write left cut short (a process killed in the write, a full
     disk): JAX reads such an entry, warns, compiles the program again and never replaces it,
     in every later run. Empty entries go whatever their age; the others are checked by
-    decompressing them, once each: those written since the previous check and settled."""
-    try:
-        from jax._src.compilation_cache import decompress_executable
-    except ImportError:  # another JAX: empty entries only
-        decompress_executable = None
+    decompressing them (``_intact``), once each: those written since the previous check and
+    settled."""
     stamp = path / _CHECKED_STAMP
     since = stamp.stat().st_mtime if stamp.is_file() else 0.0
     settled = time.time() - SETTLED_S
@@ -141,8 +139,7 @@ def _remove_damaged_entries(path: Path) -> None:
             continue
         if not (entry.name.endswith("-cache") and stat.S_ISREG(st.st_mode)):
             continue
-        unchecked = decompress_executable is not None and since <= st.st_mtime < settled
-        if st.st_size == 0 or (unchecked and not _decompresses(entry, decompress_executable)):
+        if st.st_size == 0 or (since <= st.st_mtime < settled and _intact(entry) is False):
             entry.unlink(missing_ok=True)
             removed.append(entry.name)
     stamp.touch()
@@ -153,12 +150,32 @@ def _remove_damaged_entries(path: Path) -> None:
                     ", ".join(sorted(removed)[:3]) + (", ..." if len(removed) > 3 else ""))
 
 
-def _decompresses(entry: Path, decompress) -> bool:
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+
+
+def _intact(entry: Path) -> bool | None:
+    """Whether the cache entry ``entry`` decompresses whole, by the codec its first bytes name
+    (JAX writes zstd where Python has it, else zlib, and JAX installs sharing a cache may
+    differ); None where this process cannot tell (no zstd here, or the entry unreadable)."""
     try:
-        decompress(entry.read_bytes())
-    except FileNotFoundError:  # removed meanwhile (another process's check)
-        return True
-    except Exception:  # noqa: BLE001 - zlib.error, zstd's errors: the entry is damaged
+        data = entry.read_bytes()
+    except OSError:
+        return None
+    if data.startswith(_ZSTD_MAGIC):
+        try:
+            from compression import zstd  # Python 3.14
+            decompress, error = zstd.decompress, zstd.ZstdError
+        except ImportError:
+            try:
+                import zstandard
+            except ImportError:
+                return None
+            decompress, error = zstandard.ZstdDecompressor().decompress, zstandard.ZstdError
+    else:
+        decompress, error = zlib.decompress, zlib.error
+    try:
+        decompress(data)
+    except error:
         return False
     return True
 

@@ -72,6 +72,17 @@ def test_an_entry_whose_write_was_cut_short_is_removed_and_written_again(tmp_pat
     entry.write_bytes(b"")
     assert _run(tmp_path / "cache") == (1, 0, 0)
     assert _run(tmp_path / "cache") == (0, 1, 1)
+    # An entry of another codec than this Python's (zstd where it has only zlib: another JAX
+    # install sharing the cache) is checked by its own, or left alone, never taken as damaged.
+    import importlib.util
+
+    zstd_entry = entry.with_name("jit_other-0123-cache")
+    zstd_entry.write_bytes(b"\x28\xb5\x2f\xfd" + b"\x00" * 64)  # zstd's magic, then damage
+    os.utime(zstd_entry, (written, written))
+    os.utime(entry.with_name(".areal-jax-checked"), (written - 1, written - 1))
+    _run(tmp_path / "cache")
+    zstd_here = any(importlib.util.find_spec(m) for m in ("zstandard", "compression"))
+    assert zstd_entry.exists() == (not zstd_here)
 
 
 CACHE_SETTINGS = """

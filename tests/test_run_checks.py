@@ -706,7 +706,18 @@ def test_a_synthetic_task_no_dataset_reads_and_a_tiny_model_not_built_are_named(
     assert not (tmp_path / "run" / "data").exists()
     (tmp_path / "run").mkdir()
     check_fingerprint(cfg)
-    check_fingerprint(from_dict(ExperimentConfig, {**to_dict(cfg), "synthetic": None}))
+    without = from_dict(ExperimentConfig, {**to_dict(cfg), "synthetic": None})
+    check_fingerprint(without)
+    # A run directory whose record counted the unused section, removed before the next start.
+    from areal_jax.controller import prepare
+
+    (tmp_path / "run" / "fingerprint.json").write_text(json.dumps(
+        {**prepare.run_fingerprint(cfg), "data": prepare._unused_synthetic_data_digest(cfg)}))
+    prepare.record_config(cfg)
+    check_fingerprint(without)
+    with pytest.raises(ConfigError, match="another data configuration"):  # the data changed
+        (tmp_path / "train.jsonl").write_text('{"question": "2+2?", "answer": "4"}\n')
+        check_fingerprint(without)
 
 
 def test_sft_trainer_settings_are_checked_with_no_sft_steps(tmp_path):

@@ -240,7 +240,17 @@ def _filled_path_data_digest(cfg: ExperimentConfig) -> str:
 
 def _unused_synthetic_data_digest(cfg: ExperimentConfig) -> str:
     """The data part as run directories recorded it before a ``synthetic`` section no dataset
-    reads was left out (removing it, as the warning about it says, changed the run's data)."""
+    reads was left out: with the section configured, or, removed since (as the warning about
+    it says), the one the run last started with (its ``config.json``)."""
+    recorded = (_recorded_config(cfg) or {}).get("synthetic")
+    if cfg.synthetic is None and isinstance(recorded, dict):
+        from areal_jax.config import from_dict
+        from areal_jax.data.synthetic import SyntheticConfig
+
+        try:
+            cfg = dataclasses.replace(cfg, synthetic=from_dict(SyntheticConfig, recorded))
+        except (ConfigError, TypeError, ValueError):  # not a section this code reads
+            pass
     return _data_digest(cfg, cfg.dataset, unused_synthetic=True)
 
 

@@ -306,6 +306,23 @@ def test_a_ledger_torn_by_a_crash_keeps_every_event_of_the_resumed_run(tmp_path)
         ("start", 0), ("train", 1), ("start", 1), ("train", 2)]
 
 
+def test_rejections_past_a_resumes_checkpoint_are_void_and_an_older_ledger_is_named():
+    from areal_jax.controller.ledger import rejected_prompts
+
+    def events(*spec):
+        return [{"event": "start", "version": v, **({} if n is None else {"rejected": n})}
+                if kind == "start" else {"event": "reject", "prompt": v}
+                for kind, v, n in spec]
+
+    assert rejected_prompts(events(("start", 0, 0), ("reject", "a", None),
+                                   ("reject", "b", None), ("start", 1, 1),
+                                   ("reject", "c", None))) == ["a", "c"]
+    # An older ledger's first start said no count and needed none.
+    assert rejected_prompts(events(("start", 0, None), ("reject", "a", None))) == ["a"]
+    with pytest.raises(ValueError, match="a start at version 1 does not say how many"):
+        rejected_prompts(events(("start", 0, None), ("reject", "a", None), ("start", 1, None)))
+
+
 def _serving(proc: subprocess.Popen, log: Path, timeout_s: float = 60) -> None:
     deadline = time.monotonic() + timeout_s
     while b"rollout server on" not in log.read_bytes():

@@ -78,11 +78,16 @@ def trained_batches(events: list[dict]) -> dict[int, list[str]]:
 def rejected_prompts(events: list[dict]) -> list[str]:
     """The prompt ids rejected, in order, as the run finally stands: a ``start`` that restored
     a checkpoint counting k rejections voids every rejection after the first k (those came
-    after that checkpoint, and their prompts were generated again)."""
+    after that checkpoint, and their prompts were generated again). ``ValueError`` where a
+    ``start`` that does not say (an older ledger's) follows rejections."""
     rejected: list[str] = []
     for e in events:
-        if e["event"] == "start" and "rejected" in e:  # older ledgers did not say
+        if e["event"] == "start" and "rejected" in e:
             rejected = rejected[: e["rejected"]]
+        elif e["event"] == "start" and rejected:
+            raise ValueError(f"a start at version {e['version']} does not say how many "
+                             "rejections its checkpoint counted (an older areal-jax wrote it): "
+                             "the rejections before it that were void cannot be told")
         elif e["event"] == "reject":
             rejected.append(e["prompt"])
     return rejected

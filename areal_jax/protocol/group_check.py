@@ -12,14 +12,11 @@ import numpy as np
 
 from areal_jax.protocol import GREEDY_TEMPERATURE
 from areal_jax.protocol.v1 import rollout_pb2 as pb
+from areal_jax.rewards.registry import MAX_ABS_REWARD
 
 # A log-probability is <= 0; float error may put it above: ~max|logit| / temperature x 6e-8
 # in float32, so the slack grows as the temperature falls.
 LOGPROB_SLACK = 1e-3
-# The largest reward trained on: a group's rewards, their squares and sums stay far inside
-# float32 (a finite 1e39 made every advantage of its batch non-finite, and the run stopped as
-# diverged, naming no reward).
-MAX_ABS_REWARD = 1e15
 _FINISH_REASONS = frozenset({pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH,
                              pb.FINISH_REASON_ABORT})
 

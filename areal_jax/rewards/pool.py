@@ -27,6 +27,7 @@ import tempfile
 
 from areal_jax.processes import die_with_parent
 from areal_jax.rewards.registry import (
+    MAX_ABS_REWARD,
     RewardFn,
     RewardNotFoundError,
     available_rewards,
@@ -103,9 +104,6 @@ def _worker_main(conn, scratch: str, parent: int | None) -> None:
             # take the worker down
             reply = ("error", f"{type(e).__name__}: {e}")
         conn.send(reply)
-
-
-MAX_ABS_REWARD = 1e9  # beyond it a group's reward spread (squares) could overflow float32
 
 
 def _reward_value(result) -> float:

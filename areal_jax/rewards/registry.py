@@ -16,6 +16,10 @@ from collections.abc import Callable, Mapping
 
 from areal_jax.config import ConfigError
 
+# The largest reward magnitude a server scores and a trainer trains on: a group's rewards, their
+# spread and the advantages of estimators that do not normalise stay far inside float32.
+MAX_ABS_REWARD = 1e9
+
 RewardFn = Callable[[str, dict], float]
 
 _BUILTINS: dict[str, str] = {

@@ -10,9 +10,9 @@ built, so they may report the post-swap version): its tokens carry the version s
 last pause before the answer came began. SGLang holds a request that reaches it during a pause
 until the generation continues, so a request runs under one version, the one served when the
 pause that cuts it began; the version served when the request was sent is older where it reached
-SGLang during a pause. Pause works the same way: interrupted requests wait and are resubmitted after resume.
-Control calls (pause, continue, abort, loads, status) have connections of their own, so they
-never queue behind ``/generate`` calls.
+SGLang during a pause. Pause works the same way: interrupted requests wait and are resubmitted
+after resume. Control calls (pause, continue, abort, loads, status) have connections of their
+own, so they never queue behind ``/generate`` calls.
 
 A failed load may leave SGLang partly updated (it records the new path before loading and "rolls
 back" from it), so after one the previous checkpoint is loaded again with the previous version;
@@ -331,7 +331,7 @@ class SGLangEngine(GenerationEngine):
             if interrupted:
                 finish = api.interrupted_finish(out.token_ids, remaining, stops)
             reported = out.weight_version
-            if interrupted:  # run under the version the last pause ended (module docstring)
+            if interrupted:  # run under the version served as that pause began
                 token_version = self._version_at_pause
             else:
                 token_version = version if reported is None else reported

@@ -177,6 +177,8 @@ def _intact(entry: Path) -> bool | None:
         decompress(data)
     except error:
         return False
+    except MemoryError:  # a damaged zstd header may claim any size: not told here
+        return None
     return True
 
 

@@ -816,8 +816,9 @@ def test_a_synthetic_task_or_tiny_model_made_by_a_refused_start_is_named_when_th
     start()
     assert made() == (40, 10, 32)
     start(f"{run / 'data'} was made from another synthetic section (synthetic.num_test was 10, "
-          f"now 5; synthetic.num_train was 40, now 20) by a start refused before it began: "
-          f"delete {run / 'data'} to make it from this one",
+          f"now 5; synthetic.num_train was 40, now 20) by an earlier command that trained "
+          f"nothing on it (a start refused before it began, an evaluation): delete "
+          f"{run / 'data'} to make it from this one",
           synthetic={"num_train": 20, "num_test": 5})
     shutil.rmtree(run / "data")
     start(f"{run / 'base_model'} was made from another tiny section (tiny.hidden_size was 32, "

@@ -116,8 +116,8 @@ def prepare_data(cfg: ExperimentConfig) -> None:
 
 def _check_made(cfg: ExperimentConfig, section: str, spec: dict, made_path: Path) -> None:
     """``ConfigError`` where ``made_path`` was made from another spec of config ``section`` by
-    a start that never began (refused by a later check, so it recorded no fingerprint): it
-    would be taken as this spec's. Never remade in place: another start may be reading it.
+    a command that recorded no fingerprint (a start refused by a later check, an evaluation):
+    it would be taken as this spec's. Never remade in place: another start may be reading it.
     Once a start has recorded the fingerprint, ``check_fingerprint`` names any change."""
     run_dir = Path(cfg.run_dir)
     record = run_dir / MADE_FROM_FILE
@@ -129,9 +129,9 @@ def _check_made(cfg: ExperimentConfig, section: str, spec: dict, made_path: Path
     changes = [f"{section}.{k} was {made.get(k)!r}, now {spec.get(k)!r}"
                for k in sorted(set(made) | set(spec)) if made.get(k) != spec.get(k)]
     raise ConfigError(
-        f"{made_path} was made from another {section} section ({'; '.join(changes)}) by a start "
-        f"refused before it began: delete {made_path} to make it from this one (nothing was "
-        "trained on it), or use a new run_dir")
+        f"{made_path} was made from another {section} section ({'; '.join(changes)}) by an "
+        "earlier command that trained nothing on it (a start refused before it began, an "
+        f"evaluation): delete {made_path} to make it from this one, or use a new run_dir")
 
 
 def _record_made(cfg: ExperimentConfig, section: str, spec: dict) -> None:

@@ -725,3 +725,11 @@ def test_a_pause_does_not_wait_behind_generate_calls_queued_for_a_connection(mod
         assert result.versions == _true_versions(result)
     # The two running were cut by the update, not run to their end under version 0.
     assert all(0 < r.versions.index(1) < 100 for r in results[:2])
+
+
+def test_a_seed_beyond_int64_is_folded_into_it_for_sglang():
+    # A request's seed is 64-bit (unsigned on the wire); SGLang holds seeds in int64 tensors.
+    payload = api.generate_payload([1], SamplingParams(max_new_tokens=1, seed=2**64 - 1), 1, "r")
+    assert payload["sampling_params"]["sampling_seed"] == 2**63 - 1
+    small = api.generate_payload([1], SamplingParams(max_new_tokens=1, seed=7), 1, "r")
+    assert small["sampling_params"]["sampling_seed"] == 7

@@ -100,8 +100,8 @@ def generate_payload(
     }
     if params.stop_token_ids:
         sampling["stop_token_ids"] = list(params.stop_token_ids)
-    if params.seed is not None:
-        sampling["sampling_seed"] = params.seed
+    if params.seed is not None:  # requests carry 64-bit seeds; torch's widest integer is int64
+        sampling["sampling_seed"] = params.seed & (2**63 - 1)
     return {
         "input_ids": list(input_ids),
         "sampling_params": sampling,

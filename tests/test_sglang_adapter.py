@@ -6,6 +6,7 @@ import urllib.parse
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -648,6 +649,22 @@ def test_an_sglang_without_model_info_keeps_its_loaded_weights_serving(model_dir
         double.stop()
 
 
+def _served(double: SGLangDouble, engine: SGLangEngine, scenario):
+    """``await scenario(engine)`` on the started ``engine``; then the engine shuts down and
+    ``double`` stops, whatever happened."""
+    async def run():
+        await engine.start()
+        try:
+            return await scenario(engine)
+        finally:
+            await engine.shutdown()
+
+    try:
+        return asyncio.run(run())
+    finally:
+        double.stop()
+
+
 def _true_versions(result) -> list[int]:
     """The version whose weights produced each token, read from its log-prob."""
     return [round(-lp - t / 1000) - 1 for t, lp in zip(result.output_ids, result.logprobs)]
@@ -662,33 +679,23 @@ def test_a_request_that_reached_sglang_after_a_pause_began_carries_the_version_i
                           pause_drains=pause_drains).start()
     v1, v2 = _checkpoint(tmp_path, "v1"), _checkpoint(tmp_path, "v2")
 
-    async def scenario():
-        engine = attached(model_dir, double)
-        await engine.start()
+    async def scenario(engine):
         send = engine._generate_client._request
 
         def late(method, path, payload, timeout):  # the network holds the request a while
             if (payload or {}).get("rid", "").endswith(".0$"):
-                import time
-
                 time.sleep(0.3)
             return send(method, path, payload, timeout)
 
         engine._generate_client._request = late
-        try:
-            run = asyncio.create_task(_generate(engine, PROMPT, SamplingParams(max_new_tokens=60)))
-            await asyncio.sleep(0.05)
-            await engine.update_weights(str(v1), 1)
-            await until(lambda: produced(double, "r1") >= 8)
-            await engine.update_weights(str(v2), 2)
-            return await run
-        finally:
-            await engine.shutdown()
+        run = asyncio.create_task(_generate(engine, PROMPT, SamplingParams(max_new_tokens=60)))
+        await asyncio.sleep(0.05)
+        await engine.update_weights(str(v1), 1)
+        await until(lambda: produced(double, "r1") >= 8)
+        await engine.update_weights(str(v2), 2)
+        return await run
 
-    try:
-        result = asyncio.run(scenario())
-    finally:
-        double.stop()
+    result = _served(double, attached(model_dir, double), scenario)
     assert result.output_ids == expected_tokens(PROMPT, 60)
     assert result.versions == _true_versions(result)
     k = result.versions.index(2)
@@ -702,24 +709,17 @@ def test_a_pause_does_not_wait_behind_generate_calls_queued_for_a_connection(mod
     double = SGLangDouble(vocab_size=VOCAB, token_delay_s=0.01, model_path=str(model_dir)).start()
     v1 = _checkpoint(tmp_path, "v1")
 
-    async def scenario():
-        engine = build_engine(EngineConfig(kind="sglang", model_path=str(model_dir),
-                                           options={"url": double.url, "max_connections": 2}))
-        await engine.start()
-        try:
-            params = SamplingParams(max_new_tokens=100)
-            runs = [asyncio.create_task(_generate(engine, PROMPT, params, f"q{i}"))
-                    for i in range(4)]  # two run, two wait for a connection
-            await until(lambda: produced(double, "q0") >= 5 and produced(double, "q1") >= 5)
-            await engine.update_weights(str(v1), 1)
-            return await asyncio.gather(*runs)
-        finally:
-            await engine.shutdown()
+    async def scenario(engine):
+        params = SamplingParams(max_new_tokens=100)
+        runs = [asyncio.create_task(_generate(engine, PROMPT, params, f"q{i}"))
+                for i in range(4)]  # two run, two wait for a connection
+        await until(lambda: produced(double, "q0") >= 5 and produced(double, "q1") >= 5)
+        await engine.update_weights(str(v1), 1)
+        return await asyncio.gather(*runs)
 
-    try:
-        results = asyncio.run(scenario())
-    finally:
-        double.stop()
+    engine = build_engine(EngineConfig(kind="sglang", model_path=str(model_dir),
+                                       options={"url": double.url, "max_connections": 2}))
+    results = _served(double, engine, scenario)
     for result in results:
         assert result.output_ids == expected_tokens(PROMPT, 100)
         assert result.versions == _true_versions(result)

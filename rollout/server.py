@@ -387,7 +387,7 @@ async def _serve(config: ServerConfig, **components) -> int:
         if registered is not None:  # first: trainers stop trying it once it is gone
             _unregister(config, registered)
     for sig in (signal.SIGTERM, signal.SIGINT):  # a second one ends the process at once
-        loop.add_signal_handler(sig, _exit_now, f"signal {sig.name} during the shutdown")
+        loop.add_signal_handler(sig, _signal_during_shutdown, config, sig, [])
     if config.drain_s and server.failure is None:
         log.info("draining: the groups held may finish for %g s (drain_s)", config.drain_s)
         if not await server.drain(config.drain_s):
@@ -423,6 +423,20 @@ def _unregister(config: ServerConfig, address: str) -> None:
     except OSError as e:  # the trainers find it gone when its stream ends
         log.warning("register_file: cannot remove %s from %s: %s", address,
                     config.register_file, e.strerror or e)
+
+
+def _signal_during_shutdown(config: ServerConfig, sig: signal.Signals, said: list) -> None:
+    """A stop signal during the shutdown ends the process at once, unless ``parent_pid`` is
+    gone: then it is the parent-death signal, which the kernel sends again as each thread of
+    the dying parent ends, and the shutdown goes on (within its limit). ``said``: whether that
+    was logged."""
+    if config.parent_pid is not None and os.getppid() != config.parent_pid:
+        if not said:
+            said.append(True)
+            log.info("signal %s: the parent process is gone, its death signal comes once per "
+                     "thread it had; the shutdown goes on", sig.name)
+        return
+    _exit_now(f"signal {sig.name} during the shutdown")
 
 
 def _exit_now(why: str) -> None:

@@ -2,7 +2,7 @@
 
 ``python tests/_fake_server_main.py DIR PORT [--step-s S] [--version V] [--die-after N]
 [--hang-update] [--max-concurrent N] [--hang-shutdown] [--stop-margin-s S] [--register FILE]
-[--drain-s S]``: serves on
+[--drain-s S] [--parent-pid PID]``: serves on
 127.0.0.1:PORT until SIGTERM (graceful) or the engine fails (exit 1); the base checkpoint and
 exports live under DIR/exports.
 """
@@ -64,6 +64,7 @@ def main() -> int:
     p.add_argument("--stop-margin-s", type=float)
     p.add_argument("--register", help="register_file")
     p.add_argument("--drain-s", type=float, default=0.0)
+    p.add_argument("--parent-pid", type=int)
     args = p.parse_args()
     if args.stop_margin_s is not None:
         server.STOP_MARGIN_S = args.stop_margin_s
@@ -74,7 +75,7 @@ def main() -> int:
         "engine": {"model_path": str(base), "tokenizer_path": str(tok)}, "port": args.port,
         "push_dir": str(args.dir / f"push{args.port}"), "shutdown_grace_s": 5,
         "max_concurrent_groups": args.max_concurrent, "register_file": args.register,
-        "drain_s": args.drain_s})
+        "drain_s": args.drain_s, "parent_pid": args.parent_pid})
     engine = FaultyEngine(args.die_after, args.hang_update, args.hang_shutdown,
                           step_s=args.step_s, version=args.version)
     scorer = ExactAnswerScorer()

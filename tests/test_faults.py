@@ -365,6 +365,57 @@ def test_a_server_whose_engine_hangs_in_its_shutdown_still_exits(tmp_path):
         _reap(proc)
 
 
+TRAINER_WITH_THREADS = """
+import subprocess, sys, threading, time
+from areal_jax.processes import tied_argv
+for _ in range(8):  # as a trainer's: each ends on its own when the process is SIGKILLed
+    threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
+argv = [sys.executable, sys.argv[1], sys.argv[2], sys.argv[3], "--hang-shutdown",
+        "--stop-margin-s", "3", "--parent-pid", str(__import__("os").getpid())]
+with open(sys.argv[4], "wb") as log:
+    server = subprocess.Popen(tied_argv(argv), stdout=log, stderr=subprocess.STDOUT)
+print(server.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_parents_death_signal_sent_again_does_not_cut_the_servers_shutdown(tmp_path):
+    # The kernel sends the parent-death signal again each time the server passes to another
+    # thread of its dying parent: the second one was taken as "exit now" and cut the shutdown
+    # (engine, SGLang process group, reward pool) short.
+    from _procs import alive
+
+    port = free_port()
+    log = tmp_path / "server.log"
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", TRAINER_WITH_THREADS, str(HERE / "_fake_server_main.py"),
+         str(tmp_path), str(port), str(log)], stdout=subprocess.PIPE, text=True, env=ENV)
+    pid = None
+    try:
+        pid = int(trainer.stdout.readline())
+        deadline = time.monotonic() + 60
+        while b"rollout server on" not in log.read_bytes():
+            assert alive(pid) and time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.1)
+        trainer.kill()
+        trainer.wait(10)
+        while b"shutting down" not in log.read_bytes():
+            assert time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.05)
+        os.kill(pid, signal.SIGTERM)  # one more, sure to come during the shutdown
+        while alive(pid):  # the fake engine's stop hangs: cut at its limit, 5 + 3 s
+            assert time.monotonic() < deadline + 30, log.read_text()[-2000:]
+            time.sleep(0.1)
+        text = log.read_text()
+        assert "exiting now: the shutdown did not finish within 8 s" in text, text[-2000:]
+        assert "during the shutdown" not in text
+        assert text.count("the parent process is gone") == 1
+    finally:
+        _reap(trainer)
+        if pid is not None and alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
 def test_a_remote_server_that_cannot_serve_the_run_is_named_before_sft(tmp_path, capsys):
     # Its model, context, rewards or group size were checked only once the RL phase connected,
     # after SFT: on a real model, hours of work before a setup error.

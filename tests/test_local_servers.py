@@ -523,3 +523,25 @@ def test_a_stop_during_the_pools_close_still_stops_the_local_servers(tmp_path, m
 
     asyncio.run(main())
     assert stopped == [True]
+
+
+def test_servers_started_before_one_that_cannot_start_are_stopped(tmp_path, monkeypatch):
+    # A second server that could not be spawned (out of file descriptors) left the first one
+    # running, with nothing left to stop it in a caller that lives on.
+    from areal_jax.controller.local_servers import LocalServers
+
+    servers = LocalServers({}, 2, tmp_path)
+    started = []
+
+    def spawn(i, cfg, name, *args):
+        if i == 1:
+            raise OSError(24, "Too many open files")
+        started.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                                        start_new_session=True))
+        return started[-1]
+
+    monkeypatch.setattr(servers, "_spawn", spawn)
+    with pytest.raises(OSError, match="Too many open files"):
+        servers.start()
+    assert len(started) == 1 and started[0].poll() is not None
+    assert servers.pids == [] and servers.addresses == []

@@ -96,13 +96,19 @@ class LocalServers:
         self.addresses: list[str] = []
 
     def start(self) -> list[str]:
-        """Start every server; returns their addresses (readiness is checked by the client)."""
+        """Start every server; returns their addresses (readiness is checked by the client).
+        If one cannot be started, those started before it are stopped and the error raised."""
         self._log_dir.mkdir(parents=True, exist_ok=True)
-        for i in range(self._count):
-            entry = _Proc(i, free_port())
-            self._launch(entry)
-            self._procs.append(entry)
-            self.addresses.append(f"127.0.0.1:{entry.port}")
+        try:
+            for i in range(self._count):
+                entry = _Proc(i, free_port())
+                self._launch(entry)
+                self._procs.append(entry)
+                self.addresses.append(f"127.0.0.1:{entry.port}")
+        except BaseException:
+            self.stop()
+            self.addresses.clear()
+            raise
         return self.addresses
 
     def _launch(self, entry: _Proc, weights: tuple[int, Path] | None = None) -> None:

@@ -333,9 +333,9 @@ async def rollout_servers(cfg: ExperimentConfig, model_path: Path, version: int,
     (``make_pool``): yields ``(pool, local
     servers or None)``; closes and stops both on exit. ``with_trainer``: whether this process
     is a trainer sharing the servers' devices."""
-    servers = launch_local(cfg, model_path, version, with_trainer)
-    pool = None
+    servers = pool = None
     try:
+        servers = launch_local(cfg, model_path, version, with_trainer)
         pool = make_pool(cfg, servers.addresses if servers else list(cfg.rollout.addresses),
                          addresses_file=None if servers else cfg.rollout.addresses_file,
                          training=training, held_out=held_out, vocab_size=vocab_size,

@@ -504,6 +504,13 @@ def test_answers_too_long_to_train_on_are_rejected_not_a_crash(tmp_path, caplog)
                for g in groups for t in g.trajectories) <= 9
     assert "over trainer.micro_batch.token_budget (9)" in caplog.text
     assert_nothing_lost(tmp_path / "ledger.jsonl", prompts)
+    # Each rejection was a warning: a workflow whose answers often run long flooded the
+    # console. The first five are shown, the rest counted (here at the loop's end).
+    rejected = [e for e in read_ledger(tmp_path / "ledger.jsonl") if e["event"] == "reject"]
+    lines = [r.getMessage() for r in caplog.records if "rejected" in r.getMessage()]
+    assert len(rejected) > 5 and sum(" rejected: " in line for line in lines) == 5
+    assert lines[5:] == [f"{len(rejected) - 5} more rejected prompts (field trajectories) "
+                         f"({len(rejected)} in all)"]
 
     with pytest.raises(RolloutRejectedError, match=r"\d+ groups in a row were rejected, by the "
                        r"rollout servers or as too long to train on .* the last one: "

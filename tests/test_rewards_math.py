@@ -268,6 +268,47 @@ def test_a_reward_that_keeps_hanging_is_probed_one_call_at_a_time():
         assert pool.num_skipped == 11
 
 
+def test_a_reward_failing_on_many_answers_logs_its_first_failures_and_counts_the_rest(caplog):
+    # Every failed call was a warning: a reward failing on a share of the answers wrote one
+    # line per answer to the server's log for the whole run.
+    with RewardPool(num_workers=1, timeout_s=20.0, custom=CUSTOM) as pool:
+        with caplog.at_level("WARNING", logger="areal_jax.rewards.pool"):
+            for _ in range(30):
+                assert pool.score_sync("raising_reward", "", {}) == 0.0
+            assert pool.num_errors == 30
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 6, lines
+    assert all("reward raising_reward failed: RuntimeError: broken reward" in line
+               for line in lines[:5])
+    assert "further failures of reward raising_reward are counted" in lines[4]
+    assert lines[5] == "25 more failures of reward raising_reward (30 in all)"  # at close
+
+
+def test_repeated_warnings_are_counted_once_a_minute_per_kind(caplog):
+    import logging
+
+    from areal_jax.repeated_warnings import RepeatedWarnings
+
+    now = [0.0]
+    warnings = RepeatedWarnings(logging.getLogger("t"), shown_per_kind=2, count_every_s=60,
+                                clock=lambda: now[0])
+    with caplog.at_level("WARNING", logger="t"):
+        for t in range(0, 200, 10):  # one of each kind every 10 s
+            now[0] = float(t)
+            warnings.warn("a", "a at %d", t)
+            warnings.warn("b", "b")
+        warnings.flush()
+        warnings.flush()  # nothing held back: says nothing
+    # At 70 s, a minute after the last full line, the six held back since; at 130 and 190 s
+    # the next six each; the flushes then have nothing held back.
+    assert [r.getMessage() for r in caplog.records][::2] == [
+        "a at 0", "a at 10 (further a are counted, once a minute at most)",
+        "6 more a (8 in all)", "6 more a (14 in all)", "6 more a (20 in all)"]
+    assert [r.getMessage() for r in caplog.records][1::2] == [
+        "b", "b (further b are counted, once a minute at most)",
+        "6 more b (8 in all)", "6 more b (14 in all)", "6 more b (20 in all)"]
+
+
 def test_closed_pool_refuses_calls_and_stops_workers():
     pool = RewardPool(num_workers=2, timeout_s=5.0)
     processes = [w.process for w in pool._idle]

@@ -42,6 +42,7 @@ from areal_jax.data.sampler import PromptIterator
 from areal_jax.experiment import ExperimentConfig
 from areal_jax.protocol import group_from_proto
 from areal_jax.protocol.v1 import rollout_pb2 as pb
+from areal_jax.repeated_warnings import RepeatedWarnings
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +101,7 @@ class RLLoop:
         self._retry: list[PromptItem] = []
         self._wake = asyncio.Event()
         self._rejected = self._consecutive_rejected = self._dropped = 0
+        self._rejections = RepeatedWarnings(log)  # the first of each field's, then counts
         self._fatal: BaseException | None = None
         self._paused = False
         self._ended = False  # set once run() stops training: no more prompts are submitted
@@ -218,8 +220,9 @@ class RLLoop:
         self.gate.on_failed()
         self._rejected += 1
         self._consecutive_rejected += 1
-        log.warning("prompt %s rejected: %s (field %s)", item.id,
-                    err.message, err.field or "-")
+        self._rejections.warn(f"rejected prompts (field {err.field or '-'})",
+                              "prompt %s rejected: %s (field %s)", item.id, err.message,
+                              err.field or "-")
         if self.ledger is not None:
             self.ledger.record("reject", prompt=item.id, field=err.field, message=err.message)
         limit = self.cfg.rollout.max_consecutive_rejections
@@ -339,6 +342,7 @@ class RLLoop:
             raise
         finally:
             self._ended = True
+            self._rejections.flush()
             await self._publisher.close()
 
     async def _train_step(self, batch: list[_Finished], total_steps: int, wait_start: float):

@@ -59,7 +59,7 @@ class RewardWatch:
             raise RewardFailingError(
                 f"reward {self.reward!r} failed in every call of {self._failing_batches} "
                 f"batches in a row, so training would only learn from zeros; the first "
-                f"failure: {errors[0] if errors else '?'} (each failure is in the rollout "
+                f"failure: {errors[0] if errors else '?'} (the first failures are in the rollout "
                 "servers' logs, <run_dir>/logs/rollout_server_*.log for local servers)")
         flat = sum(len({t.reward for t in g.trajectories}) <= 1 for g in groups)
         self._warn_if_flat(groups)

@@ -26,6 +26,7 @@ import signal
 import tempfile
 
 from areal_jax.processes import die_with_parent
+from areal_jax.repeated_warnings import RepeatedWarnings
 from areal_jax.rewards.registry import (
     MAX_ABS_REWARD,
     RewardFn,
@@ -159,7 +160,8 @@ class RewardPool:
     Only :attr:`reward_names` can be scored: the built-ins, the registered names and ``custom``
     (name -> ``"pkg.module:function"``, each imported and checked here, in the parent; a
     RewardConfigError carries the real import error). Counters ``num_scored``,
-    ``num_timeouts`` and ``num_errors`` are there for metrics. Workers die with the thread
+    ``num_timeouts`` and ``num_errors`` are there for metrics; the log shows each reward's first
+    failures and timeouts in full and counts the rest (``RepeatedWarnings``). Workers die with the thread
     that started them (Linux's parent-death signal, which holds when this process is
     SIGKILLed): create and use a pool in one long-lived thread, such as the event loop's.
     """
@@ -187,6 +189,8 @@ class RewardPool:
         self.timeouts_to_probe = timeouts_to_probe
         self._timeouts_in_a_row: collections.Counter[str] = collections.Counter()
         self._probing: set[str] = set()  # rewards with a probe call running
+        # failures and timeouts: the first of each reward logged, the rest counted
+        self._warnings = RepeatedWarnings(logger)
         self._custom = check_custom(custom)
         self._functions: dict[str, tuple[RewardFn, str]] = {}
         self._ctx = multiprocessing.get_context(start_method)
@@ -250,6 +254,7 @@ class RewardPool:
         if self._closed:
             return
         self._closed = True
+        self._warnings.flush()
         for worker in self._idle:
             worker.kill()
         self._idle.clear()
@@ -361,20 +366,22 @@ class RewardPool:
                                "one call at a time runs, the others score 0", error,
                                self.timeouts_to_probe)
             else:
-                logger.warning("%s; worker restarted", error)
+                self._warnings.warn(f"timeouts of reward {reward_name}", "%s; worker restarted",
+                                    error)
             return 0.0, False, error
         except (EOFError, OSError) as e:
             self._timeouts_in_a_row.pop(reward_name, None)  # it ended, if badly
             self.num_errors += 1
             error = f"reward {reward_name} worker died ({e!r})"
-            logger.warning("%s; worker restarted", error)
+            self._warnings.warn(f"failures of reward {reward_name}", "%s; worker restarted",
+                                error)
             return 0.0, False, error
         if self._timeouts_in_a_row.pop(reward_name, 0) >= self.timeouts_to_probe:
             logger.warning("reward %s ended in time again: every call runs", reward_name)
         if status == "error":
             self.num_errors += 1
             error = f"reward {reward_name} failed: {value}"
-            logger.warning("%s", error)
+            self._warnings.warn(f"failures of reward {reward_name}", "%s", error)
             return 0.0, True, error
         return value, True, None
 

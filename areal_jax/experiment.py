@@ -19,6 +19,7 @@ from areal_jax.data.config import DatasetConfig
 from areal_jax.data.synthetic import SyntheticConfig
 from areal_jax.models.tiny import TinyModelSpec
 from areal_jax.protocol import GREEDY_TEMPERATURE
+from areal_jax.rl.advantages import GROUP_RELATIVE_ESTIMATORS
 from areal_jax.trainer.config import TrainerConfig
 
 
@@ -287,9 +288,13 @@ class ExperimentConfig:
                 f"trainer.temperature ({self.trainer.temperature:g}) must equal "
                 f"sampling.temperature ({sampled_at:g}) or be left unset"
             )
-        if self.trainer.advantage.estimator == "rloo" and self.sampling.group_size < 2:
-            raise ConfigError("trainer.advantage.estimator: rloo needs sampling.group_size >= 2 "
-                              f"(leave-one-out), got {self.sampling.group_size}")
+        estimator = self.trainer.advantage.estimator
+        if estimator in GROUP_RELATIVE_ESTIMATORS and self.sampling.group_size < 2:
+            raise ConfigError(
+                f"sampling.group_size: trainer.advantage.estimator {estimator} compares each "
+                f"answer with the others of its group, so it needs sampling.group_size >= 2 "
+                f"(with {self.sampling.group_size} every advantage is 0 and nothing is learned); "
+                "raise it, or use estimator reinforce (a batch-mean baseline)")
         budget = self.trainer.max_new_tokens
         if budget is not None and budget != self.sampling.max_new_tokens:
             raise ConfigError(

@@ -84,7 +84,13 @@ def test_trainer_temperature_follows_sampling_unless_set_otherwise():
     ("sampling.top_p=0", r"sampling.top_p: must be in \(0, 1\], got 0"),
     ("sampling.top_k=0", "sampling.top_k: must be -1"),
     ("sampling.temperature=.nan", "sampling.temperature: expected a finite number, got nan"),
-    ("trainer.advantage.estimator=rloo sampling.group_size=1", "rloo needs sampling.group_size"),
+    ("trainer.advantage.estimator=rloo sampling.group_size=1",
+     "estimator rloo compares each answer with the others of its group, so it needs "
+     "sampling.group_size >= 2"),
+    # GRPO (the default) trained every version of such a run with a zero gradient
+    ("sampling.group_size=1", r"estimator grpo .* \(with 1 every advantage is 0 and nothing is "
+     "learned\); raise it, or use estimator reinforce"),
+    ("trainer.advantage.estimator=dr_grpo sampling.group_size=1", "estimator dr_grpo compares"),
     ("process_group.process_id=1", "process_group: set, but distributed is false"),
     ("distributed=true process_group.join_timeout_s=0",
      "process_group.join_timeout_s: must be >= 1, got 0"),

@@ -114,6 +114,13 @@ def test_train_resume_and_export(tmp_path, capsys, monkeypatch):
     assert_nothing_lost(run_dir / "ledger.jsonl", dataset, dataset.config.seed,
                         dataset.config.shuffle)
 
+    # Another model or SFT setting than the run's was exported without a word (the tokenizer
+    # and generation settings of the model given; "no config.json in .../sft_model").
+    assert main(["export", "--config", str(cfg), "--out", str(tmp_path / "other"),
+                 "sft.steps=0"]) == 2
+    assert (f"run_dir {run_dir} was trained with another sft configuration: sft.steps was "
+            f"{yaml.safe_load(cfg.read_text())['sft']['steps']}, now 0") in capsys.readouterr().err
+    assert not (tmp_path / "other").exists()
     assert main(["export", "--config", str(cfg), "--out", str(tmp_path / "hf")]) == 0
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

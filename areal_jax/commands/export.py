@@ -19,13 +19,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from areal_jax.config import ConfigError, load_config
-    from areal_jax.controller.prepare import base_model_path, starting_model
+    from areal_jax.controller.prepare import base_model_path, check_checkpoints_model
+    from areal_jax.controller.prepare import starting_model
     from areal_jax.controller.trainers import make_trainer
     from areal_jax.experiment import ExperimentConfig
     from areal_jax.models import export_hf
     from areal_jax.models.hf_export import check_export_target
 
     cfg = load_config(ExperimentConfig, args.config, args.overrides)
+    check_checkpoints_model(cfg)
     out = Path(args.out).resolve()
     start = starting_model(cfg)
     for what, path in (("the run directory", cfg.run_dir),

@@ -284,8 +284,7 @@ def check_fingerprint(cfg: ExperimentConfig) -> None:
         return
     recorded = read_json(path)
     changed = [k for k in current if recorded.get(k) != current[k]]
-    if changed and all(any(recorded.get(k) == form(cfg) for form in _OLDER_FORMS.get(k, ()))
-                       for k in changed):
+    if changed and _older_forms_match(cfg, recorded, changed):
         write_atomic(path, json.dumps(current, indent=2))  # an older record of the same run
         return
     if changed:
@@ -294,6 +293,33 @@ def check_fingerprint(cfg: ExperimentConfig) -> None:
             f"configuration{_what_changed(cfg, changed)} (see {path}): its SFT model and "
             "checkpoints do not belong to this config. Use a new run_dir, or delete that "
             "directory to start over.")
+
+
+def check_checkpoints_model(cfg: ExperimentConfig) -> None:
+    """For a command reading a run's checkpoints with ``cfg`` (``export``): refuse it when the
+    run directory recorded another model or SFT setting: checkpoints of the same shape restore
+    without an error, and the tokenizer, chat template and generation settings exported with
+    them would be another model's (or, SFT settings changed, the SFT model looked for where
+    there is none). Nothing is written."""
+    path = Path(cfg.run_dir) / FINGERPRINT_FILE
+    if not path.is_file():  # a run started before fingerprints were kept
+        return
+    recorded = read_json(path)
+    current = {"model": _model_digest(cfg), "sft": _digest(to_dict(cfg.sft))}
+    changed = [k for k in current if recorded.get(k) != current[k]]
+    if changed and not _older_forms_match(cfg, recorded, changed):
+        raise ConfigError(
+            f"run_dir {cfg.run_dir} was trained with another {' and '.join(changed)} "
+            f"configuration{_what_changed(cfg, changed)} (see {path}): its checkpoints do not "
+            f"belong to this config. Give the run's own: --config "
+            f"{Path(cfg.run_dir) / 'config.json'}")
+
+
+def _older_forms_match(cfg: ExperimentConfig, recorded: dict, changed: list[str]) -> bool:
+    """Whether every ``changed`` part of the ``recorded`` fingerprint is an older form of
+    ``cfg``'s (the same run, recorded by an earlier version)."""
+    return all(any(recorded.get(k) == form(cfg) for form in _OLDER_FORMS.get(k, ()))
+               for k in changed)
 
 
 # The settings each part of the fingerprint hashes (its files aside).

@@ -2,13 +2,16 @@
 here they are counted per batch, shown on the console, and a run whose reward fails in every
 call is stopped instead of training on its zeros. Groups whose samples all scored alike are
 counted, and batches without a learning signal (every advantage the run's estimator gives their
-rewards is zero: under GRPO, every group scored alike) are reported several in a row."""
+rewards is zero: under GRPO, every group scored alike) are reported several in a row. Before
+SFT, the user's own reward is tried on the first training rows (``try_reward_before_sft``)."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
 
+from areal_jax.config import ConfigError
+from areal_jax.experiment import ExperimentConfig
 from areal_jax.rl import AdvantageConfig, compute_advantages
 from areal_jax.trajectory import TrajectoryGroup
 
@@ -98,3 +101,54 @@ class RewardWatch:
             "it reads, and that the task is neither out of the model's reach nor already "
             "solved", self._flat_batches, shown,
             self.advantage.estimator, self.reward)
+
+
+REWARD_TRIAL_ROWS = 4  # training rows the user's own reward is tried on before SFT
+
+
+def try_reward_before_sft(cfg: ExperimentConfig, train_set) -> None:
+    """Before SFT (hours on a real model, after which the data settings are fixed in the run
+    directory): call the training set's reward, when it is the user's own (a path, or a name
+    ``rollout.server.rewards.custom`` lists), on the first training rows as the rollout
+    servers will (the row's metadata as text), each row's SFT response as the answer, in a
+    reward worker. A reward failing on every row is refused naming its first error (it would
+    fail the evaluation after SFT, or every training call); one failing on some is warned of."""
+    import asyncio
+
+    from areal_jax.controller.servers import listed_rewards, with_dataset_reward
+    from areal_jax.data.dataset import metadata_text
+    from areal_jax.rewards import RewardPool
+
+    reward = cfg.dataset.reward
+    custom = with_dataset_reward(listed_rewards(cfg), reward)
+    if reward not in custom:  # a built-in or registered reward: tested with the project
+        return
+    rows = list(train_set)[:REWARD_TRIAL_ROWS]
+    key = cfg.sft.response_key
+    timeout = float(cfg.rollout.server.get("rewards", {}).get("timeout_s", 30.0))
+
+    async def trials(pool: RewardPool) -> list[tuple[float, str | None]]:
+        return [await pool.score_with_error(
+                    reward, metadata_text(item.metadata[key]),
+                    {k: metadata_text(v) for k, v in item.metadata.items()})
+                for item in rows]
+
+    pool_log = logging.getLogger("areal_jax.rewards.pool")  # each failure is said below
+    level = pool_log.level
+    pool_log.setLevel(logging.ERROR)
+    try:
+        with RewardPool(num_workers=1, timeout_s=timeout, custom=custom) as pool:
+            results = asyncio.run(trials(pool))
+    finally:
+        pool_log.setLevel(level)
+    failed = [(item.id, error) for item, (_, error) in zip(rows, results) if error is not None]
+    if not failed:
+        return
+    how = (f"called as the rollout servers call it on training rows {', '.join(i.id for i in rows)} "
+           f"(each row's metadata, its {key!r} as the answer)")
+    if len(failed) == len(rows):
+        raise ConfigError(f"dataset.reward: {reward!r} failed on every one of the first "
+                          f"{len(rows)} training rows, {how}; the first error: {failed[0][1]}. "
+                          "Fix it (or dataset.metadata_fields) before SFT runs")
+    log.warning("dataset.reward: %r failed on %d of the first %d training rows, %s; row %s: %s",
+                reward, len(failed), len(rows), how, *failed[0])

@@ -29,6 +29,7 @@ from areal_jax.controller.prepare import base_model_path, changed_since_last_sta
 from areal_jax.controller.prepare import dataset_config, record_config, run_id
 from areal_jax.controller.evaluation import held_out_items
 from areal_jax.controller.progress import TrainingProgress
+from areal_jax.controller.reward_watch import try_reward_before_sft
 from areal_jax.controller.rl_phase import RESULTS_FILE, check_trajectories_fit, run_rl
 from areal_jax.controller.rl_phase import recorded_results, report_finished
 from areal_jax.controller.run_lock import hold_run_dir
@@ -300,6 +301,8 @@ def _start(cfg: ExperimentConfig, leader: bool, held: contextlib.ExitStack,
     sft_pending = bool(cfg.sft.steps) and not sft_model_kept(cfg)
     examples = sft_examples(cfg, tokenizer, train_set, sft_end_token(base, tokenizer)
                             ) if sft_pending else []
+    if leader and sft_pending:
+        try_reward_before_sft(cfg, train_set)
     if leader:
         run_dir.mkdir(parents=True, exist_ok=True)  # a config refused before: no run_dir
         held.enter_context(hold_run_dir(run_dir, "train"))  # before it reads or writes it

@@ -73,6 +73,11 @@ def compute_advantages(
     return [a.astype(np.float32) for a in advantages]
 
 
+# Estimators whose baseline is the rest of the prompt's group: a group of one sample gets an
+# advantage of 0 from them, so nothing to learn from its reward.
+GROUP_RELATIVE_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
+
+
 @register_advantage("grpo")
 def _grpo(groups, *, eps, std_ddof):
     """``(r - mean) / (std + eps)`` per group; a group of one (no spread to estimate) gets 0."""

@@ -105,6 +105,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return str(value)
         hint = (" (YAML reads yes/no/on/off/true/false, and null, as such: quote the text, "
                 "on the command line as key='\"yes\"')" if isinstance(value, bool) or value is None
+                else " (YAML reads 'text: more' as a mapping: quote text holding ': ', on the "
+                "command line as key='\"text: more\"')" if isinstance(value, dict)
                 else "")
         raise ConfigError(f"{key}: expected a string, got {value!r}{hint}")
     if isinstance(tp, type) and not isinstance(value, tp):

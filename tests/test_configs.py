@@ -1,6 +1,7 @@
 """Every shipped experiment config parses into the typed config (no unknown or ill-typed key)."""
 
 import os
+import shlex
 from pathlib import Path
 
 import pytest
@@ -88,6 +89,11 @@ def test_trainer_temperature_follows_sampling_unless_set_otherwise():
      "estimator rloo compares each answer with the others of its group, so it needs "
      "sampling.group_size >= 2"),
     # GRPO (the default) trained every version of such a run with a zero gradient
+    # YAML's readings of text a user meant literally, named with what to write instead
+    ("dataset.metadata_fields={gold:gold}", r"'gold:gold' must map to a column name \(YAML "
+     r"reads \{a:b\} as one key 'a:b': write \{a: b\}"),
+    ("'dataset.system_prompt=Be brief: answer'", r"dataset.system_prompt: expected a string, "
+     r"got \{'Be brief': 'answer'\} \(YAML reads 'text: more' as a mapping: quote"),
     ("sampling.group_size=1", r"estimator grpo .* \(with 1 every advantage is 0 and nothing is "
      "learned\); raise it, or use estimator reinforce"),
     ("trainer.advantage.estimator=dr_grpo sampling.group_size=1", "estimator dr_grpo compares"),
@@ -104,7 +110,7 @@ def test_what_every_request_would_be_refused_for_is_refused_before_the_run(overr
     # Accepted, these made every eval request fail (accuracy NaN, written to the run's results)
     # or every rollout request be rejected; a negative checkpoint_every saved every step.
     with pytest.raises(ConfigError, match=message):
-        load_config(ExperimentConfig, QUICKSTART, override.split())
+        load_config(ExperimentConfig, QUICKSTART, shlex.split(override))
 
 
 def test_cli_reports_config_errors_without_traceback(capsys):

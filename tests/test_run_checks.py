@@ -534,7 +534,7 @@ def test_a_recorded_accuracy_before_rl_is_compared_by_its_eval_settings(tmp_path
         asyncio.run(_accuracy_before_rl(cfg, 3, None, None))
 
 
-def test_sft_refuses_a_null_or_overlong_response_before_its_first_step(tmp_path):
+def test_sft_refuses_a_null_empty_or_overlong_response_before_its_first_step(tmp_path):
     from areal_jax.models.tiny import build_tiny_tokenizer
 
     tok = build_tiny_tokenizer(tmp_path / "tok", vocab_size=300)
@@ -546,6 +546,10 @@ def test_sft_refuses_a_null_or_overlong_response_before_its_first_step(tmp_path)
             {"id": "b", "question": "2+2?", "answer": "4", "solution": None}]
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(DatasetError, match=r"line 2: field 'solution': is null"):
+        sft_examples(cfg, tok)
+    rows[1]["solution"] = " "  # trained to answer with its end token alone, without a word
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ConfigError, match=r"prompt b's 'solution' is empty"):
         sft_examples(cfg, tok)
     rows[1]["solution"] = "2+2=4 " * 40  # the 81st step of 200 in a real run, say
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

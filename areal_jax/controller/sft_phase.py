@@ -54,8 +54,9 @@ def sft_examples(cfg: ExperimentConfig, tokenizer, dataset: PromptDataset | None
     """(prompt ids, response ids + ``end_id``) for every training prompt (``dataset``, when the
     caller has read it already; ``end_id``: ``sft_end_token``'s choice, default the
     tokenizer's end token); refuses a response key the dataset does not read, and, naming
-    the prompt, a response whose prompt + response fits no SFT micro-batch (its step would fail
-    mid-SFT, after the steps before it). The dataset refuses null values itself."""
+    the prompt, an empty response and one whose prompt + response fits no SFT micro-batch (its
+    step would fail mid-SFT, after the steps before it). The dataset refuses null values
+    itself."""
     key = cfg.sft.response_key
     if key not in cfg.dataset.metadata_fields:
         raise ConfigError(
@@ -68,8 +69,12 @@ def sft_examples(cfg: ExperimentConfig, tokenizer, dataset: PromptDataset | None
     end = tokenizer.eos_token_id if end_id is None else end_id
     examples = []
     for item in dataset:
-        response = tokenizer(metadata_text(item.metadata[key]),
-                             add_special_tokens=False)["input_ids"]
+        text = metadata_text(item.metadata[key])
+        if not text.strip():
+            raise ConfigError(
+                f"sft.response_key: prompt {item.id}'s {key!r} is empty: SFT would teach the "
+                "model to answer it with nothing; fill or drop that row")
+        response = tokenizer(text, add_special_tokens=False)["input_ids"]
         response = [*response, end]
         if len(item.prompt_ids) + len(response) > budget:
             raise ConfigError(

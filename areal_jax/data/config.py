@@ -47,7 +47,11 @@ class DatasetConfig:
             )
         for key, column in self.metadata_fields.items():
             if not key or not isinstance(column, str) or not column:
-                raise ValueError(f"dataset.metadata_fields: {key!r} must map to a column name")
+                hint = (" (YAML reads {a:b} as one key 'a:b': write {a: b}, a space after the "
+                        "colon)" if column is None and isinstance(key, str) and ":" in key
+                        else "")
+                raise ValueError(f"dataset.metadata_fields: {key!r} must map to a column "
+                                 f"name{hint}")
 
     def resolved_format(self, section: str = "dataset") -> str:
         """``format``, or the one the file suffix implies when ``auto`` (an error names

@@ -33,6 +33,7 @@ import numpy as np
 from areal_jax.protocol import finish_reason_to_proto, group_to_proto
 from areal_jax.protocol.v1 import rollout_pb2 as pb
 from areal_jax.protocol.v1 import rollout_pb2_grpc as pb_grpc
+from areal_jax.repeated_warnings import RepeatedWarnings
 from areal_jax.trajectory import TrajectoryGroup
 from rollout.admission import Admission, AdmissionClosed
 from rollout.config import ServerConfig
@@ -242,6 +243,8 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         self._unsent = _Unsent()
         self._instance_id = uuid.uuid4().hex  # tells the trainer this process from a restart
         self._non_finite_versions: set[int] = set()  # logged once each (``_warn_non_finite``)
+        # requests failed by a defect (a workflow's bug): the first tracebacks of each exception
+        self._unexpected = RepeatedWarnings(log, level=logging.ERROR)
 
     @property
     def held(self) -> int:
@@ -262,6 +265,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         generating, comes back as an error group with ``code`` (the first ``end`` decides)."""
         if self._end is None:
             self._end = (code, message)
+        self._unexpected.flush()
         self._admission.close()
         self._ended.set()
         for reader in self._readers:
@@ -449,7 +453,8 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         if isinstance(exc, EngineError):
             log.warning("request %s: engine failed: %s", request_id, exc)
             return _error_group(request_id, grpc.StatusCode.UNAVAILABLE, f"engine: {exc}")
-        log.exception("request %s failed", request_id, exc_info=exc)
+        self._unexpected.warn(f"requests failed with {type(exc).__name__}",
+                              "request %s failed", request_id, exc_info=exc)
         return _error_group(request_id, grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
 
     # Generate --------------------------------------------------------------------------------

@@ -244,6 +244,23 @@ def test_a_plug_in_workflow_breaking_its_contract_fails_only_its_request(
     assert (status.running_requests, status.queued_requests) == (0, 0)
 
 
+def test_a_workflow_failing_every_request_logs_its_first_tracebacks_and_counts_the_rest(
+        tmp_path, tok_dir, caplog):
+    # Each failed request logged its traceback: a workflow's bug hit by every request of a run
+    # filled the server's log with them.
+    async def scenario():
+        path = {"path": "_rollout_fakes.MislabelledWorkflow"}
+        async with serving(tmp_path, tok_dir, workflow=path) as h:
+            return await rollout(h.stub, [rollout_request(f"w{i}") for i in range(8)])
+
+    with caplog.at_level("ERROR", logger="rollout.service"):
+        responses = asyncio.run(scenario())
+    assert [r.error.code for r in responses] == [grpc.StatusCode.INTERNAL.value[0]] * 8
+    errors = [r for r in caplog.records if r.name == "rollout.service"]
+    assert [r.exc_info is not None for r in errors] == [True] * 5 + [False]
+    assert errors[-1].getMessage() == "3 more requests failed with RuntimeError (8 in all)"
+
+
 def test_a_reply_over_the_message_limit_fails_only_its_group(tmp_path, tok_dir):
     # gRPC ended the whole stream (RESOURCE_EXHAUSTED) when one group's reply was too large,
     # and every other group on it with it.

@@ -293,8 +293,9 @@ class ExperimentConfig:
             raise ConfigError(
                 f"sampling.group_size: trainer.advantage.estimator {estimator} compares each "
                 f"answer with the others of its group, so it needs sampling.group_size >= 2 "
-                f"(with {self.sampling.group_size} every advantage is 0 and nothing is learned); "
-                "raise it, or use estimator reinforce (a batch-mean baseline)")
+                f"(with {self.sampling.group_size} the reward gives every answer an advantage "
+                "of 0: nothing is learned from it); raise it, or use estimator reinforce (a "
+                "batch-mean baseline)")
         budget = self.trainer.max_new_tokens
         if budget is not None and budget != self.sampling.max_new_tokens:
             raise ConfigError(

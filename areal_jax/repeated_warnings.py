@@ -14,10 +14,10 @@ COUNT_EVERY_S = 60.0  # the count of those held back is logged at most this ofte
 
 
 class RepeatedWarnings:
-    """Logs warnings (or messages of another ``level``) through ``logger``, each with a ``kind`` (what repeats: e.g. "failures of
-    reward math"): the first ``shown_per_kind`` of a kind in full, then a count of the ones held
-    back whenever ``count_every_s`` have passed since the last full or counted line of that
-    kind, and at :meth:`flush`."""
+    """Logs warnings (or messages of another ``level``) through ``logger``, each with a
+    ``kind`` (what repeats: e.g. "failures of reward math"): the first ``shown_per_kind`` of a
+    kind in full, then a count of the ones held back whenever ``count_every_s`` have passed
+    since the last full or counted line of that kind, and at :meth:`flush`."""
 
     def __init__(self, logger: logging.Logger, shown_per_kind: int = SHOWN_PER_KIND,
                  count_every_s: float = COUNT_EVERY_S, level: int = logging.WARNING,
@@ -38,8 +38,8 @@ class RepeatedWarnings:
         seen = self._seen[kind]
         if seen <= self._shown_per_kind:
             if seen == self._shown_per_kind:
-                message += " (further %s are counted, once a minute at most)"
-                args = (*args, kind)
+                message += " (further %s are counted, every %g s at most)"
+                args = (*args, kind, self._every)
             self._log.log(self._level, message, *args, exc_info=exc_info)
             self._last[kind] = self._clock()
             return

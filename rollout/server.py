@@ -426,15 +426,16 @@ def _unregister(config: ServerConfig, address: str) -> None:
 
 
 def _signal_during_shutdown(config: ServerConfig, sig: signal.Signals, said: list) -> None:
-    """A stop signal during the shutdown ends the process at once, unless ``parent_pid`` is
-    gone: then it is the parent-death signal, which the kernel sends again as each thread of
-    the dying parent ends, and the shutdown goes on (within its limit). ``said``: whether that
-    was logged."""
-    if config.parent_pid is not None and os.getppid() != config.parent_pid:
+    """A stop signal during the shutdown ends the process at once, except a SIGTERM with
+    ``parent_pid`` set: that is the parent-death signal, which the kernel sends again each
+    time the server passes to another thread of its dying parent (``getppid`` changes only once
+    every thread has begun to exit), and the shutdown goes on within its limit. ``said``:
+    whether that was logged."""
+    if config.parent_pid is not None and sig == signal.SIGTERM:
         if not said:
             said.append(True)
-            log.info("signal %s: the parent process is gone, its death signal comes once per "
-                     "thread it had; the shutdown goes on", sig.name)
+            log.info("SIGTERM again during the shutdown: with parent_pid set, the parent's death "
+                     "signal comes once per thread it had; the shutdown goes on (SIGINT ends it)")
         return
     _exit_now(f"signal {sig.name} during the shutdown")
 

@@ -94,8 +94,8 @@ def test_trainer_temperature_follows_sampling_unless_set_otherwise():
      r"reads \{a:b\} as one key 'a:b': write \{a: b\}"),
     ("'dataset.system_prompt=Be brief: answer'", r"dataset.system_prompt: expected a string, "
      r"got \{'Be brief': 'answer'\} \(YAML reads 'text: more' as a mapping: quote"),
-    ("sampling.group_size=1", r"estimator grpo .* \(with 1 every advantage is 0 and nothing is "
-     "learned\); raise it, or use estimator reinforce"),
+    ("sampling.group_size=1", r"estimator grpo .* \(with 1 the reward gives every answer an "
+     r"advantage of 0: nothing is learned from it\); raise it, or use estimator reinforce"),
     ("trainer.advantage.estimator=dr_grpo sampling.group_size=1", "estimator dr_grpo compares"),
     ("process_group.process_id=1", "process_group: set, but distributed is false"),
     ("distributed=true process_group.join_timeout_s=0",

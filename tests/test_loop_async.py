@@ -509,7 +509,10 @@ def test_answers_too_long_to_train_on_are_rejected_not_a_crash(tmp_path, caplog)
     rejected = [e for e in read_ledger(tmp_path / "ledger.jsonl") if e["event"] == "reject"]
     lines = [r.getMessage() for r in caplog.records if "rejected" in r.getMessage()]
     assert len(rejected) > 5 and sum(" rejected: " in line for line in lines) == 5
-    assert lines[5:] == [f"{len(rejected) - 5} more rejected prompts (field trajectories) "
+    assert lines[5:] == [f"{len(rejected) - 5} more rejected prompts (field trajectories: a "
+                         "trajectory of N tokens (prompt and answer) is over "
+                         "trainer.micro_batch.token_budget (N): the workflow's answers must fit "
+                         "one micro-batch; raise the budget or bound the answers) "
                          f"({len(rejected)} in all)"]
 
     with pytest.raises(RolloutRejectedError, match=r"\d+ groups in a row were rejected, by the "

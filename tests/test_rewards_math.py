@@ -302,10 +302,10 @@ def test_repeated_warnings_are_counted_once_a_minute_per_kind(caplog):
     # At 70 s, a minute after the last full line, the six held back since; at 130 and 190 s
     # the next six each; the flushes then have nothing held back.
     assert [r.getMessage() for r in caplog.records][::2] == [
-        "a at 0", "a at 10 (further a are counted, once a minute at most)",
+        "a at 0", "a at 10 (further a are counted, every 60 s at most)",
         "6 more a (8 in all)", "6 more a (14 in all)", "6 more a (20 in all)"]
     assert [r.getMessage() for r in caplog.records][1::2] == [
-        "b", "b (further b are counted, once a minute at most)",
+        "b", "b (further b are counted, every 60 s at most)",
         "6 more b (8 in all)", "6 more b (14 in all)", "6 more b (20 in all)"]
 
 

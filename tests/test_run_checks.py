@@ -847,6 +847,7 @@ def test_a_reward_failing_on_the_data_is_refused_before_sft(tmp_path, capsys, mo
     (tmp_path / "gold_rewards.py").write_text(
         "def needs_gold(completion, metadata):\n"
         "    return float(metadata['gold'] in completion)\n\n"
+        "def slow(completion, metadata):\n    import time\n    time.sleep(60)\n\n"
         "def odd_rows(completion, metadata):\n"
         "    if metadata['answer'] == '3':\n        raise ValueError('three')\n"
         "    return float(metadata['answer'] in completion)\n")
@@ -865,6 +866,10 @@ def test_a_reward_failing_on_the_data_is_refused_before_sft(tmp_path, capsys, mo
             "r3 (each row's metadata, its 'solution' as the answer); the first error: reward "
             "gold_rewards:needs_gold failed: KeyError: 'gold'") in err
     assert not (tmp_path / "run" / "fingerprint.json").exists()  # corrected in place, next
+    # `areal-jax sft` alone checks it too: a later train keeps its SFT model, unchecked.
+    assert main(["sft", "--config", _write(tmp_path, cfg)]) == 2
+    assert "'gold_rewards:needs_gold' failed on every one" in capsys.readouterr().err
+    assert not (tmp_path / "run" / "fingerprint.json").exists()
     # One failing on some rows is said, and SFT goes on (stopped here: it is what comes next).
     cfg = _config(tmp_path, sft={"steps": 1000}, dataset={**data, "reward": "gold_rewards:odd_rows"})
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -873,7 +878,46 @@ def test_a_reward_failing_on_the_data_is_refused_before_sft(tmp_path, capsys, mo
     said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(said) == 1 and "failed on 1 of the first 4 training rows" in said[0]
     assert said[0].endswith("row r2: reward gold_rewards:odd_rows failed: ValueError: three")
+    # Timeouts may be this machine's, not the reward's: said, not refused.
+    caplog.clear()
+    cfg = _config(tmp_path, sft={"steps": 1000}, dataset={**data, "reward": "gold_rewards:slow"},
+                  rollout={"server": {"rewards": {"timeout_s": 1}}},
+                  run_dir=str(tmp_path / "slow"))
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(AssertionError, match="started"):
+        main(["train", "--config", _write(tmp_path, cfg)])
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(said) == 1 and "failed on 4 of the first 4 training rows" in said[0]
+    assert "reward gold_rewards:slow timed out after 1.0s" in said[0]
 
 
 def _not_started(*args, **kwargs):
     raise AssertionError("started")
+
+
+def test_export_compares_the_runs_model_while_its_files_are_there_and_its_sft_settings(
+        tmp_path):
+    import shutil
+
+    from areal_jax.controller.prepare import check_checkpoints_model, record_config
+    from areal_jax.models.tiny import TinyModelSpec, build_tiny_model
+
+    spec = dict(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
+                max_position_embeddings=128, tokenizer_vocab_size=300)
+    model = build_tiny_model(tmp_path / "m", TinyModelSpec(**spec))
+    other = build_tiny_model(tmp_path / "other", TinyModelSpec(**{**spec, "hidden_size": 16}))
+    cfg = from_dict(ExperimentConfig, _config(tmp_path, model_path=str(model)))
+    (tmp_path / "run").mkdir()
+    check_fingerprint(cfg)
+    record_config(cfg)
+    check_checkpoints_model(cfg)  # the run's own config
+    with pytest.raises(ConfigError, match=r"was trained with another model configuration: "
+                       r"model_path was .*/m', now .*/other'.* Give the run's own: --config "):
+        check_checkpoints_model(from_dict(ExperimentConfig, _config(
+            tmp_path, model_path=str(other))))
+    # The base model deleted since (an SFT run exports from its sft_model): a traceback before.
+    shutil.rmtree(model)
+    check_checkpoints_model(cfg)
+    with pytest.raises(ConfigError, match="another sft configuration: sft.steps was 0, now 5"):
+        check_checkpoints_model(from_dict(ExperimentConfig, _config(
+            tmp_path, model_path=str(model), sft={"steps": 5})))

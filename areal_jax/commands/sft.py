@@ -20,11 +20,13 @@ def run(args: argparse.Namespace) -> int:
     from areal_jax.config import ConfigError, load_config
     from areal_jax.controller.progress import TrainingProgress
     from areal_jax.controller.prepare import check_fingerprint, prepare_base_model, prepare_data
-    from areal_jax.controller.prepare import record_config
+    from areal_jax.controller.prepare import dataset_config, record_config
+    from areal_jax.controller.reward_watch import try_reward_before_sft
     from areal_jax.controller.run import claim_devices
     from areal_jax.controller.run_lock import hold_run_dir
     from areal_jax.controller.sft_phase import run_sft, sft_end_token, sft_examples
     from areal_jax.controller.sft_phase import sft_model_kept
+    from areal_jax.data.dataset import PromptDataset
     from areal_jax.experiment import ExperimentConfig
     from areal_jax.models import ModelConfig
     from areal_jax.models.tokenizer import load_tokenizer
@@ -45,8 +47,11 @@ def run(args: argparse.Namespace) -> int:
         # a finished SFT is kept (run_sft): its examples are not read again
         tokenizer = load_tokenizer(base, ModelConfig.from_pretrained(base).vocab_size,
                                    "model_path")
-        examples = [] if sft_model_kept(cfg) else sft_examples(
-            cfg, tokenizer, end_id=sft_end_token(base, tokenizer))
+        examples = []
+        if not sft_model_kept(cfg):
+            train_set = PromptDataset(dataset_config(cfg.dataset, cfg.run_dir), tokenizer)
+            examples = sft_examples(cfg, tokenizer, train_set, sft_end_token(base, tokenizer))
+            try_reward_before_sft(cfg, train_set)  # before its data settings are recorded
     except BaseException:
         if made:  # a refused config leaves no run directory behind, as `train`'s
             shutil.rmtree(run_dir, ignore_errors=True)

@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -220,7 +221,8 @@ class RLLoop:
         self.gate.on_failed()
         self._rejected += 1
         self._consecutive_rejected += 1
-        self._rejections.warn(f"rejected prompts (field {err.field or '-'})",
+        reason = re.sub(r"\d+", "N", err.message)  # one kind whatever its sizes and ids
+        self._rejections.warn(f"rejected prompts (field {err.field or '-'}: {reason})",
                               "prompt %s rejected: %s (field %s)", item.id, err.message,
                               err.field or "-")
         if self.ledger is not None:

@@ -172,11 +172,11 @@ def run_fingerprint(cfg: ExperimentConfig) -> dict[str, str]:
     and the SFT settings. Paths are hashed as written (``{run_dir}`` unfilled), so a run
     directory moved or named by another path is the same run; the model's and the data files'
     contents are hashed wherever they are."""
-    return {
-        "model": _model_digest(cfg),
-        "data": _data_digest(cfg, cfg.dataset),
-        "sft": _digest(to_dict(cfg.sft)),
-    }
+    return {part: digest(cfg) for part, digest in _FINGERPRINT_PARTS.items()}
+
+
+def _sft_digest(cfg: ExperimentConfig) -> str:
+    return _digest(to_dict(cfg.sft))
 
 
 def _model_digest(cfg: ExperimentConfig) -> str:
@@ -255,6 +255,8 @@ def _unused_synthetic_data_digest(cfg: ExperimentConfig) -> str:
 
 
 # The forms older run directories recorded a part in: accepted, and recorded anew.
+_FINGERPRINT_PARTS = {"model": _model_digest, "data": lambda cfg: _data_digest(cfg, cfg.dataset),
+                      "sft": _sft_digest}
 _OLDER_FORMS = {"model": (_path_model_digest,),
                 "data": (_filled_path_data_digest, _unused_synthetic_data_digest)}
 
@@ -300,12 +302,14 @@ def check_checkpoints_model(cfg: ExperimentConfig) -> None:
     run directory recorded another model or SFT setting: checkpoints of the same shape restore
     without an error, and the tokenizer, chat template and generation settings exported with
     them would be another model's (or, SFT settings changed, the SFT model looked for where
-    there is none). Nothing is written."""
+    there is none). The model is compared where its files still are. Nothing is written."""
     path = Path(cfg.run_dir) / FINGERPRINT_FILE
     if not path.is_file():  # a run started before fingerprints were kept
         return
     recorded = read_json(path)
-    current = {"model": _model_digest(cfg), "sft": _digest(to_dict(cfg.sft))}
+    model_there = cfg.model_path == "tiny" or (base_model_path(cfg) / "config.json").is_file()
+    parts = ["model", "sft"] if model_there else ["sft"]
+    current = {part: _FINGERPRINT_PARTS[part](cfg) for part in parts}
     changed = [k for k in current if recorded.get(k) != current[k]]
     if changed and not _older_forms_match(cfg, recorded, changed):
         raise ConfigError(

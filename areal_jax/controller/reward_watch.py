@@ -111,9 +111,12 @@ def try_reward_before_sft(cfg: ExperimentConfig, train_set) -> None:
     directory): call the training set's reward, when it is the user's own (a path, or a name
     ``rollout.server.rewards.custom`` lists), on the first training rows as the rollout
     servers will (the row's metadata as text), each row's SFT response as the answer, in a
-    reward worker. A reward failing on every row is refused naming its first error (it would
-    fail the evaluation after SFT, or every training call); one failing on some is warned of."""
+    reward worker. A reward failing on every row, each with an error of its own (not a
+    timeout), is refused naming its first error (it would fail the evaluation after SFT, or
+    every training call); otherwise a failure is warned of, as it is with remote servers,
+    which run the reward in their own environment."""
     import asyncio
+    import itertools
 
     from areal_jax.controller.servers import listed_rewards, with_dataset_reward
     from areal_jax.data.dataset import metadata_text
@@ -123,7 +126,7 @@ def try_reward_before_sft(cfg: ExperimentConfig, train_set) -> None:
     custom = with_dataset_reward(listed_rewards(cfg), reward)
     if reward not in custom:  # a built-in or registered reward: tested with the project
         return
-    rows = list(train_set)[:REWARD_TRIAL_ROWS]
+    rows = list(itertools.islice(train_set, REWARD_TRIAL_ROWS))
     key = cfg.sft.response_key
     timeout = float(cfg.rollout.server.get("rewards", {}).get("timeout_s", 30.0))
 
@@ -139,16 +142,19 @@ def try_reward_before_sft(cfg: ExperimentConfig, train_set) -> None:
     try:
         with RewardPool(num_workers=1, timeout_s=timeout, custom=custom) as pool:
             results = asyncio.run(trials(pool))
+            timeouts = pool.num_timeouts
     finally:
         pool_log.setLevel(level)
     failed = [(item.id, error) for item, (_, error) in zip(rows, results) if error is not None]
     if not failed:
         return
-    how = (f"called as the rollout servers call it on training rows {', '.join(i.id for i in rows)} "
-           f"(each row's metadata, its {key!r} as the answer)")
-    if len(failed) == len(rows):
+    how = (f"called as the rollout servers call it on training rows "
+           f"{', '.join(i.id for i in rows)} (each row's metadata, its {key!r} as the answer)")
+    if len(failed) == len(rows) and timeouts < len(failed) and not cfg.rollout.remote:
         raise ConfigError(f"dataset.reward: {reward!r} failed on every one of the first "
                           f"{len(rows)} training rows, {how}; the first error: {failed[0][1]}. "
                           "Fix it (or dataset.metadata_fields) before SFT runs")
-    log.warning("dataset.reward: %r failed on %d of the first %d training rows, %s; row %s: %s",
-                reward, len(failed), len(rows), how, *failed[0])
+    log.warning("dataset.reward: %r failed on %d of the first %d training rows, %s; row %s: "
+                "%s%s", reward, len(failed), len(rows), how, *failed[0],
+                " (the remote rollout servers run it in their own environment)"
+                if cfg.rollout.remote else "")

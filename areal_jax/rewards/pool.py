@@ -160,10 +160,11 @@ class RewardPool:
     Only :attr:`reward_names` can be scored: the built-ins, the registered names and ``custom``
     (name -> ``"pkg.module:function"``, each imported and checked here, in the parent; a
     RewardConfigError carries the real import error). Counters ``num_scored``,
-    ``num_timeouts`` and ``num_errors`` are there for metrics; the log shows each reward's first
-    failures and timeouts in full and counts the rest (``RepeatedWarnings``). Workers die with the thread
-    that started them (Linux's parent-death signal, which holds when this process is
-    SIGKILLed): create and use a pool in one long-lived thread, such as the event loop's.
+    ``num_timeouts`` and ``num_errors`` are there for metrics; the log shows each reward's
+    first failures and timeouts in full and counts the rest (``RepeatedWarnings``). Workers die
+    with the thread that started them (Linux's parent-death signal, which holds when this
+    process is SIGKILLed): create and use a pool in one long-lived thread, such as the event
+    loop's.
     """
 
     def __init__(

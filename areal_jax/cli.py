@@ -48,6 +48,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from areal_jax.models.hf_export import ExportTargetError
     from areal_jax.models.hf_io import CheckpointError
     from areal_jax.models.safetensors_io import SafetensorsError
+    from areal_jax.parallel.trainer_group import TrainerGroupBrokenError
     from areal_jax.rewards.registry import RewardNotFoundError
     from areal_jax.trainer.checkpoint import CheckpointCorruptError, CheckpointMismatchError
     from areal_jax.trainer.trainer import TrainingDivergedError
@@ -57,7 +58,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
             ServerExitedError, ExportTargetError,
             RolloutRejectedError, RewardFailingError, NoLiveServerError, RequestFailedError,
             ServerRefusedError, WeightsRejectedError, EvaluationFailedError,
-            TrainingDivergedError)  # fmt: skip
+            TrainingDivergedError, TrainerGroupBrokenError)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

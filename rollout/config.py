@@ -27,6 +27,27 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")  # a server on these listens on every address
+
+
+def machine_name() -> str:
+    """This machine's name as other hosts would dial it: its fully qualified name, or its host
+    name where that is the loopback's (a hosts file mapping the machine's name to 127.0.0.1, as
+    many images and containers have, makes ``getfqdn`` answer ``localhost``)."""
+    name = socket.getfqdn()
+    return socket.gethostname() if name.split(".")[0] == "localhost" else name
+
+
+def resolves_to_loopback(host: str) -> bool:
+    """Whether ``host`` resolves, on this machine, only to loopback addresses (False when it
+    does not resolve: the trainer's side says so)."""
+    try:
+        found = {info[4][0] for info in socket.getaddrinfo(host.strip("[]"), None)}
+    except (OSError, UnicodeError):
+        return False
+    return bool(found) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in found)
+
+
 @dataclasses.dataclass
 class EngineConfig:
     """Which engine serves the model. ``options`` are engine-specific and checked by the engine."""
@@ -185,8 +206,8 @@ class ServerConfig:
         if self.advertise_address is not None:
             return self.advertise_address
         host = self.host
-        if host in ("", "0.0.0.0", "::", "[::]"):
-            host = socket.getfqdn()
+        if host in WILDCARD_HOSTS:
+            host = machine_name()
         elif ":" in host and not host.startswith("["):
             host = f"[{host}]"
         return f"{host}:{port}"

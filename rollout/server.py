@@ -33,7 +33,7 @@ from areal_jax.models.tokenizer import check_tokenizer, load_tokenizer
 from areal_jax.protocol import SERVICE_NAME
 from areal_jax.protocol.addresses import register_address, unregister_address
 from rollout.auth import TokenAuthInterceptor
-from rollout.config import RewardConfig, ServerConfig
+from rollout.config import WILDCARD_HOSTS, RewardConfig, ServerConfig, resolves_to_loopback
 from rollout.engine import EngineError, GenerationEngine
 from rollout.engines import create_engine
 from rollout.health import BoundedHealthServicer
@@ -414,6 +414,12 @@ def _register(config: ServerConfig, port: int) -> str | None:
                   e.strerror or e)
         return None
     log.info("listed as %s in %s", address, config.register_file)
+    host = address.rpartition(":")[0]
+    if config.advertise_address is None and config.host in WILDCARD_HOSTS and \
+            resolves_to_loopback(host):
+        log.warning("register_file: this machine's name, %s, resolves to a loopback address "
+                    "here (its hosts file): a trainer on another host dialling it may reach "
+                    "itself; set advertise_address to a name or address others can reach", host)
     return address
 
 

@@ -90,9 +90,36 @@ def test_servers_registering_at_once_are_all_listed_and_each_removes_only_itself
     assert path.read_text().startswith("# this run's servers\nfixed:1  # by hand\n")
 
 
-def test_a_server_advertises_where_it_can_be_reached():
+def test_a_wildcard_server_lists_the_machines_name_not_localhost(tmp_path, monkeypatch, caplog):
+    # Where the hosts file maps the machine's name to 127.0.0.1 (many images and containers)
+    # getfqdn() answers "localhost": a server on 0.0.0.0 listed itself as localhost:PORT, and a
+    # trainer on another host dialled its own loopback.
     import socket
 
+    from rollout import server
+    from rollout.config import ServerConfig
+
+    monkeypatch.setattr(socket, "getfqdn", lambda: "localhost")
+    monkeypatch.setattr(socket, "gethostname", lambda: "rollout-7")
+    resolved = {"rollout-7": "127.0.1.1", "node.example": "10.0.0.7"}
+    monkeypatch.setattr(socket, "getaddrinfo", lambda host, port: [
+        (socket.AF_INET, socket.SOCK_STREAM, 6, "", (resolved[host], 0))])
+    listed = tmp_path / "servers.txt"
+    cfg = ServerConfig(engine={"model_path": "tiny"}, host="0.0.0.0", auth_token="t",
+                       register_file=str(listed))
+    with caplog.at_level("WARNING", logger="rollout.server"):
+        assert server._register(cfg, 7) == "rollout-7:7"
+    assert listed.read_text().splitlines()[-1] == "rollout-7:7"
+    assert "this machine's name, rollout-7, resolves to a loopback address here" in caplog.text
+    assert "set advertise_address" in caplog.text
+    caplog.clear()
+    monkeypatch.setattr(socket, "gethostname", lambda: "node.example")
+    with caplog.at_level("WARNING", logger="rollout.server"):
+        assert server._register(cfg, 8) == "node.example:8"
+    assert "loopback" not in caplog.text
+
+
+def test_a_server_advertises_where_it_can_be_reached():
     from rollout.config import ServerConfig
 
     def advertised(port=7, **fields):
@@ -100,7 +127,6 @@ def test_a_server_advertises_where_it_can_be_reached():
 
     assert advertised() == "127.0.0.1:7"
     assert advertised(host="::1", auth_token="t") == "[::1]:7"
-    assert advertised(host="0.0.0.0", auth_token="t") == f"{socket.getfqdn()}:7"
     assert advertised(register_file="f", advertise_address="rollout-3.svc:443") == (
         "rollout-3.svc:443")
     with pytest.raises(ConfigError, match="advertise_address: 'rollout-3' is not a rollout"):

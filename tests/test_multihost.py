@@ -449,6 +449,43 @@ def test_closing_the_group_waits_for_the_command_in_flight():
     assert events == ["step started", "step ended", "closed"]
 
 
+def test_a_collective_broken_by_a_peer_that_recorded_nothing_is_named_not_a_traceback(
+        monkeypatch, capsys):
+    # A follower SIGKILLed mid-step on CPU: Gloo's collective failed at once on the leader,
+    # which ended with a 90-line traceback naming no process and no way on.
+    import jax
+
+    from areal_jax.cli import _user_errors
+    from areal_jax.parallel import trainer_group
+    from areal_jax.parallel.trainer_group import TrainerGroup, TrainerGroupBrokenError
+
+    class BrokenTrainer:
+        version = 0
+
+        def check_batch(self, groups):
+            pass
+
+        def train_on_batch(self, groups):
+            raise jax.errors.JaxRuntimeError(
+                "UNKNOWN: Gloo AllGather failed: [pair.cc:547] Connection closed by peer\nmore")
+
+    monkeypatch.setattr(trainer_group, "skip_shutdown_barrier", lambda: None)  # not at exit
+    monkeypatch.setattr(trainer_group, "peer_failure_behind", lambda e: None)
+    group = TrainerGroup(BrokenTrainer())
+    group._multi = True  # as the leader of two: its collectives are the trainer's here
+    with pytest.raises(TrainerGroupBrokenError) as broken:
+        group._agree("train", lambda: group.trainer.train_on_batch([]))
+    assert str(broken.value) == (
+        "trainer-group command 'train' failed: a collective with the other trainer processes "
+        "broke (UNKNOWN: Gloo AllGather failed: [pair.cc:547] Connection closed by peer), none "
+        "of them having recorded an error: one was killed (SIGKILL, the out-of-memory killer) "
+        "or its host or network went down. The group cannot go on: start the same command on "
+        "every process again, and the run resumes from its last checkpoint")
+    assert isinstance(broken.value, _user_errors())  # one line from the command, no traceback
+    with pytest.raises(RuntimeError, match="the trainer group ended when a command failed"):
+        group.train_on_batch([])
+
+
 def test_a_process_of_a_slurm_job_keeps_every_device_it_sees(monkeypatch):
     # Given no local_device_ids, jax.distributed restricts a SLURM or Open MPI process to the
     # device of its local rank: one GPU of eight per host, with no error.

@@ -50,6 +50,11 @@ if TYPE_CHECKING:
     from areal_jax.trajectory import TrajectoryGroup
 
 
+class TrainerGroupBrokenError(RuntimeError):
+    """A command failed because another process of the trainer group left it; the run resumes
+    from its last checkpoint once every process is started again."""
+
+
 class TrainerGroup:
     """A ``Trainer`` on every process of the group, commanded by the leader.
 
@@ -270,8 +275,18 @@ class TrainerGroup:
                 raise
             self._broken = True
             skip_shutdown_barrier()  # the followers are gone, or stuck until this process ends
+            again = ("The group cannot go on: start the same command on every process again, "
+                     "and the run resumes from its last checkpoint")
             if (behind := peer_failure_behind(e)) is not None:  # a peer left the group
-                raise RuntimeError(f"trainer-group command {command!r} failed on {behind}") from e
+                raise TrainerGroupBrokenError(
+                    f"trainer-group command {command!r} failed on {behind}. {again}") from e
+            if isinstance(e, jax.errors.JaxRuntimeError):  # a peer left, recording nothing
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise TrainerGroupBrokenError(
+                    f"trainer-group command {command!r} failed: a collective with the other "
+                    f"trainer processes broke ({first}), none of them having recorded an "
+                    "error: one was killed (SIGKILL, the out-of-memory killer) or its host or "
+                    f"network went down. {again}") from e
             raise
 
     def _send(self, command: str, header: dict, arrays=()) -> None:

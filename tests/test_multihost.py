@@ -484,6 +484,17 @@ def test_a_collective_broken_by_a_peer_that_recorded_nothing_is_named_not_a_trac
     assert isinstance(broken.value, _user_errors())  # one line from the command, no traceback
     with pytest.raises(RuntimeError, match="the trainer group ended when a command failed"):
         group.train_on_batch([])
+    # The leader's own failure (its memory) is not blamed on the others: it keeps its error.
+    own = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 4 GiB")
+    group = TrainerGroup(BrokenTrainer())
+    group._multi = True
+
+    def out_of_memory():
+        raise own
+
+    with pytest.raises(jax.errors.JaxRuntimeError) as raised:
+        group._agree("train", out_of_memory)
+    assert raised.value is own
 
 
 def test_a_process_of_a_slurm_job_keeps_every_device_it_sees(monkeypatch):

@@ -55,6 +55,14 @@ class TrainerGroupBrokenError(RuntimeError):
     from its last checkpoint once every process is started again."""
 
 
+def _peer_connection_lost(error: BaseException) -> bool:
+    """Whether ``error`` is a collective that failed as its connection to another process
+    closed (Gloo's, on CPU, when a peer dies), not this process's own failure (its memory)."""
+    text = str(error)
+    return isinstance(error, jax.errors.JaxRuntimeError) and (
+        "Gloo" in text or "by peer" in text)
+
+
 class TrainerGroup:
     """A ``Trainer`` on every process of the group, commanded by the leader.
 
@@ -280,8 +288,8 @@ class TrainerGroup:
             if (behind := peer_failure_behind(e)) is not None:  # a peer left the group
                 raise TrainerGroupBrokenError(
                     f"trainer-group command {command!r} failed on {behind}. {again}") from e
-            if isinstance(e, jax.errors.JaxRuntimeError):  # a peer left, recording nothing
-                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            if _peer_connection_lost(e):  # a peer left, recording nothing
+                first = str(e).strip().splitlines()[0]
                 raise TrainerGroupBrokenError(
                     f"trainer-group command {command!r} failed: a collective with the other "
                     f"trainer processes broke ({first}), none of them having recorded an "

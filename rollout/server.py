@@ -366,6 +366,7 @@ async def _serve(config: ServerConfig, **components) -> int:
         if registered is None:  # its trainers would never find it
             await server.stop(0)
             return 1
+        await asyncio.to_thread(_warn_if_listed_as_loopback, config, registered)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -414,13 +415,18 @@ def _register(config: ServerConfig, port: int) -> str | None:
                   e.strerror or e)
         return None
     log.info("listed as %s in %s", address, config.register_file)
+    return address
+
+
+def _warn_if_listed_as_loopback(config: ServerConfig, address: str) -> None:
+    """Warn when the machine's name a wildcard server listed resolves to a loopback address
+    here (a name lookup: run it off the event loop)."""
     host = address.rpartition(":")[0]
     if config.advertise_address is None and config.host in WILDCARD_HOSTS and \
             resolves_to_loopback(host):
         log.warning("register_file: this machine's name, %s, resolves to a loopback address "
                     "here (its hosts file): a trainer on another host dialling it may reach "
                     "itself; set advertise_address to a name or address others can reach", host)
-    return address
 
 
 def _unregister(config: ServerConfig, address: str) -> None:

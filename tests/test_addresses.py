@@ -109,6 +109,7 @@ def test_a_wildcard_server_lists_the_machines_name_not_localhost(tmp_path, monke
                        register_file=str(listed))
     with caplog.at_level("WARNING", logger="rollout.server"):
         assert server._register(cfg, 7) == "rollout-7:7"
+        server._warn_if_listed_as_loopback(cfg, "rollout-7:7")
     assert listed.read_text().splitlines()[-1] == "rollout-7:7"
     assert "this machine's name, rollout-7, resolves to a loopback address here" in caplog.text
     assert "set advertise_address" in caplog.text
@@ -116,6 +117,7 @@ def test_a_wildcard_server_lists_the_machines_name_not_localhost(tmp_path, monke
     monkeypatch.setattr(socket, "gethostname", lambda: "node.example")
     with caplog.at_level("WARNING", logger="rollout.server"):
         assert server._register(cfg, 8) == "node.example:8"
+        server._warn_if_listed_as_loopback(cfg, "node.example:8")
     assert "loopback" not in caplog.text
 
 

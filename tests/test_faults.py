@@ -416,6 +416,26 @@ def test_a_killed_parents_death_signal_sent_again_does_not_cut_the_servers_shutd
             os.kill(pid, signal.SIGKILL)
 
 
+def test_with_parent_pid_a_sigterm_during_the_shutdown_never_cuts_it_and_sigint_does(
+        monkeypatch):
+    # The kernel sends the death signal again while the dying parent still has threads: the
+    # server's parent pid has not changed yet, and the repeat cut the shutdown.
+    from rollout import server
+    from rollout.config import ServerConfig
+
+    exits = []
+    monkeypatch.setattr(server, "_exit_now", exits.append)
+    child = ServerConfig(engine={"model_path": "m"}, parent_pid=os.getppid())
+    said = []
+    server._signal_during_shutdown(child, signal.SIGTERM, said)
+    server._signal_during_shutdown(child, signal.SIGTERM, said)
+    assert exits == [] and said == [True]  # the parent alive, as in its last threads' exits
+    server._signal_during_shutdown(child, signal.SIGINT, said)
+    alone = ServerConfig(engine={"model_path": "m"})  # no parent_pid: a person's signal
+    server._signal_during_shutdown(alone, signal.SIGTERM, [])
+    assert exits == ["signal SIGINT during the shutdown", "signal SIGTERM during the shutdown"]
+
+
 def test_a_remote_server_that_cannot_serve_the_run_is_named_before_sft(tmp_path, capsys):
     # Its model, context, rewards or group size were checked only once the RL phase connected,
     # after SFT: on a real model, hours of work before a setup error.

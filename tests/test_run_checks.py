@@ -854,6 +854,7 @@ def test_a_reward_failing_on_the_data_is_refused_before_sft(tmp_path, capsys, mo
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     monkeypatch.setattr("areal_jax.controller.run.run_sft", _not_started)
+    monkeypatch.setattr("areal_jax.controller.sft_phase.run_sft", _not_started)  # `sft`'s
     rows = [{"id": f"r{i}", "question": f"1+{i}?", "answer": str(1 + i),
              "solution": f"1+{i}={1 + i}"} for i in range(6)]
     data = {"id_field": "id", "metadata_fields": {"answer": "answer", "solution": "solution"}}

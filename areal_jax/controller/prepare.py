@@ -254,7 +254,8 @@ def _unused_synthetic_data_digest(cfg: ExperimentConfig) -> str:
     return _data_digest(cfg, cfg.dataset, unused_synthetic=True)
 
 
-# The forms older run directories recorded a part in: accepted, and recorded anew.
+# Each part of the fingerprint, and the forms older run directories recorded a part in
+# (accepted, and recorded anew).
 _FINGERPRINT_PARTS = {"model": _model_digest, "data": lambda cfg: _data_digest(cfg, cfg.dataset),
                       "sft": _sft_digest}
 _OLDER_FORMS = {"model": (_path_model_digest,),

@@ -111,10 +111,11 @@ def try_reward_before_sft(cfg: ExperimentConfig, train_set) -> None:
     directory): call the training set's reward, when it is the user's own (a path, or a name
     ``rollout.server.rewards.custom`` lists), on the first training rows as the rollout
     servers will (the row's metadata as text), each row's SFT response as the answer, in a
-    reward worker. A reward failing on every row, each with an error of its own (not a
-    timeout), is refused naming its first error (it would fail the evaluation after SFT, or
-    every training call); otherwise a failure is warned of, as it is with remote servers,
-    which run the reward in their own environment."""
+    reward worker. A reward failing on every row, each with an error of its own (none timing
+    out: a short timeout on a loaded machine is no fault of the reward), is refused naming its
+    first error (it would fail the evaluation after SFT, or every training call); otherwise a
+    failure is warned of, as it is with remote servers, which run the reward in their own
+    environment."""
     import asyncio
     import itertools
 
@@ -130,11 +131,16 @@ def try_reward_before_sft(cfg: ExperimentConfig, train_set) -> None:
     key = cfg.sft.response_key
     timeout = float(cfg.rollout.server.get("rewards", {}).get("timeout_s", 30.0))
 
-    async def trials(pool: RewardPool) -> list[tuple[float, str | None]]:
-        return [await pool.score_with_error(
-                    reward, metadata_text(item.metadata[key]),
-                    {k: metadata_text(v) for k, v in item.metadata.items()})
-                for item in rows]
+    async def trials(pool: RewardPool) -> list[tuple[str | None, bool]]:
+        """(the failure if any, whether it timed out) per row."""
+        results = []
+        for item in rows:
+            timeouts = pool.num_timeouts
+            _, error = await pool.score_with_error(
+                reward, metadata_text(item.metadata[key]),
+                {k: metadata_text(v) for k, v in item.metadata.items()})
+            results.append((error, pool.num_timeouts > timeouts))
+        return results
 
     pool_log = logging.getLogger("areal_jax.rewards.pool")  # each failure is said below
     level = pool_log.level
@@ -142,15 +148,15 @@ def try_reward_before_sft(cfg: ExperimentConfig, train_set) -> None:
     try:
         with RewardPool(num_workers=1, timeout_s=timeout, custom=custom) as pool:
             results = asyncio.run(trials(pool))
-            timeouts = pool.num_timeouts
     finally:
         pool_log.setLevel(level)
-    failed = [(item.id, error) for item, (_, error) in zip(rows, results) if error is not None]
+    failed = [(item.id, error) for item, (error, _) in zip(rows, results) if error is not None]
     if not failed:
         return
     how = (f"called as the rollout servers call it on training rows "
            f"{', '.join(i.id for i in rows)} (each row's metadata, its {key!r} as the answer)")
-    if len(failed) == len(rows) and timeouts < len(failed) and not cfg.rollout.remote:
+    timed_out = any(late for _, late in results)
+    if len(failed) == len(rows) and not timed_out and not cfg.rollout.remote:
         raise ConfigError(f"dataset.reward: {reward!r} failed on every one of the first "
                           f"{len(rows)} training rows, {how}; the first error: {failed[0][1]}. "
                           "Fix it (or dataset.metadata_fields) before SFT runs")

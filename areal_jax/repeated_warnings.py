@@ -10,6 +10,8 @@ import time
 from collections.abc import Callable
 
 SHOWN_PER_KIND = 5  # warnings of one kind logged in full
+MAX_KINDS = 20  # kinds told apart; warnings of further kinds share one
+OTHER_KINDS = "warnings of other kinds"
 COUNT_EVERY_S = 60.0  # the count of those held back is logged at most this often, per kind
 
 
@@ -33,7 +35,9 @@ class RepeatedWarnings:
 
     def warn(self, kind: str, message: str, *args, exc_info=None) -> None:
         """Log ``message % args`` (with ``exc_info``'s traceback) as a warning of ``kind``, or
-        count it."""
+        count it. Past ``MAX_KINDS`` kinds, a new kind is one of ``OTHER_KINDS``."""
+        if kind not in self._seen and len(self._seen) >= MAX_KINDS:
+            kind = OTHER_KINDS
         self._seen[kind] += 1
         seen = self._seen[kind]
         if seen <= self._shown_per_kind:

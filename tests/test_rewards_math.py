@@ -307,6 +307,17 @@ def test_repeated_warnings_are_counted_once_a_minute_per_kind(caplog):
     assert [r.getMessage() for r in caplog.records][1::2] == [
         "b", "b (further b are counted, every 60 s at most)",
         "6 more b (8 in all)", "6 more b (14 in all)", "6 more b (20 in all)"]
+    # Kinds that never repeat (a message with a varying name in it) are told apart up to a
+    # bound, then share one kind: the log and the counts stay bounded.
+    caplog.clear()
+    warnings = RepeatedWarnings(logging.getLogger("t"), shown_per_kind=1, clock=lambda: 0.0)
+    with caplog.at_level("WARNING", logger="t"):
+        for i in range(100):
+            warnings.warn(f"kind {i}", "w %d", i)
+        warnings.flush()
+    assert len(caplog.records) == 22 and len(warnings._seen) == 21  # 20 kinds and the rest
+    assert caplog.records[20].getMessage().startswith("w 20 (further warnings of other kinds")
+    assert caplog.records[-1].getMessage() == "79 more warnings of other kinds (80 in all)"
 
 
 def test_closed_pool_refuses_calls_and_stops_workers():

@@ -142,14 +142,10 @@ def try_reward_before_sft(cfg: ExperimentConfig, train_set) -> None:
             results.append((error, pool.num_timeouts > timeouts))
         return results
 
-    pool_log = logging.getLogger("areal_jax.rewards.pool")  # each failure is said below
-    level = pool_log.level
-    pool_log.setLevel(logging.ERROR)
-    try:
-        with RewardPool(num_workers=1, timeout_s=timeout, custom=custom) as pool:
-            results = asyncio.run(trials(pool))
-    finally:
-        pool_log.setLevel(level)
+    # each failure is said below: the pool's own lines only at debug level
+    with RewardPool(num_workers=1, timeout_s=timeout, custom=custom,
+                    failure_level=logging.DEBUG) as pool:
+        results = asyncio.run(trials(pool))
     failed = [(item.id, error) for item, (error, _) in zip(rows, results) if error is not None]
     if not failed:
         return

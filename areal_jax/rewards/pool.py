@@ -161,7 +161,8 @@ class RewardPool:
     (name -> ``"pkg.module:function"``, each imported and checked here, in the parent; a
     RewardConfigError carries the real import error). Counters ``num_scored``,
     ``num_timeouts`` and ``num_errors`` are there for metrics; the log shows each reward's
-    first failures and timeouts in full and counts the rest (``RepeatedWarnings``). Workers die
+    first failures and timeouts in full and counts the rest (``RepeatedWarnings``), at
+    ``failure_level``. Workers die
     with the thread that started them (Linux's parent-death signal, which holds when this
     process is SIGKILLed): create and use a pool in one long-lived thread, such as the event
     loop's.
@@ -175,6 +176,7 @@ class RewardPool:
         start_method: str = "spawn",
         max_call_s: float = 600.0,
         timeouts_to_probe: int = 8,
+        failure_level: int = logging.WARNING,
     ):
         if num_workers < 1:
             raise ValueError(f"RewardPool num_workers must be >= 1, got {num_workers}")
@@ -191,7 +193,7 @@ class RewardPool:
         self._timeouts_in_a_row: collections.Counter[str] = collections.Counter()
         self._probing: set[str] = set()  # rewards with a probe call running
         # failures and timeouts: the first of each reward logged, the rest counted
-        self._warnings = RepeatedWarnings(logger)
+        self._warnings = RepeatedWarnings(logger, level=failure_level)
         self._custom = check_custom(custom)
         self._functions: dict[str, tuple[RewardFn, str]] = {}
         self._ctx = multiprocessing.get_context(start_method)

@@ -152,7 +152,7 @@ def _alias(header):  # the norm's bytes made to be another tensor's
 FORGED = {
     # Negative offsets read the header's own bytes as weights (or wrap to the file's end).
     "negative-offsets": (_entry("data_offsets", [-128, 0]), "data_offsets that are not two "
-                         "non-negative integers: \\[-128, 0\\]"),
+                         "integers in \\[0, 2\\*\\*63\\): \\[-128, 0\\]"),
     "float-offsets": (_entry("data_offsets", [0.0, 128.0]), "data_offsets that are not two"),
     "entry-not-object": (lambda h: h.update({"model.norm.weight": "x"}),
                          "tensor model.norm.weight has a header entry that is not a JSON object"),
@@ -163,10 +163,15 @@ FORGED = {
     "huge-header": (None, "has a header of 1099511627776 bytes, more than"),
     "trailing-bytes": (lambda h: None, "has 7 bytes after its last tensor"),
     # Byte counts from shapes in int64 overflowed (a raw OverflowError) or wrapped to 0.
-    "shape-beyond-int64": (_entry("shape", [2**64]), "has a byte range of 128 bytes, its dtype "
-                           "and shape need 73786976294838206464"),
+    "shape-beyond-int64": (_entry("shape", [2**64]), "has a shape that is not a list of "
+                           "integers in \\[0, 2\\*\\*63\\): \\[18446744073709551616\\]"),
     "shape-wrapping-to-0": (_entry("shape", [2**32, 2**32]), "has a byte range of 128 bytes, "
                             "its dtype and shape need 73786976294838206464"),
+    # A product of huge integers cost time quadratic in the header's size (15 s for 2 MB, hours
+    # at the header size limit), then failed naming neither the tensor nor the problem.
+    "huge-integers": (_entry("shape", [int("9" * 4000)] * 300), "has a shape that is not a "
+                      "list of integers in"),
+    "too-many-dimensions": (_entry("shape", [1] * 64 + [32]), "has 65 dimensions, more than 64"),
 }
 
 

@@ -33,6 +33,7 @@ DTYPES = {
 }
 _NAMES = {v: k for k, v in DTYPES.items()}
 MAX_HEADER_BYTES = 100 << 20  # as the reference implementation: no real header comes close
+MAX_DIMENSIONS = 64  # NumPy's own limit on an array's dimensions
 
 
 class SafetensorsError(ValueError):
@@ -122,9 +123,11 @@ class SafetensorsFile:
             raise bad(f"has unsupported dtype {entry.get('dtype')!r:.40}")
         shape, offsets = entry.get("shape"), entry.get("data_offsets")
         if not isinstance(shape, list) or not all(_count(d) for d in shape):
-            raise bad(f"has a shape that is not a list of non-negative integers: {shape!r:.80}")
+            raise bad(f"has a shape that is not a list of integers in [0, 2**63): {shape!r:.80}")
+        if len(shape) > MAX_DIMENSIONS:
+            raise bad(f"has {len(shape)} dimensions, more than {MAX_DIMENSIONS}")
         if not isinstance(offsets, list) or len(offsets) != 2 or not all(map(_count, offsets)):
-            raise bad(f"has data_offsets that are not two non-negative integers: {offsets!r:.80}")
+            raise bad(f"has data_offsets that are not two integers in [0, 2**63): {offsets!r:.80}")
         begin, end = offsets
         expected = math.prod(shape) * DTYPES[entry["dtype"]].itemsize  # exact: no int64 wrap
         if end - begin != expected:
@@ -155,8 +158,10 @@ class SafetensorsFile:
 
 
 def _count(x) -> bool:
-    """Whether ``x`` is a non-negative JSON integer (not a float or a boolean)."""
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+    """Whether ``x`` is a JSON integer in [0, 2**63) (not a float or a boolean): a size or
+    offset any file could have, and small enough that arithmetic on a header's numbers stays
+    cheap (a forged header of huge integers would otherwise cost time quadratic in its size)."""
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**63
 
 
 def save_safetensors(path: str | Path, tensors: dict[str, np.ndarray], metadata=None,

@@ -22,6 +22,9 @@ from areal_jax.protocol import GREEDY_TEMPERATURE
 from areal_jax.rl.advantages import GROUP_RELATIVE_ESTIMATORS
 from areal_jax.trainer.config import TrainerConfig
 
+FLOAT32_MAX = 3.4028234663852886e38  # sampling settings travel as float32
+MAX_SEED = 2**32  # a request's seed, seed * 1_000_003 + n, must fit the protocol's uint64
+
 
 @dataclasses.dataclass
 class SamplingConfig:
@@ -49,6 +52,9 @@ def _check_generation(section: str, max_new_tokens: int, temperature: float) -> 
         raise ConfigError(f"{section}.max_new_tokens: must be >= 1, got {max_new_tokens}")
     if not 0 <= temperature < float("inf"):  # also rejects NaN
         raise ConfigError(f"{section}.temperature: must be finite and >= 0, got {temperature}")
+    if temperature > FLOAT32_MAX:  # sent as a float32: it would arrive as inf
+        raise ConfigError(f"{section}.temperature: must be at most {FLOAT32_MAX:.3g} (a "
+                          f"float32), got {temperature:g}")
 
 
 @dataclasses.dataclass
@@ -167,6 +173,14 @@ class SFTConfig:
     batch_size: int = 64  # examples per step
     response_key: str = "solution"
     trainer: dict[str, Any] = dataclasses.field(default_factory=dict)  # overrides of `trainer`
+
+    def __post_init__(self):
+        if self.steps < 0:
+            raise ConfigError(f"sft.steps: must be >= 0 (0: no SFT), got {self.steps}")
+        if self.batch_size < 1:
+            raise ConfigError(f"sft.batch_size: must be >= 1, got {self.batch_size}")
+        if not self.response_key:
+            raise ConfigError("sft.response_key: must not be empty")
 
 
 @dataclasses.dataclass
@@ -288,6 +302,8 @@ class ExperimentConfig:
                 f"trainer.temperature ({self.trainer.temperature:g}) must equal "
                 f"sampling.temperature ({sampled_at:g}) or be left unset"
             )
+        if not 0 <= self.seed < MAX_SEED:
+            raise ConfigError(f"seed: must be in [0, 2**32), got {self.seed}")
         estimator = self.trainer.advantage.estimator
         if estimator in GROUP_RELATIVE_ESTIMATORS and self.sampling.group_size < 2:
             raise ConfigError(

@@ -34,8 +34,8 @@ def read_json(path: str | Path, numbers: tuple[str, ...] = ()) -> dict:
     file that does not parse, or is not such an object, raises ``ConfigError`` naming it."""
     try:
         value = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
-        problem = f"is not valid JSON ({e})"
+    except (ValueError, RecursionError) as e:  # UTF-8 errors are ValueErrors
+        problem = f"is not valid JSON ({e!s:.200})"
     else:
         if not isinstance(value, dict):
             problem = f"holds a JSON {type(value).__name__}, not an object"

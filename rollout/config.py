@@ -28,6 +28,7 @@ def is_loopback(host: str) -> bool:
 
 
 WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")  # a server on these listens on every address
+MAX_MESSAGE_MB = 2047  # gRPC takes message limits as int32 byte counts
 
 
 def machine_name() -> str:
@@ -164,6 +165,9 @@ class ServerConfig:
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.max_message_mb > MAX_MESSAGE_MB:
+            raise ConfigError(f"max_message_mb: must be <= {MAX_MESSAGE_MB} (gRPC's message "
+                              f"limits are 32-bit byte counts), got {self.max_message_mb}")
         for name in ("shutdown_grace_s", "status_log_interval_s", "drain_s", "run_lease_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")

@@ -105,6 +105,18 @@ def test_trainer_temperature_follows_sampling_unless_set_otherwise():
     ("sft.trainer.lr=-1", r"sft.trainer.lr: must be > 0, got -1"),
     ("trainer.lr=0", r"trainer.lr: must be > 0, got 0"),
     ("sft.trainer.lrr=1", r"unknown config key sft.trainer.lrr"),
+    # Accepted, these failed later without naming the setting: a seed outside the requests'
+    # uint64 when the first group was submitted, after SFT and the first evaluation ...
+    ("seed=-1", r"seed: must be in \[0, 2\*\*32\), got -1"),
+    ("seed=18446744073709551615", r"seed: must be in \[0, 2\*\*32\)"),
+    ("dataset.seed=-1", r"dataset.seed must be in \[0, 2\*\*32\), got -1"),
+    # ... a temperature that arrives as float32 inf, refused by the servers in every request ...
+    ("sampling.temperature=1e39", r"sampling.temperature: must be at most 3.4e\+38"),
+    ("eval.temperature=1e39", r"eval.temperature: must be at most"),
+    # ... SFT that ran 0 steps and exported the base model as the SFT model, or empty batches
+    ("sft.steps=-1", r"sft.steps: must be >= 0 \(0: no SFT\), got -1"),
+    ("sft.batch_size=0", r"sft.batch_size: must be >= 1, got 0"),
+    ("sft.response_key=''", r"sft.response_key: must not be empty"),
 ])
 def test_what_every_request_would_be_refused_for_is_refused_before_the_run(override, message):
     # Accepted, these made every eval request fail (accuracy NaN, written to the run's results)

@@ -424,6 +424,9 @@ def test_files_a_run_trusts_later_are_written_whole_and_a_torn_one_is_named(tmp_
     with pytest.raises(ConfigError, match=r"fingerprint.json holds a JSON list, not an object; "
                                           r"it was written by an earlier run"):
         check_fingerprint(cfg)
+    path.write_text("[" * 100_000 + "]" * 100_000)  # a RecursionError's traceback
+    with pytest.raises(ConfigError, match=r"fingerprint.json is not valid JSON"):
+        check_fingerprint(cfg)
 
 
 def test_the_sft_command_refuses_a_distributed_config_or_a_config_it_cannot_use(tmp_path,
@@ -819,6 +822,12 @@ def test_a_synthetic_task_or_tiny_model_made_by_a_refused_start_is_named_when_th
 
     start()
     assert made() == (40, 10, 32)
+    record = run / "made_from.json"
+    whole = record.read_text()
+    record.write_text(json.dumps({**json.loads(whole), "synthetic": [1]}))  # an AttributeError
+    start(f"{record} is damaged (its synthetic section holds a JSON list, not an object): "
+          f"delete {run / 'data'} and {record} to make it again")
+    record.write_text(whole)
     start(f"{run / 'data'} was made from another synthetic section (synthetic.num_test was 10, "
           f"now 5; synthetic.num_train was 40, now 20) by an earlier command that trained "
           f"nothing on it (a start refused before it began, an evaluation): delete "

@@ -1525,6 +1525,8 @@ def test_server_config_errors_name_the_key(tmp_path, tok_dir):
         server_config(tmp_path, tok_dir, tls_cert_path="/c.pem")
     with pytest.raises(ConfigError, match="max_concurrent_groups: must be >= 1"):
         server_config(tmp_path, tok_dir, max_concurrent_groups=0)
+    with pytest.raises(ConfigError, match=r"max_message_mb: must be <= 2047 \(gRPC's"):
+        server_config(tmp_path, tok_dir, max_message_mb=2048)  # an OverflowError at start
     with pytest.raises(ConfigError, match="unknown config key engine.modle_path"):
         server_config(tmp_path, tok_dir, engine={"modle_path": "x"})
     with pytest.raises(ConfigError, match="engine.model_path: required"):

@@ -65,6 +65,9 @@ BAD = {
                                    "model.layers.9.mlp.up_proj.weight": np.ones(2, np.float32)}),
                r"has tensors the qwen2 config does not use: model.layers.0.self_attn.o_proj.bias, "
                r"model.layers.9.mlp.up_proj.weight"),
+    # A layer index of 5000 digits was a ValueError from int() (Python's digit limit).
+    "huge-layer-index": (lambda t: t.update({f"model.layers.{'9' * 5000}.x": np.ones(2, np.float32)}),
+                         r"has tensors the qwen2 config does not use: model.layers.9999"),
 }
 
 

@@ -126,6 +126,10 @@ def _check_made(cfg: ExperimentConfig, section: str, spec: dict, made_path: Path
     made = read_json(record).get(section, spec)
     if made == spec:
         return
+    if not isinstance(made, dict):
+        raise ConfigError(f"{record} is damaged (its {section} section holds a JSON "
+                          f"{type(made).__name__}, not an object): delete {made_path} and "
+                          f"{record} to make it again, or use a new run_dir")
     changes = [f"{section}.{k} was {made.get(k)!r}, now {spec.get(k)!r}"
                for k in sorted(set(made) | set(spec)) if made.get(k) != spec.get(k)]
     raise ConfigError(

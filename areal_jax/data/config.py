@@ -45,6 +45,8 @@ class DatasetConfig:
             raise ValueError(
                 f"dataset.max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}"
             )
+        if not 0 <= self.seed < 2**32:
+            raise ValueError(f"dataset.seed must be in [0, 2**32), got {self.seed}")
         for key, column in self.metadata_fields.items():
             if not key or not isinstance(column, str) or not column:
                 hint = (" (YAML reads {a:b} as one key 'a:b': write {a: b}, a space after the "

@@ -136,7 +136,7 @@ def check_tensors(found: dict[str, tuple[tuple[int, ...], np.dtype]],
         )
 
 
-_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+_LAYER = re.compile(r"model\.layers\.(\d{1,9})\.")  # longer: an unused tensor
 
 
 def _check_layer_count(files: WeightFiles, cfg: ModelConfig, path) -> None:

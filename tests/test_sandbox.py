@@ -1,5 +1,7 @@
 """The code sandbox: limits, isolation and clean-up, and the code reward built on it."""
 
+import dataclasses
+import errno
 import json
 import os
 import socket
@@ -439,9 +441,45 @@ def _host_shm_sizes() -> list[int]:
         return [int(line.split()[3]) for line in f]
 
 
-def test_shared_memory_the_code_leaves_goes_with_the_run():
+def test_memory_no_address_space_limit_counts_is_refused():
+    # Anonymous memory files written through write() and System V segments touched and
+    # detached are mapped nowhere, so RLIMIT_AS did not count them: 40 memfds of 15 MiB held
+    # 600 MiB under a 64 MiB limit (about 1 GiB a process, 16 processes a run).
+    import platform
+
+    if platform.machine() not in ("x86_64", "aarch64"):
+        pytest.skip("the filter knows the system-call numbers of x86-64 and arm64 only")
+    code = textwrap.dedent(
+        """
+        import ctypes, os, platform
+        libc = ctypes.CDLL(None, use_errno=True)
+        try:
+            os.memfd_create("held")
+            print("memfd made")
+        except OSError as e:
+            print("memfd", e.errno)
+        print("shmget", libc.shmget(0, 1 << 20, 0o1000 | 0o600), ctypes.get_errno())
+        if platform.machine() == "x86_64":  # memfd_create by its x32 number
+            print("x32", libc.syscall(0x40000000 | 319, b"held", 0), ctypes.get_errno())
+        """
+    )
+    result = run_python(code, limits=FAST)
+    assert result.memory_files_refused
+    assert result.ok, result.stderr
+    lines = result.stdout.split("\n")
+    assert lines[:2] == [f"memfd {errno.EPERM}", f"shmget -1 {errno.EPERM}"]
+    if lines[2].startswith("x32"):
+        assert lines[2] == f"x32 -1 {errno.EPERM}"
+
+
+def test_shared_memory_the_code_leaves_goes_with_the_run(monkeypatch):
     # A segment created and detached counts against no address-space limit and outlived the
-    # run, its uid's processes and its directory: every reward call could leave more.
+    # run, its uid's processes and its directory: every reward call could leave more. (Where
+    # the system-call filter refuses shmget no segment is made; this is the IPC namespace's
+    # part, for machines without it.)
+    real = sandbox._isolation()
+    monkeypatch.setattr(sandbox, "_isolation",
+                        lambda: dataclasses.replace(real, memory_files_refused=False))
     size = 12_345_679  # a size no other segment on the machine has
     code = textwrap.dedent(
         f"""

@@ -4,7 +4,8 @@ What :func:`run_python` enforces (docs/rewards.md lists what it does not):
 
 - ``resource`` limits in the child: RLIMIT_CPU (CPU seconds per process), RLIMIT_AS (address
   space), RLIMIT_NPROC (processes), RLIMIT_FSIZE (largest file written, stdout/stderr included),
-  RLIMIT_NOFILE (open files), RLIMIT_CORE = 0.
+  RLIMIT_NOFILE (open files), RLIMIT_CORE = 0; and a seccomp filter (``_syscall_filter``)
+  refusing the calls that hold memory RLIMIT_AS does not count (``memory_files_refused``).
 - A fresh private temporary directory as working directory, removed afterwards.
 - As root with mount namespaces: a filesystem jail (``_jail``) in which only the system
   directories, the interpreter and that working directory exist, so the code cannot read the
@@ -57,7 +58,7 @@ import time
 from collections.abc import Callable
 
 from areal_jax.processes import arm_parent_death_signal, die_with_parent, libc
-from areal_jax.rewards import _jail
+from areal_jax.rewards import _jail, _syscall_filter
 
 MINIMAL_PATH = "/usr/local/bin:/usr/bin:/bin"
 UID_BASE = 2_000_000_000
@@ -122,6 +123,7 @@ class SandboxResult:
     fs_isolated: bool
     ipc_isolated: bool
     pid_isolated: bool
+    memory_files_refused: bool  # the seccomp filter of ``_syscall_filter`` was in effect
 
     @property
     def ok(self) -> bool:
@@ -132,6 +134,7 @@ class SandboxResult:
 class _Isolation:
     as_root: bool
     unshare_flags: int  # 0 when no namespace could be created
+    memory_files_refused: bool = False  # the system-call filter installs here
 
     @property
     def jail(self) -> bool:
@@ -208,6 +211,7 @@ def run_python(source: str, stdin: str = "", limits: SandboxLimits | None = None
         fs_isolated=iso.jail,
         ipc_isolated=bool(iso.unshare_flags & _CLONE_NEWIPC),
         pid_isolated=bool(iso.unshare_flags & _CLONE_NEWPID),
+        memory_files_refused=iso.memory_files_refused,
     )
 
 
@@ -378,6 +382,15 @@ def _child_setup(
         die_with_parent(parent)
     else:
         _die_with_the_waiter(outside)
+    if iso.memory_files_refused:
+        _refuse_memory_files()
+
+
+def _refuse_memory_files() -> None:
+    """Install ``_syscall_filter`` (memory no address-space limit counts) or raise."""
+    if not _syscall_filter.install(libc()):
+        err = ctypes.get_errno()
+        raise OSError(err, f"cannot install the sandbox's system-call filter: {os.strerror(err)}")
 
 
 def _unshare(flags: int) -> None:
@@ -444,11 +457,14 @@ def _die_with_the_waiter(waiting: int) -> None:
 def _isolation() -> _Isolation:
     """Probe once per process which namespaces (and, as root, whether the jail) work here: the
     network namespace (with the mount namespace and the jail as root, with a user namespace
-    otherwise), then whether an IPC and a PID namespace can be added to it."""
+    otherwise), then whether an IPC and a PID namespace can be added to it; and whether the
+    system-call filter installs."""
     as_root = os.geteuid() == 0
     if sys.platform != "linux":
         return _Isolation(as_root, 0)
     libc()  # load before forking
+    _syscall_filter.prepare()
+    refused = _probe(lambda _: _refuse_memory_files())
 
     def works(flags: int, jail: bool) -> bool:
         if jail:
@@ -462,8 +478,8 @@ def _isolation() -> _Isolation:
             for extra in (_CLONE_NEWIPC, _CLONE_NEWPID):
                 if works(flags | extra, jail):
                     flags |= extra
-            return _Isolation(as_root, flags)
-    return _Isolation(as_root, 0)
+            return _Isolation(as_root, flags, refused)
+    return _Isolation(as_root, 0, refused)
 
 
 PROBE_TRIES = 2  # a failed probe is tried again before this process goes without that isolation

@@ -81,7 +81,8 @@ def install(libc: ctypes.CDLL) -> bool:
     program = _program()
     if program is None:
         return False
-    if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
-        return False
-    return libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER,
-                      ctypes.c_void_p(ctypes.addressof(program)), 0, 0) == 0
+    def prctl(*args: int) -> bool:  # every argument an unsigned long, as the kernel reads them
+        return libc.prctl(*(ctypes.c_ulong(a) for a in args)) == 0
+
+    return (prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+            and prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.addressof(program), 0, 0))

@@ -373,7 +373,7 @@ def test_the_shipped_server_config_loads_as_the_docs_start_it(tmp_path):
     path = Path(__file__).parent.parent / "configs" / "server" / "jax.yaml"
     cfg = load_config(ServerConfig, path, [f"engine.model_path={tmp_path}", "port=50052"])
     assert (cfg.engine.kind, cfg.port, cfg.engine.model_path) == ("jax", 50052, str(tmp_path))
-    assert cfg.engine.options == {"num_slots": 64, "max_seq_len": 2048}
+    assert cfg.engine.options == {"num_slots": 64, "max_seq_len": 2048, "precompile": True}
     sglang = load_config(ServerConfig, path, [f"engine.model_path={tmp_path}",
                                               "engine.kind=sglang", "engine.options={tp_size: 2}"])
     assert sglang.engine.options == {"tp_size": 2}

@@ -2,7 +2,7 @@
 
 Each ``log(step, metrics)`` appends one JSON object ``{"step", "wall_time", <metrics>...}``;
 non-finite values are written as ``null`` (TensorBoard gets them as they are). Steps must not
-decrease. Resuming with ``resume_from_step=s`` first drops every line with ``step >= s`` (and a
+decrease, except in a ``late`` row (an evaluation of a version that ran beside later steps). Resuming with ``resume_from_step=s`` first drops every line with ``step >= s`` (and a
 torn last line) from the JSONL, and tells TensorBoard to purge events from ``s`` on.
 """
 
@@ -46,12 +46,13 @@ class MetricsLogger:
             filename_suffix=f".{os.getpid()}.{time.time_ns()}",  # a reopened run gets its own file
         )
 
-    def log(self, step: int, metrics: dict) -> None:
-        """Record ``metrics`` (name -> number) at ``step``."""
+    def log(self, step: int, metrics: dict, late: bool = False) -> None:
+        """Record ``metrics`` (name -> number) at ``step`` (``late``: may be below the last
+        logged step)."""
         if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
             raise ValueError(f"metrics step must be a non-negative integer, got {step!r}")
         step = int(step)
-        if self.last_step is not None and step < self.last_step:
+        if self.last_step is not None and step < self.last_step and not late:
             raise ValueError(
                 f"metrics step {step} is before the last logged step {self.last_step} "
                 f"in {self.path}; "
@@ -66,7 +67,7 @@ class MetricsLogger:
         for name, value in values.items():
             self._writer.add_scalar(name, value, global_step=step, walltime=wall_time)
         self._writer.flush()
-        self.last_step = step
+        self.last_step = step if self.last_step is None else max(self.last_step, step)
 
     def close(self) -> None:
         if not self._file.closed:

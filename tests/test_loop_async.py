@@ -285,6 +285,92 @@ def test_groups_in_flight_when_the_loop_ends_are_withdrawn_and_stay_pending(tmp_
     assert_nothing_lost(tmp_path / "ledger.jsonl", prompts)
 
 
+def test_an_evaluation_in_the_loop_runs_beside_training_on_the_version_it_evaluates(tmp_path):
+    """The loop waited for each evaluation (eval.every_steps) before its next step: a full batch
+    was ready, so the gate filled and the servers generated nothing for the trainer (19% of a
+    two-server quickstart's RL phase). Now the trainer trains on while the servers keep the
+    evaluated version (publishing held, the staleness bound kept), and the evaluation's row is
+    logged when it ends."""
+    from _rollout_fakes import until
+
+    trainer = RecordingTrainer(exports_dir(tmp_path), train_s=0.02)
+    prompts = items(200)
+    cfg = config(tmp_path, {"max_staleness": 2, "max_in_flight": 6}, eval={"every_steps": 2})
+    during_evaluation, logged = {}, []
+
+    async def hook(loop, pool, servers):
+        async def on_eval(version):
+            served = [loop.served_version]
+
+            def next_evaluations_version() -> bool:
+                served.append(loop.served_version)
+                return trainer.version == 4
+
+            if version == 2:  # until the trainer reaches the version of the next evaluation
+                with contextlib.suppress(AssertionError):  # (it never did: it waited for this)
+                    await until(next_evaluations_version, timeout_s=10)
+            for _ in range(10):  # more time, for a version trained beyond it to show
+                await asyncio.sleep(0.02)
+                served.append(loop.served_version)
+            during_evaluation[version] = (trainer.version, set(served))
+            return {"eval/accuracy": version / 10}
+
+        loop.on_eval = on_eval
+        loop.on_evaluated = lambda v, m: logged.append((v, m["eval/accuracy"]))
+
+    loop = run_on_servers(tmp_path, [ArithmeticEngine(step_s=0.002)], cfg, trainer, prompts, 6,
+                          during=hook)
+    assert logged == [(2, 0.2), (4, 0.4), (6, 0.6)]  # each logged, the last before the end
+    trained, served = during_evaluation[2]
+    assert served == {2}  # nothing newer published while version 2 was evaluated
+    # The trainer went on to the gate's bound: (2 + 2 + 1) x 3 groups generated at version 2
+    # at most, 5 batches; waiting at version 4 for this evaluation before starting the next.
+    assert trained == 4
+    assert during_evaluation[6] == (6, {6})
+    assert max(m["staleness/over_bound_fraction"] for m in loop.metrics) == 0
+    assert max(trainer.published_at) == 6
+    assert_nothing_lost(tmp_path / "ledger.jsonl", prompts)
+
+
+@pytest.mark.parametrize("ending", ["stopped", "failed"])
+def test_an_evaluation_beside_training_ends_with_the_run(tmp_path, ending):
+    """A stop during an in-loop evaluation cancels it (no row) and checkpoints what was trained;
+    an evaluation that fails stops the run with its error. Neither is left running."""
+    trainer = RecordingTrainer(exports_dir(tmp_path), train_s=0.02)
+    prompts = items(200)
+    cfg = config(tmp_path, {"max_staleness": 2}, eval={"every_steps": 2})
+    states = []
+
+    async def hook(loop, pool, servers):
+        async def on_eval(version):
+            states.append("started")
+            try:
+                await asyncio.sleep(0.3)
+                if ending == "failed":
+                    raise RuntimeError("the evaluation broke")
+                loop.task.cancel()
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                states.append("cancelled")
+                raise
+
+        loop.on_eval = on_eval
+        loop.on_evaluated = lambda v, m: states.append("logged")
+
+    expected = asyncio.CancelledError if ending == "stopped" else RuntimeError
+    with pytest.raises(expected):
+        run_on_servers(tmp_path, [ArithmeticEngine(step_s=0.002)], cfg, trainer, prompts, 6,
+                       during=hook)
+    assert states == (["started", "cancelled"] if ending == "stopped" else ["started"])
+    if ending == "stopped":
+        assert trainer.saved[-1][0] == trainer.version  # the stop's checkpoint
+    version, state = trainer.saved[-1]
+    resumed = RecordingTrainer(exports_dir(tmp_path), version=version)
+    run_on_servers(tmp_path, [ArithmeticEngine(step_s=0.002)], config(tmp_path, {
+        "max_staleness": 2}), resumed, prompts, 6, state=state)
+    assert_nothing_lost(tmp_path / "ledger.jsonl", prompts)
+
+
 def test_engine_failure_behind_a_live_server_loses_nothing(tmp_path):
     prompts = items(80)
     trainer = RecordingTrainer(exports_dir(tmp_path))

@@ -64,13 +64,16 @@ def test_bad_metrics_are_rejected(tmp_path):
         logger.log(5, {"loss": 1.0})
         with pytest.raises(ValueError, match="before the last logged step 5"):
             logger.log(4, {"loss": 1.0})
+        logger.log(3, {"eval/accuracy": 0.5}, late=True)  # an evaluation that ran beside 4, 5
+        with pytest.raises(ValueError, match="before the last logged step 5"):
+            logger.log(4, {"loss": 1.0})  # the late row did not move the last step back
         with pytest.raises(ValueError, match="metric 'note' is not a number"):
             logger.log(6, {"note": "hello"})
         with pytest.raises(ValueError, match="reserved"):
             logger.log(6, {"step": 1.0})
         with pytest.raises(ValueError, match="non-negative integer"):
             logger.log(-1, {})
-    assert [r["step"] for r in _lines(tmp_path)] == [5]
+    assert [r["step"] for r in _lines(tmp_path)] == [5, 3]
 
 
 def test_resume_drops_steps_at_or_after_the_resume_step(tmp_path):

@@ -2,10 +2,12 @@
 of the oldest finished groups, the train step in a worker thread, publishing in the background.
 
 Generation never waits for the trainer: every finished group, and every version the servers
-confirm, refills the gate's free slots at once — while the trainer trains, checkpoints or
-evaluates, and while a version is being exported and delivered. The gate counts from the
-version the servers serve, so a publish still in flight tightens the bound instead of breaking
-it.
+confirm, refills the gate's free slots at once — while the trainer trains or checkpoints, and
+while a version is being exported and delivered. The gate counts from the version the servers
+serve, so a publish still in flight tightens the bound instead of breaking it. An evaluation
+inside the loop (``eval.every_steps``) runs beside training: the servers keep the evaluated
+version until it ends (publishing is held), the trainer trains on what they generate with it
+meanwhile, within the same bound, and its row is logged when it ends (``on_evaluated``).
 
 Nothing accepted is lost: groups in flight or buffered when a checkpoint is written are recorded
 by prompt id and resubmitted first after a restart (a stop checkpoints what was trained since
@@ -22,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import re
 import sys
@@ -83,7 +86,8 @@ class RLLoop:
                  prompts: PromptIterator, items_by_id: dict[str, PromptItem],
                  on_step: Callable[[int, dict], None],
                  on_eval: Callable[[int], object] | None = None,
-                 ledger: RunLedger | None = None):
+                 ledger: RunLedger | None = None,
+                 on_evaluated: Callable[[int, dict], None] | None = None):
         self.cfg = cfg
         self.trainer = trainer
         self.pool = pool
@@ -91,6 +95,7 @@ class RLLoop:
         self.items_by_id = items_by_id
         self.on_step = on_step
         self.on_eval = on_eval
+        self.on_evaluated = on_evaluated
         self.ledger = ledger
         s = cfg.schedule
         self.gate = StalenessGate(s.batch_size, s.max_staleness, s.max_in_flight)
@@ -112,6 +117,7 @@ class RLLoop:
         self._unlogged: tuple[int, dict] | None = None  # a trained version's metrics row
         self._saving: tuple[int, asyncio.Future] | None = None  # the last checkpoint write
         self._saved = 0  # the newest checkpoint's version
+        self._evaluation: asyncio.Task | None = None  # of a served version, publishing held
         self._busy = BusyWindow()
         self._compiles = CompileMeter()
         self._rewards = RewardWatch(cfg.dataset.reward, advantage=cfg.trainer.advantage)
@@ -323,14 +329,16 @@ class RLLoop:
                 else:
                     self._publisher.submit(snapshot)
                 metrics.update(self._loop_metrics(groups, wait_s, train_s))
-                if every_eval and self.version % every_eval == 0 and self.on_eval is not None:
-                    await self._publisher.flush()
-                    metrics.update(await self.on_eval(self.version))
                 self.on_step(self.version, metrics)
                 self._unlogged = None
+                if every_eval and self.version % every_eval == 0 and self.on_eval is not None:
+                    await self._start_evaluation()
+                    if sync:  # the synchronous baseline: nothing goes on beside it
+                        await self._finish_evaluation()
                 if every_ckpt and (self.version % every_ckpt == 0 or self.version == total_steps):
                     await self._checkpoint(checkpoint)
             self._end_submissions()
+            await self._finish_evaluation()
             await self._publisher.flush()
             if self.ledger is not None:
                 self.ledger.record("end", version=self.version, pending=self.pending_ids(),
@@ -345,7 +353,41 @@ class RLLoop:
         finally:
             self._ended = True
             self._rejections.flush()
+            if self._evaluation is not None:  # a stop: that evaluation is not recorded
+                self._evaluation.cancel()
+                await asyncio.gather(self._evaluation, return_exceptions=True)
             await self._publisher.close()
+
+    async def _start_evaluation(self) -> None:
+        """Evaluate the version just trained beside the next steps: after the one before ends
+        and this version is served; publishing is held until it ends."""
+        await self._finish_evaluation()
+        await self._publisher.flush()
+        self._publisher.hold()
+        self._evaluation = asyncio.ensure_future(self.on_eval(self.version))
+        self._evaluation.add_done_callback(functools.partial(self._on_evaluated, self.version))
+
+    def _on_evaluated(self, version: int, task: asyncio.Task) -> None:
+        self._publisher.release()
+        if task.cancelled():
+            return
+        if task.exception() is not None:  # the run stops with it, at the next batch
+            self._fatal = self._fatal or task.exception()
+            self._wake.set()
+        elif self.on_evaluated is not None:
+            try:
+                self.on_evaluated(version, task.result())
+            except Exception as e:  # noqa: BLE001 - raised in a callback it would vanish
+                self._fatal = self._fatal or e
+                self._wake.set()
+
+    async def _finish_evaluation(self) -> None:
+        """Wait for the evaluation in progress, if any; raise its error."""
+        task, self._evaluation = self._evaluation, None
+        if task is not None:
+            await asyncio.wait({task})
+            if self._fatal is not None:
+                raise self._fatal
 
     async def _train_step(self, batch: list[_Finished], total_steps: int, wait_start: float):
         """Train on ``batch`` and record it (version, ledger, the metrics row to log); returns

@@ -10,7 +10,6 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from rich.progress import TimeElapsedColumn, TimeRemainingColumn
 
 _SHOWN = (("loss", "loss {:.4g}"), ("reward/mean", "reward {:.3f}"),
-          ("eval/accuracy", "eval acc {:.3f}"),
           ("throughput/tokens_per_s", "{:.0f} tok/s"), ("staleness/mean", "stale {:.2f}"),
           ("staleness/max", "max {:.0f}"), ("rollout/busy_fraction", "busy {:.2f}"))
 

@@ -7,7 +7,8 @@ order, one at a time; when the trainer gets ahead, only the newest waiting snaps
 published (servers need the newest weights, not every version), though a superseded snapshot
 that is ``kept`` (for an accuracy curve after the run) is still written. The staleness gate
 counts from ``published`` (the version the servers confirmed), so a publish that lags makes the
-gate tighter, never looser.
+gate tighter, never looser. While ``hold()`` is in effect (an evaluation of the served version
+runs) nothing newer is published; ``release()`` publishes the newest snapshot submitted meanwhile.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class Publisher:
         self._idle = asyncio.Event()
         self._idle.set()
         self._error: BaseException | None = None
+        self._held = False
         self._task = asyncio.create_task(self._run())
 
     def submit(self, snapshot) -> None:
@@ -56,6 +58,16 @@ class Publisher:
         self._idle.clear()
         self._wake.set()
 
+    def hold(self) -> None:
+        """Publish nothing more until ``release()``: the servers keep the version they serve
+        (after ``flush()``, the newest submitted), for an evaluation of it."""
+        self._held = True
+
+    def release(self) -> None:
+        """End ``hold()``: the newest snapshot submitted meanwhile is published."""
+        self._held = False
+        self._wake.set()
+
     def raise_error(self) -> None:
         """Re-raise a failure of the background task (it stops publishing after one)."""
         if self._error is not None:
@@ -64,7 +76,8 @@ class Publisher:
             raise RuntimeError("the publishing task ended unexpectedly")
 
     async def flush(self) -> None:
-        """Wait until every submitted snapshot is published (or has been superseded)."""
+        """Wait until every submitted snapshot is published (or has been superseded); while
+        held, those submitted since wait for ``release()``."""
         idle = asyncio.ensure_future(self._idle.wait())
         await asyncio.wait({idle, self._task}, return_when=asyncio.FIRST_COMPLETED)
         idle.cancel()
@@ -79,6 +92,8 @@ class Publisher:
         while True:
             await self._wake.wait()
             self._wake.clear()
+            if self._held:  # the snapshot waits, replaced by newer ones, for release()
+                continue
             snapshot, self._pending = self._pending, None
             if snapshot is None:
                 continue

@@ -255,7 +255,12 @@ async def run_rl(cfg: ExperimentConfig, trainer, tokenizer, train_set: PromptDat
                 metrics_log.log(step, m)
                 progress.advance(task, m)
 
-            loop.on_step = on_step
+            def on_evaluated(step: int, m: dict) -> None:  # beside the steps after it
+                metrics_log.log(step, m, late=True)
+                if step != total:  # that one is printed as the accuracy after RL
+                    _print_eval(f"held-out accuracy at version {step}", m)
+
+            loop.on_step, loop.on_evaluated = on_step, on_evaluated
             await supervision.run(loop.run(total, trainer.save))
             progress.end_phase(task)
             if eval_items:

@@ -383,9 +383,9 @@ class RLLoop:
 
     async def _finish_evaluation(self) -> None:
         """Wait for the evaluation in progress, if any; raise its error."""
-        task, self._evaluation = self._evaluation, None
-        if task is not None:
-            await asyncio.wait({task})
+        if self._evaluation is not None:
+            await asyncio.wait({self._evaluation})  # cancelled here, run() cancels it
+            self._evaluation = None
             if self._fatal is not None:
                 raise self._fatal
 

@@ -49,6 +49,7 @@ from rollout.timing import ActivityClock, ThroughputMeter, TimedEngine, TimedSco
 from rollout.validation import MAX_REQUEST_ID_CHARS, Limits, check_version_range
 from rollout.validation import generate_args_from_proto, rollout_task_from_proto
 from rollout.weight_intake import PushStalledError, PushStream, WeightIntake
+from rollout.wire import abort
 from rollout.workflows.base import RewardScorer, RolloutTask, Workflow
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,11 @@ MAX_UNREAD_REPLIES = 256
 MAX_UNREAD_BYTES = 256 << 20
 MAX_UNREAD_BYTES_ALL_STREAMS = 512 << 20
 PUSH_DRAIN_S = 2.0  # how long the rest of a rejected push is read before the status is sent
+
+
+def _quoted(path: str, limit: int = 200) -> str:
+    """``path`` for a message: its first ``limit`` characters when longer, with its length."""
+    return path if len(path) <= limit else f"{path[:limit]}... ({len(path)} characters)"
 
 
 class _Unsent:
@@ -322,10 +328,10 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
 
     async def Rollout(self, request_iterator, context):
         if self.closing:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"server is closing: {self._end[1]}")
+            await abort(context, grpc.StatusCode.UNAVAILABLE, f"server is closing: {self._end[1]}")
         run = await self._caller(context)
         if len(self._streams) >= self._config.max_rollout_streams:
-            await context.abort(
+            await abort(context, 
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"the server has max_rollout_streams ({self._config.max_rollout_streams}) "
                 "Rollout streams open: close one (a client needs one stream per server) or raise "
@@ -461,7 +467,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
 
     async def Generate(self, request, context):
         if self._draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, _DRAINING)
+            await abort(context, grpc.StatusCode.UNAVAILABLE, _DRAINING)
         run = await self._caller(context)
         self._lease.stream_opened(run)  # its caller is around while it generates
         try:
@@ -474,15 +480,15 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         try:
             request_id, prompt, params = generate_args_from_proto(request, self._limits())
         except InvalidParamError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         size = request.ByteSize()
         try:
             await self._admission.reserve(size)
         except AdmissionClosed:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+            await abort(context, grpc.StatusCode.UNAVAILABLE, "server is shutting down")
         if self._draining:  # it waited for a place while the drain began
             self._admission.release(False, size)
-            await context.abort(grpc.StatusCode.UNAVAILABLE, _DRAINING)
+            await abort(context, grpc.StatusCode.UNAVAILABLE, _DRAINING)
         started = False
         try:
             await self._admission.start()
@@ -498,12 +504,12 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                     self._meter.add(len(chunk.token_ids))
                     yield _chunk_to_proto(chunk)
         except (AdmissionClosed, _Unfinished):
-            await context.abort(*self._end)
+            await abort(context, *self._end)
         except _NonFinite as e:
             self._warn_non_finite(e)
-            await context.abort(grpc.StatusCode.INTERNAL, str(e))
+            await abort(context, grpc.StatusCode.INTERNAL, str(e))
         except EngineError as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine: {e}")
+            await abort(context, grpc.StatusCode.UNAVAILABLE, f"engine: {e}")
         finally:
             self._admission.release(started, size)
 
@@ -518,7 +524,8 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         if not any(os.path.commonpath([real, root]) == root for root in self._weight_roots):
             raise Rejected(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"path: {path} (real path {real}) is not under weights_allowed_roots "
+                f"path: {_quoted(path)} (real path {_quoted(real)}) is not under "
+                f"weights_allowed_roots "
                 f"{self._weight_roots}: start this server with weights_allowed_roots naming "
                 "a directory that holds it (e.g. where the trainer's run directories are), or "
                 "set the trainer's rollout.weights_transport=push",
@@ -539,7 +546,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         try:
             run = run_of(context)
         except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         self._lease.heard(run)
         return run
 
@@ -610,9 +617,9 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             real = self._check_weights_path(request.path)
             return await self._update(real, request.version, request.force, run)
         except InvalidParamError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except Rejected as e:
-            await context.abort(e.code, str(e))
+            await abort(context, e.code, str(e))
 
     async def PushWeights(self, request_iterator, context):
         run = await self._caller(context)
@@ -635,7 +642,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         # Read what the client still sends (for a bounded time) before answering: a status
         # sent while it is mid-stream can reach it as a transport error instead.
         await stream.drain(PUSH_DRAIN_S)
-        await context.abort(code, message)
+        await abort(context, code, message)
 
     # Control ---------------------------------------------------------------------------------
 
@@ -654,9 +661,9 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             self._check_run(run)
             await action()
         except Rejected as e:
-            await context.abort(e.code, str(e))
+            await abort(context, e.code, str(e))
         except EngineError as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine: {e}")
+            await abort(context, grpc.StatusCode.UNAVAILABLE, f"engine: {e}")
         return self.status()
 
     async def GetStatus(self, request, context):

@@ -1,4 +1,5 @@
-"""Registers ``RolloutService`` so that a message that does not decode is INVALID_ARGUMENT.
+"""Registers ``RolloutService`` so that a message that does not decode is INVALID_ARGUMENT;
+``abort`` ends a call with a status message short enough to reach the client.
 
 gRPC answers a request its deserializer cannot parse with UNKNOWN. Here such a message reaches
 the handler as an ``InvalidParamError`` (field ``request``): a unary call fails
@@ -17,6 +18,26 @@ from google.protobuf.message import DecodeError
 from areal_jax.protocol import SERVICE_NAME
 from areal_jax.protocol.v1 import rollout_pb2 as pb
 from rollout.engine import InvalidParamError
+
+
+# gRPC sends a status message in the trailing metadata, percent-encoded (up to 3 bytes per
+# byte), and a client drops trailers over 8 KiB (soft limit) or 16 KiB: a longer message (a
+# client's 9000-character path quoted back) reached it as RESOURCE_EXHAUSTED "Stream removed".
+MAX_STATUS_MESSAGE_BYTES = 2048
+
+
+def bounded_message(message: str) -> str:
+    """``message`` cut to ``MAX_STATUS_MESSAGE_BYTES`` of UTF-8, saying so."""
+    raw = message.encode()
+    if len(raw) <= MAX_STATUS_MESSAGE_BYTES:
+        return message
+    kept = raw[:MAX_STATUS_MESSAGE_BYTES - 64].decode(errors="ignore")
+    return f"{kept}... (cut: {len(raw)} bytes in all)"
+
+
+async def abort(context, code: grpc.StatusCode, message: str):
+    """``context.abort`` with the message bounded (``bounded_message``); raises."""
+    await context.abort(code, bounded_message(message))
 
 
 class _Undecodable:
@@ -60,7 +81,7 @@ def _wrap(behaviour, client_streaming: bool, server_streaming: bool):
         return grpc.stream_unary_rpc_method_handler, stream_unary
 
     async def refuse(request, context):
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(request.error))
+        await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(request.error))
 
     if server_streaming:
 

@@ -167,6 +167,18 @@ def test_messages_that_do_not_decode_are_invalid_arguments(tmp_path, tok_dir):
     assert (by_id[""].error.code, by_id[""].error.field) == (INVALID, "request")
 
 
+def test_status_messages_are_cut_to_what_a_client_accepts():
+    # A gRPC client drops a status whose trailer is over 8-16 KiB (percent-encoded): the caller
+    # got RESOURCE_EXHAUSTED "Stream removed" instead of the error.
+    from rollout.wire import MAX_STATUS_MESSAGE_BYTES, bounded_message
+
+    assert bounded_message("path: is not under weights_allowed_roots") == (
+        "path: is not under weights_allowed_roots")
+    cut = bounded_message("é" * 5000)  # 10000 bytes of UTF-8, cut between characters
+    assert len(cut.encode()) <= MAX_STATUS_MESSAGE_BYTES
+    assert cut.startswith("éé") and cut.endswith("é... (cut: 10000 bytes in all)")
+
+
 def test_requests_may_name_only_the_configured_rewards(tmp_path, tok_dir):
     rewards = {"num_workers": 1, "custom": {"exact": "_rollout_fakes:exact_reward",
                                             "broken": "_rollout_fakes:broken_reward"}}
@@ -456,6 +468,8 @@ def test_auth_token_is_required_except_for_health(tmp_path, tok_dir):
                 ("missing", None),
                 ("wrong", (("authorization", "Bearer nope"),)),
                 ("right", (("authorization", "Bearer s3cret"),)),
+                # the last of several counted: a wrong token followed by the right one passed
+                ("twice", (("authorization", "Bearer nope"), ("authorization", "Bearer s3cret"))),
             ]:
                 try:
                     await h.stub.GetStatus(pb.GetStatusRequest(), metadata=metadata)
@@ -472,7 +486,8 @@ def test_auth_token_is_required_except_for_health(tmp_path, tok_dir):
 
     outcomes, stream_code, ok, health_status = asyncio.run(scenario())
     unauthenticated = grpc.StatusCode.UNAUTHENTICATED
-    assert outcomes == {"missing": unauthenticated, "wrong": unauthenticated, "right": "ok"}
+    assert outcomes == {"missing": unauthenticated, "wrong": unauthenticated, "right": "ok",
+                        "twice": unauthenticated}
     assert stream_code == unauthenticated
     assert len(ok[0].trajectories) == 2
     assert health_status == health_pb2.HealthCheckResponse.SERVING
@@ -859,6 +874,9 @@ def test_update_weights_loads_only_under_the_allowed_roots(tmp_path, tok_dir, tm
         roots = {"weights_allowed_roots": [str(outside.parent)]}
         async with serving(tmp_path, tok_dir, **roots) as h:
             configured = [await attempt(h, str(inside), 1), await attempt(h, str(outside), 2)]
+            # quoted back whole (twice), a long path's status was over the client's limit on
+            # trailers: RESOURCE_EXHAUSTED "Stream removed", naming no field
+            configured.append(await attempt(h, "/nope/" + "a" * 9000, 3))
         # A link into a root loads what it led to when checked (the engine is given the real
         # path: a link changed between the check and the load cannot lead elsewhere).
         (tmp_path / "inside_link").symlink_to(inside)
@@ -867,8 +885,10 @@ def test_update_weights_loads_only_under_the_allowed_roots(tmp_path, tok_dir, tm
             assert h.engine.loaded[-1][0] == str(inside)
         return default, configured
 
-    (out, link, ok), (inside_refused, outside_ok) = asyncio.run(scenario())
-    for code, details in (out, link, inside_refused):
+    (out, link, ok), (inside_refused, outside_ok, long) = asyncio.run(scenario())
+    assert long[0] == grpc.StatusCode.FAILED_PRECONDITION
+    assert long[1].startswith("path: /nope/" + "a" * 194 + "... (9006 characters) (real path ")
+    for code, details in (out, link, inside_refused, long):
         assert code == grpc.StatusCode.FAILED_PRECONDITION
         assert details.startswith("path: ") and "is not under weights_allowed_roots" in details
     assert f"real path {outside}" in link[1]

@@ -442,9 +442,10 @@ def _host_shm_sizes() -> list[int]:
 
 
 def test_memory_no_address_space_limit_counts_is_refused():
-    # Anonymous memory files written through write() and System V segments touched and
-    # detached are mapped nowhere, so RLIMIT_AS did not count them: 40 memfds of 15 MiB held
-    # 600 MiB under a 64 MiB limit (about 1 GiB a process, 16 processes a run).
+    # Anonymous memory files written through write(), System V segments touched and detached,
+    # System V message queues are mapped nowhere, so RLIMIT_AS did not count them: 40 memfds of
+    # 15 MiB held 600 MiB under a 64 MiB limit (about 1 GiB a process, 16 processes a run);
+    # 20000 queues of 16 KB, 305 MiB.
     import platform
 
     if platform.machine() not in ("x86_64", "aarch64"):
@@ -459,6 +460,8 @@ def test_memory_no_address_space_limit_counts_is_refused():
         except OSError as e:
             print("memfd", e.errno)
         print("shmget", libc.shmget(0, 1 << 20, 0o1000 | 0o600), ctypes.get_errno())
+        print("msgget", libc.msgget(0, 0o1000 | 0o600), ctypes.get_errno())
+        print("semget", libc.semget(0, 1, 0o1000 | 0o600), ctypes.get_errno())
         if platform.machine() == "x86_64":  # memfd_create by its x32 number
             print("x32", libc.syscall(0x40000000 | 319, b"held", 0), ctypes.get_errno())
         """
@@ -467,9 +470,10 @@ def test_memory_no_address_space_limit_counts_is_refused():
     assert result.memory_files_refused
     assert result.ok, result.stderr
     lines = result.stdout.split("\n")
-    assert lines[:2] == [f"memfd {errno.EPERM}", f"shmget -1 {errno.EPERM}"]
-    if lines[2].startswith("x32"):
-        assert lines[2] == f"x32 -1 {errno.EPERM}"
+    assert lines[:4] == [f"memfd {errno.EPERM}", f"shmget -1 {errno.EPERM}",
+                         f"msgget -1 {errno.EPERM}", f"semget -1 {errno.EPERM}"]
+    if lines[4].startswith("x32"):
+        assert lines[4] == f"x32 -1 {errno.EPERM}"
 
 
 def test_shared_memory_the_code_leaves_goes_with_the_run(monkeypatch):

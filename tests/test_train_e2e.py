@@ -193,10 +193,12 @@ def test_train_resume_and_export(tmp_path, capsys, monkeypatch):
 def test_train_with_pushed_weights_keeps_staleness_bounded(tmp_path):
     """`weights_transport: push` streams every published version to the server over gRPC. If an
     update did not reach the server, its tokens would keep version 0 and the staleness of the
-    third version would reach 2, above the bound of 1."""
+    third version would reach 2, above the bound of 1. (Without a held-out set, ``every_steps``
+    evaluates nothing: an empty evaluation's row once stopped the run with a KeyError.)"""
     cfg = yaml.safe_load(_config(tmp_path, total_steps=3).read_text())
     cfg["rollout"]["weights_transport"] = "push"
     cfg["sft"]["steps"] = 0
+    cfg["eval"] = {"every_steps": 1}
     path = tmp_path / "push.yaml"
     path.write_text(yaml.safe_dump(cfg))
     assert main(["train", "--config", str(path)]) == 0

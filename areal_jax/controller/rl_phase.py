@@ -245,7 +245,8 @@ async def run_rl(cfg: ExperimentConfig, trainer, tokenizer, train_set: PromptDat
                                            cfg.schedule.batch_size * cfg.sampling.group_size)
             waiting.close()
             loop = RLLoop(cfg, trainer, pool, train_set.iterator(), {i.id: i for i in train_set},
-                          on_step=None, on_eval=run_eval, ledger=ledger)
+                          on_step=None, on_eval=run_eval if eval_items else None,
+                          ledger=ledger)
             if extra:
                 loop.load_state_dict(extra)
             total = cfg.schedule.total_steps

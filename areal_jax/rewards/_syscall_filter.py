@@ -1,9 +1,11 @@
 """A seccomp filter for the sandbox: refuse the system calls that hold memory no limit counts.
 
-``RLIMIT_AS`` counts what a process maps. Memory behind a file descriptor it does not map is
-not counted: an anonymous memory file (``memfd_create``, ``memfd_secret``) written through
-``write()``, or System V shared memory created (``shmget``), touched and detached. A process
-could hold any amount that way. The filter makes those calls fail with ``EPERM``, as do calls
+``RLIMIT_AS`` counts what a process maps. Memory it holds without mapping it is not counted:
+an anonymous memory file (``memfd_create``, ``memfd_secret``) written through ``write()``,
+System V shared memory created (``shmget``), touched and detached, messages queued in System V
+message queues (``msgget``; 32000 queues of 16 KiB each by default), System V semaphore sets
+(``semget``). A process could hold any amount that way (within an IPC namespace, what its
+limits allow). The filter makes those calls fail with ``EPERM``, as do calls
 through another ABI than the native one (x86-64's x32 and i386 entries name them by other
 numbers). Installed after ``PR_SET_NO_NEW_PRIVS`` (which an unprivileged process needs, and
 which keeps set-uid programs from gaining privileges); inherited by every child and ``exec``.
@@ -20,10 +22,11 @@ import platform
 _ARCHES = {
     # machine: (AUDIT_ARCH, first number of a foreign ABI sharing the arch or None, calls)
     "x86_64": (0xC000003E, 0x40000000, {"memfd_create": 319, "memfd_secret": 447,
-                                        "shmget": 29}),
-    "aarch64": (0xC00000B7, None, {"memfd_create": 279, "memfd_secret": 447, "shmget": 194}),
+                                        "shmget": 29, "msgget": 68, "semget": 64}),
+    "aarch64": (0xC00000B7, None, {"memfd_create": 279, "memfd_secret": 447, "shmget": 194,
+                                   "msgget": 186, "semget": 190}),
 }
-REFUSED_CALLS = ("memfd_create", "memfd_secret", "shmget")
+REFUSED_CALLS = ("memfd_create", "memfd_secret", "shmget", "msgget", "semget")
 
 _PR_SET_NO_NEW_PRIVS = 38
 _PR_SET_SECCOMP = 22
@@ -81,6 +84,7 @@ def install(libc: ctypes.CDLL) -> bool:
     program = _program()
     if program is None:
         return False
+
     def prctl(*args: int) -> bool:  # every argument an unsigned long, as the kernel reads them
         return libc.prctl(*(ctypes.c_ulong(a) for a in args)) == 0
 

@@ -2,8 +2,9 @@
 
 Each ``log(step, metrics)`` appends one JSON object ``{"step", "wall_time", <metrics>...}``;
 non-finite values are written as ``null`` (TensorBoard gets them as they are). Steps must not
-decrease, except in a ``late`` row (an evaluation of a version that ran beside later steps). Resuming with ``resume_from_step=s`` first drops every line with ``step >= s`` (and a
-torn last line) from the JSONL, and tells TensorBoard to purge events from ``s`` on.
+decrease, except in a ``late`` row (an evaluation of a version that ran beside later steps).
+Resuming with ``resume_from_step=s`` first drops every line with ``step >= s`` (and a torn
+last line) from the JSONL, and tells TensorBoard to purge events from ``s`` on.
 """
 
 from __future__ import annotations

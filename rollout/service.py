@@ -331,8 +331,8 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             await abort(context, grpc.StatusCode.UNAVAILABLE, f"server is closing: {self._end[1]}")
         run = await self._caller(context)
         if len(self._streams) >= self._config.max_rollout_streams:
-            await abort(context, 
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
+            await abort(
+                context, grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"the server has max_rollout_streams ({self._config.max_rollout_streams}) "
                 "Rollout streams open: close one (a client needs one stream per server) or raise "
                 "max_rollout_streams")

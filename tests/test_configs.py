@@ -110,6 +110,7 @@ def test_trainer_temperature_follows_sampling_unless_set_otherwise():
     ("seed=-1", r"seed: must be in \[0, 2\*\*32\), got -1"),
     ("seed=18446744073709551615", r"seed: must be in \[0, 2\*\*32\)"),
     ("dataset.seed=-1", r"dataset.seed must be in \[0, 2\*\*32\), got -1"),
+    ("trainer.seed=9223372036854775808", r"trainer: seed: must be in \[0, 2\*\*32\)"),
     # ... a temperature that arrives as float32 inf, refused by the servers in every request ...
     ("sampling.temperature=1e39", r"sampling.temperature: must be at most 3.4e\+38"),
     ("eval.temperature=1e39", r"eval.temperature: must be at most"),

@@ -83,6 +83,8 @@ class TrainerConfig:
         for name in ("model_path", "tokenizer_path", "ref_model_path", "run_dir"):
             if getattr(self, name) == "":
                 raise ConfigError(f"{name} must be a path or null, got an empty string")
+        if not 0 <= self.seed < 2**32:
+            raise ConfigError(f"seed: must be in [0, 2**32), got {self.seed}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
         if self.remat not in ("none", "full", "dots"):

@@ -293,8 +293,8 @@ def test_a_local_server_killed_during_the_evaluation_before_rl_is_restarted(tmp_
             while not status(rollout_pb2.GetStatusRequest(), timeout=10).running_requests:
                 assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
                 time.sleep(0.05)  # until the evaluation's requests run
-        server = next(int(pid) for pid in os.listdir("/proc") if pid.isdigit()
-                      and "rollout_server_0.yaml" in _command_line(pid))
+        server = next(int(pid) for pid in os.listdir("/proc") if pid.isdigit()  # this run's:
+                      and str(log.parent / "rollout_server_0.yaml") in _command_line(pid))
         os.kill(server, signal.SIGKILL)
         metrics = run_dir / "metrics.jsonl"
         assert not (metrics.is_file() and _evaluations(run_dir))  # killed before it ended

@@ -24,6 +24,28 @@ def write_atomic(path: str | Path, text: str) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def remove_unfinished_writes(directory: str | Path) -> list[Path]:
+    """Delete the temporary files ``write_atomic`` left in ``directory`` when its writer was
+    killed (``.NAME.tmp-PID`` of a process no longer running); returns what it deleted."""
+    removed = []
+    for path in Path(directory).glob(".*.tmp-*"):
+        pid = path.name.rsplit("-", 1)[1]
+        if pid.isdigit() and path.is_file() and not _running(int(pid)):
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
+
+
 def write_jsonl(path: str | Path, records) -> None:
     """Write ``records`` (JSON objects) one per line, whole or not at all (``write_atomic``)."""
     write_atomic(path, "".join(json.dumps(r) + "\n" for r in records))

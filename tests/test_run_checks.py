@@ -397,6 +397,23 @@ def test_no_tiny_section_is_the_default_one_when_settings_are_compared(tmp_path)
     assert changed_since_last_start(wider) == ["tiny.hidden_size was 128, now 256"]
 
 
+def test_temporary_files_of_a_killed_writer_are_removed_and_a_live_ones_kept(tmp_path):
+    # A run SIGKILLed as it wrote results.json left .results.json.tmp-PID for good.
+    import subprocess
+    import sys
+
+    from areal_jax.files import remove_unfinished_writes
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    left = tmp_path / f".results.json.tmp-{dead}"
+    writing = tmp_path / f".metrics.jsonl.tmp-{os.getpid()}"  # a writer still running
+    for path in (left, writing, tmp_path / "results.json"):
+        path.write_text("{")
+    assert remove_unfinished_writes(tmp_path) == [left]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([writing.name, "results.json"])
+
+
 def test_files_a_run_trusts_later_are_written_whole_and_a_torn_one_is_named(tmp_path,
                                                                            monkeypatch):
     import os

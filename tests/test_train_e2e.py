@@ -69,11 +69,22 @@ def test_train_resume_and_export(tmp_path, capsys, monkeypatch):
     run_log = (run_dir / "logs" / "train.log").read_text()  # the run's own INFO messages
     assert "training prompts: 64" in run_log and "compiled ('train', (8, 128)) ahead" in run_log
 
+    # What a writer SIGKILLed mid-write left (a temporary file, an export moved aside) goes at
+    # the next start.
+    killed = 2**22 + 1  # above the default pid_max: no process has it
+    left = [run_dir / f".results.json.tmp-{killed}",
+            run_dir / "eval_samples" / f".v3.jsonl.tmp-{killed}"]
+    for path in left:
+        path.write_text("{")
+    (run_dir / "exports" / f".v000002.old-{killed}").mkdir()
+    left.append(run_dir / "exports" / f".v000002.old-{killed}")
+
     # The same command with a larger budget resumes at version 3 and trains 2 more versions
     # (evaluating every 5: the loop's evaluation of version 5 is the one after RL, not a
     # second one).
     cfg = _config(tmp_path, total_steps=5, every_steps=5)
     assert main(["train", "--config", str(cfg)]) == 0
+    assert not any(path.exists() for path in left)
     out = capsys.readouterr().out
     assert "resumed from checkpoint at version 3" in out
     assert f"settings changed since {run_dir} last started: " in out  # said, not refused

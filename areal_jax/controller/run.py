@@ -30,7 +30,8 @@ from areal_jax.controller.prepare import dataset_config, record_config, run_id
 from areal_jax.controller.evaluation import held_out_items
 from areal_jax.controller.progress import TrainingProgress
 from areal_jax.controller.reward_watch import try_reward_before_sft
-from areal_jax.controller.rl_phase import RESULTS_FILE, check_trajectories_fit, run_rl
+from areal_jax.controller.rl_phase import RESULTS_FILE, SAMPLES_DIR, check_trajectories_fit
+from areal_jax.controller.rl_phase import run_rl
 from areal_jax.controller.rl_phase import recorded_results, report_finished
 from areal_jax.controller.run_lock import hold_run_dir
 from areal_jax.controller.servers import check_local_engine_context, check_remote_servers
@@ -41,7 +42,7 @@ from areal_jax.controller.trainers import make_trainer
 from areal_jax.data.dataset import PromptDataset
 from areal_jax.config import ConfigError, to_dict
 from areal_jax.experiment import ExperimentConfig
-from areal_jax.files import write_atomic
+from areal_jax.files import remove_unfinished_writes, write_atomic
 from areal_jax.stopping import run_stoppable
 
 
@@ -306,6 +307,8 @@ def _start(cfg: ExperimentConfig, leader: bool, held: contextlib.ExitStack,
     if leader:
         run_dir.mkdir(parents=True, exist_ok=True)  # a config refused before: no run_dir
         held.enter_context(hold_run_dir(run_dir, "train"))  # before it reads or writes it
+        for directory in (run_dir, run_dir / SAMPLES_DIR):  # a killed run's, half written
+            remove_unfinished_writes(directory)
         check_fingerprint(cfg)  # a refused config leaves the run's config.json as it was
         if changed := changed_since_last_start(cfg):
             print(f"settings changed since {run_dir} last started: {'; '.join(changed)}",

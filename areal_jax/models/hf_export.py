@@ -161,10 +161,12 @@ def _shard_groups(tensors: dict[str, np.ndarray], max_bytes: int) -> list[list[s
 
 def remove_unfinished_exports(parent: str | Path, name: str = "*") -> list[Path]:
     """Delete the temporary directories that exports into ``parent`` (of directories matching
-    ``name``) left unfinished: a writer killed mid-export leaves ``.<name>.tmp-*``. Only for a
-    caller that knows no export into ``parent`` is in progress; returns what it deleted."""
+    ``name``) left unfinished: a writer killed mid-export leaves ``.<name>.tmp-*``, and one
+    killed as it replaced an export the old one, ``.<name>.old-*``. Only for a caller that
+    knows no export into ``parent`` is in progress; returns what it deleted."""
     parent = Path(parent)
-    doomed = [p for p in parent.glob(f".{name}.tmp-*") if p.is_dir()] if parent.is_dir() else []
+    doomed = [p for kind in ("tmp", "old") for p in parent.glob(f".{name}.{kind}-*")
+              if p.is_dir()] if parent.is_dir() else []
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
     return doomed

@@ -347,8 +347,8 @@ async def rollout_servers(cfg: ExperimentConfig, model_path: Path, version: int,
             if pool is not None:
                 await pool.close()
         finally:  # a stop that cancels the close, or a close that fails, stops them too
-            if servers is not None:
-                servers.stop()
+            if servers is not None:  # off the loop: a SIGTERM meanwhile is still a stop
+                await asyncio.to_thread(servers.stop)
 
 
 REMOTE_CHECK_S = 10.0  # how long the check before SFT waits for remote servers to answer

@@ -352,10 +352,10 @@ def test_only_the_last_hours_restarts_count_against_the_limit(tmp_path, monkeypa
     servers.start()
     for _ in range(6):  # one exit every 40 minutes: restarted each time
         now[0] += 2400
-        assert servers.restart_exited(3) == [0]
+        assert servers.restart_exited(3) == [(0, "exit code 1")]
     assert servers.restart_exited(3, {}) == []  # exited after the weights were chosen: later
     now[0] += 60  # a third within the hour (the last two 40 minutes and 1 minute ago)
-    assert servers.restart_exited(3) == [0]
+    assert servers.restart_exited(3) == [(0, "exit code 1")]
     (tmp_path / "logs" / "rollout_server_0.log").write_text("boom")
     now[0] += 60  # a fourth
     with pytest.raises(ServerExitedError, match="exited 4 times within 60 minutes"):

@@ -313,6 +313,6 @@ def test_a_local_server_killed_during_the_evaluation_before_rl_is_restarted(tmp_
     finally:
         proc.kill()
     assert proc.returncode == 0, err[-3000:]
-    assert "local rollout server 0 exited; restarted it" in err
+    assert "local rollout server 0 exited (killed by SIGKILL); restarted it" in err
     results = json.loads((run_dir / "results.json").read_text())
     assert results["before"]["eval/num_prompts"] == 64 and "after" in results

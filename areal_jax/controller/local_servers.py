@@ -74,6 +74,16 @@ class _Proc:
     restarts: list[float] = dataclasses.field(default_factory=list)  # when, the last hour's
 
 
+def exit_text(returncode: int) -> str:
+    """How a process ended, from its ``returncode``: ``exit code N`` or ``killed by SIGNAME``."""
+    if returncode >= 0:
+        return f"exit code {returncode}"
+    try:
+        return f"killed by {signal.Signals(-returncode).name}"
+    except ValueError:
+        return f"killed by signal {-returncode}"
+
+
 class LocalServers:
     """N rollout-server subprocesses sharing one server config (a plain dict)."""
 
@@ -163,9 +173,9 @@ class LocalServers:
 
     def restart_exited(self, max_restarts: int,
                        weights: Mapping[int, tuple[int, Path] | None] | None = None
-                       ) -> list[int]:
+                       ) -> list[tuple[int, str]]:
         """Start again, on the same port, every server that exited (with ``weights``, those
-        of them it names); returns their indices.
+        of them it names); returns their indices, each with how it ended (``exit_text``).
 
         ``weights[index]`` (version, checkpoint): what that server loads as it starts instead
         of the checkpoint it was launched with, which the run may have pruned since (None: that
@@ -187,8 +197,9 @@ class LocalServers:
                     f"{RESTART_WINDOW_S / 60:g} minutes (last code {e.proc.returncode}); log "
                     f"tail:\n{self._log_tail(e.index)}")
             e.restarts.append(now)
+            ended = exit_text(e.proc.returncode)
             self._launch(e, weights.get(e.index) if weights is not None else None)
-            restarted.append(e.index)
+            restarted.append((e.index, ended))
         return restarted
 
     def stop(self, timeout_s: float = 20.0) -> None:

@@ -394,8 +394,8 @@ async def supervise_local(servers: LocalServers, exports_dir: Path,
             copying = asyncio.ensure_future(asyncio.to_thread(
                 lambda: {i: link_newest_export(exports_dir, f"server{i}") for i in exited}))
             weights = await asyncio.shield(copying)  # cancelled, it is still waited for below
-            for index in servers.restart_exited(MAX_LOCAL_RESTARTS, weights):
-                log.warning("local rollout server %d exited; restarted it", index)
+            for index, ended in servers.restart_exited(MAX_LOCAL_RESTARTS, weights):
+                log.warning("local rollout server %d exited (%s); restarted it", index, ended)
     finally:
         if copying is not None:
             await asyncio.gather(copying, return_exceptions=True)

@@ -378,7 +378,7 @@ def test_work_under_supervision_is_cut_short_by_a_server_that_keeps_exiting(tmp_
             if self.restarts >= max_restarts:
                 raise ServerExitedError(f"rollout server 0 exited {self.restarts + 1} times")
             self.restarts += 1
-            return [0]
+            return [(0, "exit code 1")]
 
     exports = tmp_path / "exports"
     (exports / "v000003").mkdir(parents=True)

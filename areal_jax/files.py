@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from areal_jax.config import ConfigError
+from areal_jax.processes import process_running
 
 
 def write_atomic(path: str | Path, text: str) -> None:
@@ -30,20 +31,10 @@ def remove_unfinished_writes(directory: str | Path) -> list[Path]:
     removed = []
     for path in Path(directory).glob(".*.tmp-*"):
         pid = path.name.rsplit("-", 1)[1]
-        if pid.isdigit() and path.is_file() and not _running(int(pid)):
+        if pid.isdigit() and path.is_file() and not process_running(int(pid)):
             path.unlink(missing_ok=True)
             removed.append(path)
     return removed
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's
-        return True
-    return True
 
 
 def write_jsonl(path: str | Path, records) -> None:

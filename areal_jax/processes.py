@@ -27,6 +27,17 @@ def libc() -> ctypes.CDLL:
     return ctypes.CDLL(None, use_errno=True)
 
 
+def process_running(pid: int) -> bool:
+    """Whether a process ``pid`` exists (any user's)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
+
+
 def die_with_parent(parent: int, sig: int = signal.SIGKILL) -> None:
     """In a child before exec: receive ``sig`` when the thread that started it ends, even if
     that process was SIGKILLed. Exits at once if this cannot be armed or ``parent`` is already

@@ -30,6 +30,7 @@ from grpc_reflection.v1alpha import reflection
 from areal_jax.config import ConfigError
 from areal_jax.models.config import ModelConfigError
 from areal_jax.models.tokenizer import check_tokenizer, load_tokenizer
+from areal_jax.processes import process_running
 from areal_jax.protocol import SERVICE_NAME
 from areal_jax.protocol.addresses import register_address, unregister_address
 from rollout.auth import TokenAuthInterceptor
@@ -170,13 +171,7 @@ def _owner_gone(directory: Path) -> bool:
             os.close(fd)
     if not pid.isdigit() or int(pid) == os.getpid():
         return False
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return True
-    except OSError:  # alive, another user's
-        pass
-    return False
+    return not process_running(int(pid))
 
 
 def _check_port_free(host: str, port: int) -> None:

@@ -25,7 +25,7 @@ import os
 import signal
 import tempfile
 
-from areal_jax.processes import die_with_parent
+from areal_jax.processes import die_with_parent, process_running
 from areal_jax.repeated_warnings import RepeatedWarnings
 from areal_jax.rewards.registry import (
     MAX_ABS_REWARD,
@@ -57,7 +57,7 @@ def reap_orphaned_scratch(root: str | None = None) -> list[str]:
             continue
         pid = name.removeprefix(SCRATCH_PREFIX).split("-", 1)[0]
         path = os.path.join(root, name)
-        if not pid.isdigit() or _alive(int(pid)) or not owned_private_directory(path):
+        if not pid.isdigit() or process_running(int(pid)) or not owned_private_directory(path):
             continue
         try:
             reap_scratch_root(path)
@@ -69,16 +69,6 @@ def reap_orphaned_scratch(root: str | None = None) -> list[str]:
     if reaped:
         logger.warning("reaped %d reward scratch directories of killed processes", len(reaped))
     return reaped
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
 
 
 def _worker_main(conn, scratch: str, parent: int | None) -> None:
